@@ -1,0 +1,64 @@
+"""Default run: the `tiny` model with AdamW on the standard-library corpus, on whatever devices exist.
+
+    python -m experiments.train --config=experiments/configs/default.py --config.steps=200
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+from optim import registry
+
+
+def optimizer_config(name: str = "adamw", learning_rate: float = 3e-3) -> ml_collections.ConfigDict:
+    """Common optimizer keys plus one sub-block of family-specific keys per registered optimizer."""
+    opt = ml_collections.ConfigDict()
+    opt.name = name
+    opt.learning_rate = learning_rate
+    opt.schedule = "cosine"  # constant | cosine | linear | wsd
+    opt.warmup_steps = 20
+    opt.min_lr_ratio = 0.1
+    opt.decay_fraction = 0.2  # wsd only: fraction of the run spent decaying
+    opt.weight_decay = config_dict.placeholder(float)  # None: the optimizer's own default
+    opt.grad_clip_norm = 1.0
+    for family in sorted(registry.OPTIMIZERS):
+        opt[family] = registry.family_defaults(family)
+    return opt
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.seed = 0
+    config.steps = 300
+    config.batch_size = 32  # global batch, sequences
+    config.grad_accum_steps = 1  # micro-batches per step; batch_size must divide by it
+
+    config.model = ml_collections.ConfigDict()
+    config.model.preset = "tiny"
+    config.model.dtype = "float32"  # compute dtype: float32 | bfloat16
+    config.model.scan_layers = True
+    config.model.remat = False
+    config.model.qk_norm = False
+    config.model.tie_embeddings = True
+    config.model.track_attn_logits = False
+
+    config.data = ml_collections.ConfigDict()
+    config.data.path = ""  # empty: the Python standard-library corpus; else a text file or folder
+    config.data.seq_len = 128
+    config.data.val_fraction = 0.02
+    config.data.cache_dir = ""  # empty: ~/.cache/spmdlab
+
+    config.loss = ml_collections.ConfigDict()
+    config.loss.z_loss = 0.0
+
+    config.optimizer = optimizer_config()
+
+    config.mesh = ""  # empty: every device on the data axis, e.g. "data:2,fsdp:2,tensor:2"
+    config.rules = "fsdp"  # logical-to-mesh rule preset, see sharding/rules.py
+
+    config.eval_every = 100
+    config.eval_batches = 8
+    config.log_every = 10
+    config.checkpoint_every = 100
+    config.keep_checkpoints = 2
+    config.max_bad_steps = 5  # consecutive non-finite steps before the run stops
+    return config

@@ -1,0 +1,91 @@
+"""Parameter labels: which optimizer family touches which parameter.
+
+Matrix optimizers (Muon, Shampoo, SOAP, ...) only make sense for hidden weight matrices. Everything
+else -- token embeddings, the LM head, norm scales, biases, scalars -- goes to an element-wise
+optimizer (AdamW by default). The decision is made once, here, from each leaf's path and shape, and
+combined with `optax.partition` by every matrix optimizer.
+
+Layout convention shared with `lm/`: a weight matrix is stored as ``(*batch, fan_in, fan_out)``
+(JAX/Flax kernel layout, the transpose of PyTorch's ``(out, in)``). Leading axes are batch axes
+(scan-stacked layers, expert stacks); the last two axes are the matrix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+
+MATRIX = "matrix"
+ADAM = "adam"
+
+# Path components that mark vocabulary-sized tables. They are matrices by shape but must never be
+# orthogonalised (the tied embedding is also the LM head).
+EMBEDDING_NAMES: tuple[str, ...] = ("embed", "embedding", "embeddings", "lm_head", "unembed", "wte", "wpe")
+
+LabelFn = Callable[[Any], Any]
+
+
+def path_names(path: Sequence[Any]) -> tuple[str, ...]:
+    """The string names of a `jax.tree_util` key path (dict keys, attribute names, indices)."""
+    names = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                names.append(str(getattr(key, attr)))
+                break
+        else:
+            names.append(str(key))
+    return tuple(names)
+
+
+def is_embedding_path(path: Sequence[Any], embedding_names: Iterable[str] = EMBEDDING_NAMES) -> bool:
+    names = {n.lower() for n in path_names(path)}
+    return any(e in names for e in embedding_names)
+
+
+def matrix_labels(
+    params: Any,
+    *,
+    embedding_names: Iterable[str] = EMBEDDING_NAMES,
+    min_matrix_dim: int = 2,
+) -> Any:
+    """Labels every leaf ``"matrix"`` or ``"adam"``.
+
+    A leaf is ``"matrix"`` when it has at least two axes, both of its last two axes have at least
+    ``min_matrix_dim`` entries, and no component of its path names an embedding or LM head. All
+    other leaves (embeddings, LM head, norm scales, biases, scalars) are ``"adam"``.
+
+    Args:
+      params: any pytree of arrays (or `jax.ShapeDtypeStruct`).
+      embedding_names: path components that mark vocabulary tables.
+      min_matrix_dim: smallest matrix side routed to the matrix optimizer.
+
+    Returns:
+      A pytree of the same structure with string leaves.
+    """
+    embedding_names = tuple(embedding_names)
+
+    def label(path, leaf):
+        shape = getattr(leaf, "shape", ())
+        if len(shape) < 2 or min(shape[-2:]) < min_matrix_dim:
+            return ADAM
+        if is_embedding_path(path, embedding_names):
+            return ADAM
+        return MATRIX
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+def matrix_mask(params: Any, **kwargs: Any) -> Any:
+    """Boolean pytree: True where `matrix_labels` says ``"matrix"``."""
+    return jax.tree.map(lambda label: label == MATRIX, matrix_labels(params, **kwargs))
+
+
+def decay_mask(params: Any) -> Any:
+    """Boolean pytree for weight decay: True for every leaf with two or more axes.
+
+    Norm scales, biases and scalars are not decayed (the usual LM practice); embeddings are.
+    """
+    return jax.tree.map(lambda p: getattr(p, "ndim", 0) >= 2, params)

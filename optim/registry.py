@@ -1,0 +1,124 @@
+"""Builds optimizers by name from the ``optimizer`` config block.
+
+The config block has common keys (``name``, ``learning_rate``, ``schedule``, ``warmup_steps``,
+``min_lr_ratio``, ``decay_fraction``, ``weight_decay``, ``grad_clip_norm``) and one sub-block per
+registered optimizer holding its family-specific keys, e.g. ``optimizer.sgd.momentum``. Those
+sub-blocks are generated from each optimizer function's keyword defaults (`family_defaults`), so
+adding an optimizer is one line in `OPTIMIZERS` and its keys appear in the config by themselves.
+
+Every registered function has the signature ``fn(learning_rate, *, weight_decay=..., **family)``
+and returns an `optax.GradientTransformation` (or ``...ExtraArgs``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import optax
+
+from optim import labels, schedules
+
+
+def adamw(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: float = 0.1,
+) -> optax.GradientTransformation:
+    """AdamW (Loshchilov & Hutter, arXiv:1711.05101) with decay on leaves of two or more axes."""
+    return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=labels.decay_mask)
+
+
+def sgd(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+) -> optax.GradientTransformation:
+    """SGD with heavy-ball or Nesterov momentum and decoupled weight decay (leaves of >= 2 axes)."""
+    return optax.chain(
+        optax.trace(decay=momentum, nesterov=nesterov) if momentum else optax.identity(),
+        optax.add_decayed_weights(weight_decay, mask=labels.decay_mask),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+
+OPTIMIZERS: dict[str, Callable[..., Any]] = {
+    "adamw": adamw,
+    "sgd": sgd,
+}
+
+COMMON_KEYS = (
+    "name",
+    "learning_rate",
+    "schedule",
+    "warmup_steps",
+    "min_lr_ratio",
+    "decay_fraction",
+    "weight_decay",
+    "grad_clip_norm",
+)
+
+_CONFIGURABLE = (bool, int, float, str)
+
+
+def family_defaults(name: str) -> dict[str, Any]:
+    """The family-specific keyword defaults of optimizer ``name`` (the keys of ``optimizer.<name>``)."""
+    fn = _lookup(name)
+    out = {}
+    for param in inspect.signature(fn).parameters.values():
+        if param.name in ("learning_rate", "weight_decay") or param.kind is not param.KEYWORD_ONLY:
+            continue
+        if isinstance(param.default, _CONFIGURABLE):
+            out[param.name] = param.default
+    return out
+
+
+def default_weight_decay(name: str) -> float:
+    param = inspect.signature(_lookup(name)).parameters.get("weight_decay")
+    return float(param.default) if param is not None else 0.0
+
+
+def _lookup(name: str) -> Callable[..., Any]:
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; set optimizer.name to one of {', '.join(sorted(OPTIMIZERS))}")
+    return OPTIMIZERS[name]
+
+
+def build(config: Mapping[str, Any], total_steps: int) -> optax.GradientTransformation:
+    """The optimizer described by an ``optimizer`` config block, for a run of ``total_steps``.
+
+    The result is ``chain(clip_by_global_norm, <name>(schedule, ...))``; no clipping when
+    ``grad_clip_norm`` is 0 or None.
+    """
+    fn = _lookup(config["name"])
+    schedule = learning_rate_fn(config, total_steps)
+    family = dict(config.get(config["name"], {}) or {})
+    weight_decay = config.get("weight_decay")  # None: the optimizer's own default
+    if weight_decay is not None and "weight_decay" in inspect.signature(fn).parameters:
+        family["weight_decay"] = float(weight_decay)
+    try:
+        tx = fn(schedule, **family)
+    except TypeError as e:
+        raise ValueError(f"optimizer {config['name']!r} rejected its config keys {sorted(family)}: {e}") from e
+    clip = config.get("grad_clip_norm")
+    if clip:
+        tx = optax.chain(optax.clip_by_global_norm(float(clip)), tx)
+    return tx
+
+
+def learning_rate_fn(config: Mapping[str, Any], total_steps: int) -> optax.Schedule:
+    """The schedule `build` uses, for logging the learning rate."""
+    return schedules.make_schedule(
+        config.get("schedule", "cosine"),
+        float(config["learning_rate"]),
+        total_steps,
+        warmup_steps=int(config.get("warmup_steps", 0)),
+        min_lr_ratio=float(config.get("min_lr_ratio", 0.1)),
+        decay_fraction=float(config.get("decay_fraction", 0.2)),
+    )

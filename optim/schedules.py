@@ -1,0 +1,54 @@
+"""Learning-rate schedules by name: ``constant``, ``cosine``, ``linear`` and ``wsd``.
+
+Every schedule starts with a linear warmup from 0 to ``peak`` over ``warmup_steps`` and then:
+
+- ``constant``: ``peak``.
+- ``cosine``: ``peak * (r + (1 - r) * (1 + cos(pi * t)) / 2)``, ``t`` in [0, 1] over the remaining
+  steps, ``r = min_lr_ratio``.
+- ``linear``: ``peak * (1 - (1 - r) * t)``.
+- ``wsd`` (warmup-stable-decay, Hu et al. 2024, arXiv:2404.06395): ``peak`` until the last
+  ``decay_fraction`` of the run, then a linear decay to ``r * peak``.
+"""
+
+from __future__ import annotations
+
+import optax
+
+SCHEDULES = ("constant", "cosine", "linear", "wsd")
+
+
+def make_schedule(
+    name: str,
+    peak: float,
+    total_steps: int,
+    *,
+    warmup_steps: int = 0,
+    min_lr_ratio: float = 0.1,
+    decay_fraction: float = 0.2,
+) -> optax.Schedule:
+    """Returns the schedule ``name`` for a run of ``total_steps`` steps."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; set optimizer.schedule to one of {', '.join(SCHEDULES)}")
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+    if not 0 <= warmup_steps <= total_steps:
+        raise ValueError(f"optimizer.warmup_steps={warmup_steps} must lie in [0, steps={total_steps}]")
+    if not 0.0 <= decay_fraction <= 1.0:
+        raise ValueError(f"optimizer.decay_fraction={decay_fraction} must lie in [0, 1]")
+    floor = peak * min_lr_ratio
+    rest = max(total_steps - warmup_steps, 1)
+    if name == "constant":
+        after = optax.constant_schedule(peak)
+    elif name == "cosine":
+        after = optax.cosine_decay_schedule(peak, rest, alpha=min_lr_ratio)
+    elif name == "linear":
+        after = optax.linear_schedule(peak, floor, rest)
+    else:
+        decay = int(round(decay_fraction * rest))
+        after = optax.join_schedules(
+            [optax.constant_schedule(peak), optax.linear_schedule(peak, floor, max(decay, 1))],
+            [rest - decay],
+        )
+    if warmup_steps == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup_steps), after], [warmup_steps])

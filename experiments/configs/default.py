@@ -34,6 +34,9 @@ def get_config() -> ml_collections.ConfigDict:
 
     config.model = ml_collections.ConfigDict()
     config.model.preset = "tiny"
+    # Any ModelConfig field may be set here; None keeps the preset's value.
+    for size in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim"):
+        config.model[size] = config_dict.placeholder(int)
     config.model.dtype = "float32"  # compute dtype: float32 | bfloat16
     config.model.scan_layers = True
     config.model.remat = False

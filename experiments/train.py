@@ -1,0 +1,327 @@
+r"""Trains a language model.
+
+    python -m experiments.train --workdir=runs/tiny --config=experiments/configs/default.py \
+        --config.steps=300 --config.model.preset=tiny --config.optimizer.name=adamw \
+        --config.optimizer.learning_rate=3e-3 --config.seed=0
+
+With no flags it runs the default job (`tiny` + AdamW on the standard-library corpus) into a fresh
+workdir under ``./runs/``. A workdir that holds checkpoints is resumed from the latest one.
+Writes ``config.json``, ``metrics.jsonl``, TensorBoard events, ``loss.png``, checkpoints and
+``summary.json`` into the workdir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from experiments import checkpointing, hardware, metrics_io, train_lib
+from lm import config as model_config_lib
+from lm import corpus, data
+from lm import model as model_lib
+from lm.loss import flops_per_token
+from optim import registry
+from sharding import mesh as mesh_lib
+from sharding import partition
+from sharding import rules as rules_lib
+
+DEFAULT_CONFIG = str(Path(__file__).parent / "configs" / "default.py")
+
+
+class UsageError(ValueError):
+    """Bad input from the user: reported as one line, exit code 2."""
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive non-finite steps."""
+
+
+@dataclasses.dataclass
+class _Stop:
+    """Set by SIGINT/SIGTERM (or a simulated preemption) to end the run after the current step."""
+
+    signum: int | None = None
+
+    def request(self, signum: int, frame: Any = None) -> None:
+        del frame
+        self.signum = signum
+
+
+def model_config(config: ml_collections.ConfigDict) -> model_config_lib.ModelConfig:
+    """The `ModelConfig` for ``config.model``: the preset plus every key that is set."""
+    overrides = {k: v for k, v in config.model.items() if k != "preset" and v is not None}
+    return model_config_lib.from_preset(config.model.preset, **overrides)
+
+
+def _run_meta(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConfig) -> dict:
+    """What a checkpoint must agree with to be resumed by this run."""
+    name = config.optimizer.name
+    family = config.optimizer.get(name)
+    return {
+        "model": dataclasses.asdict(cfg),
+        "optimizer": {"name": name, **(family.to_dict() if family is not None else {})},
+    }
+
+
+@dataclasses.dataclass
+class _Setup:
+    cfg: model_config_lib.ModelConfig
+    model_def: model_lib.ModelDef
+    tx: Any
+    mesh: jax.sharding.Mesh
+    rules: rules_lib.Rules
+    train_iter: data.PackedBatches
+    val_batches: list[np.ndarray]
+
+
+def _setup(config: ml_collections.ConfigDict) -> _Setup:
+    """Everything that depends only on the config; every bad-input error surfaces here."""
+    try:
+        if config.steps < 1:
+            raise ValueError(f"config.steps={config.steps} must be >= 1")
+        if config.grad_accum_steps < 1 or config.batch_size % config.grad_accum_steps:
+            raise ValueError(f"batch_size={config.batch_size} must be a multiple of grad_accum_steps={config.grad_accum_steps}")
+        cfg = model_config(config)
+        if config.data.seq_len > cfg.max_seq_len:
+            raise ValueError(f"data.seq_len={config.data.seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
+        mesh = mesh_lib.make_mesh(config.mesh)
+        rules = rules_lib.make_rules(config.rules, rules_lib.parse_overrides(config.get("rule_overrides", "")))
+        n_batch_shards = int(np.prod([mesh.shape[a] for a in dict(rules).get("batch", ()) if a in mesh.shape]))
+        if (config.batch_size // config.grad_accum_steps) % n_batch_shards:
+            raise ValueError(
+                f"the micro-batch of {config.batch_size // config.grad_accum_steps} sequences cannot be split over "
+                f"{n_batch_shards} batch shards of mesh {dict(mesh.shape)}; use a batch_size divisible by {n_batch_shards * config.grad_accum_steps}"
+            )
+        tx = registry.build(config.optimizer, config.steps)
+        streams = corpus.load(config.data.path, val_fraction=config.data.val_fraction, cache_dir=config.data.cache_dir or None)
+        p_index, p_count = jax.process_index(), jax.process_count()
+        train_iter = data.PackedBatches(
+            streams["train"], config.data.seq_len, config.batch_size, seed=config.seed, process_index=p_index, process_count=p_count
+        )
+        val = data.validation_batches(
+            streams["validation"], config.data.seq_len, config.batch_size, config.eval_batches,
+            process_index=p_index, process_count=p_count,
+        )  # fmt: skip
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise UsageError(str(e).strip("'\"")) from e
+    return _Setup(cfg, model_lib.define(cfg), tx, mesh, rules, train_iter, val)
+
+
+def _evaluate(eval_step, params, batches, shardings) -> float:
+    losses = [eval_step(params, train_lib.global_batch(b, shardings)) for b in batches]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def run(config: ml_collections.ConfigDict, workdir: str | Path, *, interrupt_at: int | None = None) -> dict:
+    """Trains (or resumes) the run described by ``config`` in ``workdir``; returns the summary.
+
+    Args:
+      config: see ``experiments/configs/default.py``.
+      workdir: output folder; its checkpoints, if any, are resumed.
+      interrupt_at: simulate a preemption after this many steps (the SIGTERM path: save, stop).
+
+    Returns:
+      The summary dict also written to ``summary.json``; ``{"interrupted": True, ...}`` when stopped.
+    """
+    workdir = Path(workdir)
+    setup = _setup(config)
+    lead = jax.process_index() == 0
+    workdir.mkdir(parents=True, exist_ok=True)
+    if lead:
+        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+
+    shardings = train_lib.make_shardings(setup.model_def, setup.tx, setup.mesh, setup.rules)
+    lr_fn = registry.learning_rate_fn(config.optimizer, config.steps)
+    step_fn = train_lib.make_train_step(
+        setup.model_def, setup.tx, grad_accum_steps=config.grad_accum_steps, z_loss=config.loss.z_loss, learning_rate=lr_fn
+    )
+    meta = _run_meta(config, setup.cfg)
+    mgr = checkpointing.manager(workdir, keep=config.keep_checkpoints, every=config.checkpoint_every)
+    stop = _Stop()
+    handlers = {}
+    if interrupt_at is None and hasattr(signal, "SIGTERM"):
+        try:
+            handlers = {s: signal.signal(s, stop.request) for s in (signal.SIGINT, signal.SIGTERM)}
+        except ValueError:  # not the main thread: no signal handling
+            handlers = {}
+    try:
+        with jax.set_mesh(setup.mesh), partition.use_rules(setup.rules):
+            target = train_lib.abstract_state(setup.model_def, setup.tx, shardings)
+            try:
+                restored = checkpointing.restore_latest(mgr, target, meta)
+            except checkpointing.CheckpointMismatch as e:
+                raise UsageError(str(e)) from e
+            if restored is None:
+                state, start = train_lib.init_state(setup.model_def, setup.tx, config.seed, shardings), 0
+            else:
+                start, state, data_state = restored
+                setup.train_iter.set_state(data_state)
+            summary = _loop(config, workdir, setup, shardings, step_fn, state, start, mgr, meta, stop, interrupt_at, lead)
+    finally:
+        mgr.wait_until_finished()
+        mgr.close()
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    return summary
+
+
+def _loop(config, workdir, setup, shardings, step_fn, state, start, mgr, meta, stop, interrupt_at, lead) -> dict:
+    train_step = train_lib.jit_train_step(step_fn, shardings)
+    eval_step = train_lib.jit_eval_step(train_lib.make_eval_step(setup.model_def), shardings)
+    writer = metrics_io.MetricsWriter(workdir, resume_step=start, enabled=lead)
+    tokens_per_step = config.batch_size * config.data.seq_len
+    progress = Progress(config.steps, start, lead)
+    step_times: list[float] = []
+    last = {}
+    val_loss = None
+    try:
+        for step in range(start, config.steps):
+            t0 = time.perf_counter()
+            state, metrics = train_step(state, train_lib.global_batch(next(setup.train_iter), shardings))
+            metrics = jax.device_get(metrics)
+            bad_streak = int(jax.device_get(state["bad_streak"]))
+            step_times.append(time.perf_counter() - t0)
+            done = step + 1
+            if bad_streak >= config.max_bad_steps:
+                raise NonFiniteError(
+                    f"{bad_streak} consecutive steps had a non-finite loss or gradient (last at step {done}); parameters "
+                    "were left unchanged and no such state was checkpointed. Lower optimizer.learning_rate, enable "
+                    "optimizer.grad_clip_norm, or check the data"
+                )
+            record = {
+                "step": done,
+                "loss": float(metrics["loss"]),
+                "lr": float(metrics["lr"]),
+                "grad_norm": float(metrics["grad_norm"]),
+                "tokens_per_second": tokens_per_step / step_times[-1],
+                "skipped_steps": int(jax.device_get(state["skipped"])),
+            }
+            if done % config.eval_every == 0 or done == config.steps:
+                val_loss = _evaluate(eval_step, state["params"], setup.val_batches, shardings)
+                record["val_loss"] = val_loss
+            last = record
+            if done % config.log_every == 0 or "val_loss" in record or done == config.steps:
+                writer.write(record)
+                progress.update(record)
+            checkpointing.save(mgr, done, state, setup.train_iter.get_state(), meta)
+            if interrupt_at is not None and done == interrupt_at:
+                stop.request(signal.SIGTERM)
+            if stop.signum is not None and done < config.steps:
+                checkpointing.save(mgr, done, state, setup.train_iter.get_state(), meta, force=True)
+                progress.close()
+                print(f"stopped by signal {stop.signum} after step {done}; checkpoint saved, rerun with the same --workdir to resume", file=sys.stderr)
+                return {"interrupted": True, "steps": done, "signal": stop.signum}
+        checkpointing.save(mgr, config.steps, state, setup.train_iter.get_state(), meta, force=mgr.latest_step() != config.steps)
+    finally:
+        progress.close()
+        writer.close()
+    return _summarize(config, workdir, setup, step_times, last, val_loss, start, lead)
+
+
+def _summarize(config, workdir, setup, step_times, last, val_loss, start, lead) -> dict:
+    tokens_per_step = config.batch_size * config.data.seq_len
+    timed = step_times[1:] or step_times  # the first step of a process includes compilation
+    tokens_per_second = tokens_per_step / float(np.median(timed)) if timed else 0.0
+    fpt = flops_per_token(setup.cfg, config.data.seq_len)
+    peak_flops = hardware.matmul_flops_per_device() * len(jax.devices())
+    peak_bytes, peak_source = hardware.peak_memory_bytes()
+    summary = {
+        "steps": config.steps,
+        "resumed_from_step": start,
+        "final_train_loss": last.get("loss"),
+        "final_val_loss": val_loss,
+        "tokens_per_second": tokens_per_second,
+        "mfu": tokens_per_second * fpt / peak_flops,
+        "flops_per_token": fpt,
+        "matmul_flops_per_second": peak_flops,
+        "peak_memory_bytes": peak_bytes,
+        "peak_memory_source": peak_source,
+        "skipped_steps": last.get("skipped_steps", 0),
+        "num_params": setup.cfg.num_params(),
+        "devices": len(jax.devices()),
+        "mesh": dict(setup.mesh.shape),
+    }
+    if lead:
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        metrics_io.plot_losses(workdir / "metrics.jsonl", workdir / "loss.png")
+    return summary
+
+
+class Progress:
+    """A tqdm bar on a terminal, plain log lines otherwise."""
+
+    def __init__(self, total: int, start: int, enabled: bool):
+        self.enabled = enabled
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+        self.total = total
+        self.last_step = start
+
+    def update(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        text = f"loss {record['loss']:.4f} tok/s {record['tokens_per_second']:,.0f}"
+        if "val_loss" in record:
+            text += f" val {record['val_loss']:.4f}"
+        if self.bar is not None:
+            self.bar.update(record["step"] - self.last_step)
+            self.bar.set_postfix_str(text)
+        else:
+            print(f"step {record['step']}/{self.total} {text} lr {record['lr']:.2e}", flush=True)
+        self.last_step = record["step"]
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file (ml_collections).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder; default: a fresh folder under ./runs/.")
+_VERBOSE = flags.DEFINE_bool("verbose", False, "Show tracebacks for bad input.")
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; options are --workdir, --config and --config.<key>=<value>")
+    if not _VERBOSE.value:
+        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    config = _CONFIG.value
+    workdir = _WORKDIR.value or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.model.preset}-{config.optimizer.name}"
+    try:
+        summary = run(config, workdir)
+    except (UsageError, NonFiniteError) as e:
+        if _VERBOSE.value:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2 if isinstance(e, UsageError) else 1)
+    if summary.get("interrupted"):
+        sys.exit(128 + summary["signal"])
+    print(json.dumps({k: summary[k] for k in ("steps", "final_train_loss", "final_val_loss", "tokens_per_second", "mfu")}))
+    print(f"workdir: {workdir}")
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=_parse_flags)

@@ -1,0 +1,168 @@
+"""The pure training step and the sharded train state it works on.
+
+    state' , metrics = train_step(state, batch)
+
+``state`` is a dict ``{params, opt_state, step, bad_streak, skipped}``. The step computes the
+next-token loss (accumulated over micro-batches), the optimizer update, and keeps the old params and
+optimizer state when the loss, the gradients or the update is not finite (a *skipped* step).
+``bad_streak`` counts consecutive skipped steps; the loop stops the run when it grows too long.
+The same function runs on one device or a pod slice: shardings come from logical names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lm import model as model_lib
+from lm.loss import cross_entropy
+from sharding import partition
+from sharding import rules as rules_lib
+
+TrainState = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shardings:
+    """Where every piece of a run lives on the mesh."""
+
+    mesh: jax.sharding.Mesh
+    rules: rules_lib.Rules
+    params: Any
+    state: Any
+    batch: jax.NamedSharding
+
+
+def make_shardings(
+    model_def: model_lib.ModelDef, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, rules: rules_lib.Rules
+) -> Shardings:
+    params = partition.named_shardings(model_def.logical_specs, mesh, rules)
+    abstract_opt = jax.eval_shape(tx.init, model_def.abstract_params)
+    opt = partition.state_shardings(abstract_opt, model_def.abstract_params, params, mesh)
+    replicated = jax.NamedSharding(mesh, jax.P())
+    state = {"params": params, "opt_state": opt, "step": replicated, "bad_streak": replicated, "skipped": replicated}
+    batch_spec = rules_lib.logical_to_mesh_spec(("batch", None), rules, mesh.axis_names)
+    return Shardings(mesh, rules, params, state, jax.NamedSharding(mesh, batch_spec))
+
+
+def abstract_state(model_def: model_lib.ModelDef, tx: optax.GradientTransformation, shardings: Shardings) -> TrainState:
+    """`ShapeDtypeStruct`s with shardings for the whole train state: a restore target, no allocation."""
+    shapes = {
+        "params": model_def.abstract_params,
+        "opt_state": jax.eval_shape(tx.init, model_def.abstract_params),
+        "step": jax.ShapeDtypeStruct((), jnp.int32),
+        "bad_streak": jax.ShapeDtypeStruct((), jnp.int32),
+        "skipped": jax.ShapeDtypeStruct((), jnp.int32),
+    }
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings.state)
+
+
+def init_state(model_def: model_lib.ModelDef, tx: optax.GradientTransformation, seed: int, shardings: Shardings) -> TrainState:
+    """Fresh train state, created directly in its shardings."""
+    params = model_lib.init_params(model_def, seed, shardings.params)
+    opt_state = jax.jit(tx.init, out_shardings=shardings.state["opt_state"])(params)
+    counters = {k: jax.device_put(jnp.zeros((), jnp.int32), shardings.state[k]) for k in ("step", "bad_streak", "skipped")}
+    return {"params": params, "opt_state": opt_state, **counters}
+
+
+def _all_finite(*trees: Any) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for t in trees for x in jax.tree.leaves(t) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def make_train_step(
+    model_def: model_lib.ModelDef,
+    tx: optax.GradientTransformation,
+    *,
+    grad_accum_steps: int = 1,
+    z_loss: float = 0.0,
+    learning_rate: Callable[[Any], Any] | None = None,
+) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
+    """Returns the (unjitted) train step for batches of shape ``(batch, seq_len + 1)``.
+
+    The model's auxiliary outputs (e.g. ``attn_max_logits``) reach the optimizer as extra
+    arguments of ``tx.update``; transforms that do not take them ignore them.
+    """
+    tx = optax.with_extra_args_support(tx)
+
+    def loss_fn(params, tokens):
+        logits, aux = model_lib.apply(model_def, params, tokens[:, :-1], return_aux=True)
+        loss, metrics = cross_entropy(logits, tokens[:, 1:], z_loss=z_loss)
+        return loss, (metrics, aux)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def accumulate(params, batch):
+        if grad_accum_steps == 1:
+            return grad_fn(params, batch)
+        b = batch.shape[0]
+        # Row r of micro-batch m is row r * accum + m: each micro-batch keeps the batch sharding.
+        micro = batch.reshape(b // grad_accum_steps, grad_accum_steps, -1).swapaxes(0, 1)
+
+        def body(carry, tokens):
+            (loss, (metrics, aux)), grads = grad_fn(params, partition.constrain(tokens, ("batch", None)))
+            return jax.tree.map(jnp.add, carry, (loss, metrics, grads)), aux
+
+        zeros = jax.tree.map(jnp.zeros_like, (jnp.float32(0), {"nll": jnp.float32(0), "z_loss": jnp.float32(0)}, params))
+        (loss, metrics, grads), aux = jax.lax.scan(body, zeros, micro)
+        scale = 1.0 / grad_accum_steps
+        aux = jax.tree.map(lambda x: jnp.max(x, axis=0), aux)  # max logits over micro-batches
+        return (loss * scale, (jax.tree.map(lambda m: m * scale, metrics), aux)), jax.tree.map(lambda g: g * scale, grads)
+
+    def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
+        params, opt_state = state["params"], state["opt_state"]
+        (loss, (metrics, aux)), grads = accumulate(params, batch)
+        updates, new_opt_state = tx.update(grads, opt_state, params, **aux)
+        new_params = optax.apply_updates(params, updates)
+        ok = jnp.isfinite(loss) & _all_finite(grads, updates)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+        bad = (~ok).astype(jnp.int32)
+        new_state = {
+            "params": keep(new_params, params),
+            "opt_state": keep(new_opt_state, opt_state),
+            "step": state["step"] + 1,
+            "bad_streak": (state["bad_streak"] + 1) * bad,
+            "skipped": state["skipped"] + bad,
+        }
+        metrics = {
+            "loss": loss,
+            **metrics,
+            "grad_norm": optax.global_norm(grads),
+            "update_norm": optax.global_norm(updates),
+            "finite": ok,
+        }
+        if learning_rate is not None:
+            metrics["lr"] = learning_rate(state["step"])
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(model_def: model_lib.ModelDef) -> Callable[[Any, jax.Array], jax.Array]:
+    """Mean next-token loss (nats per token) of ``params`` on a batch."""
+
+    def eval_step(params, batch):
+        logits = model_lib.apply(model_def, params, batch[:, :-1])
+        return cross_entropy(logits, batch[:, 1:])[0]
+
+    return eval_step
+
+
+def jit_train_step(step_fn, shardings: Shardings):
+    return jax.jit(
+        step_fn, in_shardings=(shardings.state, shardings.batch), out_shardings=(shardings.state, None), donate_argnums=0
+    )
+
+
+def jit_eval_step(eval_fn, shardings: Shardings):
+    return jax.jit(eval_fn, in_shardings=(shardings.params, shardings.batch))
+
+
+def global_batch(local_rows, shardings: Shardings) -> jax.Array:
+    """A global array from this process's rows of the batch."""
+    return jax.make_array_from_process_local_data(shardings.batch, local_rows)

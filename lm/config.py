@@ -1,0 +1,97 @@
+"""Model configuration: a frozen dataclass and named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from lm import tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer (pre-norm, RMSNorm, RoPE, grouped-query attention, SwiGLU)."""
+
+    vocab_size: int = tokenizer.VOCAB_SIZE
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 32
+    mlp_dim: int = 384
+    max_seq_len: int = 1024
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    qk_norm: bool = False
+    dtype: str = "float32"  # compute dtype; parameters are always float32
+    scan_layers: bool = True  # one compiled block, scanned over depth
+    remat: bool = False  # recompute each block's activations in the backward pass
+    track_attn_logits: bool = False  # report per-layer, per-head max pre-softmax logits
+
+    def __post_init__(self):
+        problems = []
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "max_seq_len"):
+            if getattr(self, name) < 1:
+                problems.append(f"model.{name}={getattr(self, name)} must be >= 1")
+        if self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads:
+            problems.append(
+                f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads} "
+                "(grouped-query attention shares each kv head among n_heads / n_kv_heads query heads)"
+            )
+        if self.head_dim % 2:
+            problems.append(f"model.head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.dtype not in ("float32", "bfloat16"):
+            problems.append(f"model.dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        d, hd = self.d_model, self.head_dim
+        attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + (2 * hd if self.qk_norm else 0)
+        block = attn + 3 * d * self.mlp_dim + 2 * d
+        head = 0 if self.tie_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.n_layers * block + d + head
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # ~0.8M parameters: learns Python bytes in a minute on 2 CPU cores.
+    "tiny": dict(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, mlp_dim=384, max_seq_len=1024),
+    # ~20M parameters.
+    "small": dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, mlp_dim=1152, max_seq_len=1024),
+    # GPT-2 small's shape (124M with a 50k vocabulary), SwiGLU sized to GPT-2's MLP parameter count.
+    "gpt2-124m": dict(
+        vocab_size=50304, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, head_dim=64, mlp_dim=2048, max_seq_len=1024
+    ),
+    # Llama 3.2 1B's shape.
+    "llama-1b": dict(
+        vocab_size=128256,
+        d_model=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=64,
+        mlp_dim=8192,
+        max_seq_len=8192,
+        rope_theta=500_000.0,
+        norm_eps=1e-5,
+    ),
+}
+
+
+def from_preset(name: str, **overrides: Any) -> ModelConfig:
+    """The preset ``name`` with fields replaced by ``overrides`` (unknown fields are an error)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; set --config.model.preset to one of {', '.join(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown model fields {unknown}; known: {sorted(fields)}")
+    return ModelConfig(**{**PRESETS[name], **overrides})

@@ -1,0 +1,84 @@
+"""Building blocks: RMSNorm, rotary position embeddings, the SwiGLU MLP, and a logically-named Linear."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sharding.partition import constrain
+
+
+def linear(
+    fan_in: int,
+    fan_out: int,
+    names: tuple[str, str],
+    *,
+    dtype: jnp.dtype,
+    rngs: nnx.Rngs,
+    scale: float = 1.0,
+) -> nnx.Linear:
+    """Bias-free Linear, kernel ``(fan_in, fan_out)`` with logical ``names``, std ``scale / sqrt(fan_in)``."""
+    init = nnx.initializers.variance_scaling(scale**2, "fan_in", "truncated_normal")
+    return nnx.Linear(
+        fan_in,
+        fan_out,
+        use_bias=False,
+        dtype=dtype,
+        param_dtype=jnp.float32,
+        kernel_init=nnx.with_partitioning(init, names),
+        rngs=rngs,
+    )
+
+
+class RMSNorm(nnx.Module):
+    """``y = x / sqrt(mean(x^2) + eps) * scale``, computed in float32 (Zhang & Sennrich, arXiv:1910.07467)."""
+
+    def __init__(self, dim: int, axis_name: str, *, eps: float, dtype: jnp.dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), sharding=(axis_name,))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...]).astype(self.dtype)
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """RoPE (Su et al., arXiv:2104.09864), rotate-half form: pairs ``(x_i, x_{i + d/2})``.
+
+    Args:
+      x: ``(batch, seq, heads, head_dim)``.
+      positions: ``(seq,)`` integer positions.
+      theta: base of the frequencies ``theta^(-2i/d)``.
+    """
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # (seq, half)
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class SwiGLU(nnx.Module):
+    """``down(silu(gate(x)) * up(x))`` (Shazeer, arXiv:2002.05202)."""
+
+    def __init__(self, d_model: int, hidden: int, *, out_scale: float, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.gate_proj = linear(d_model, hidden, ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.up_proj = linear(d_model, hidden, ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.down_proj = linear(hidden, d_model, ("mlp", "embed"), dtype=dtype, rngs=rngs, scale=out_scale)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+        hidden = constrain(hidden, ("batch", "seq", "mlp"))
+        return self.down_proj(hidden)
+
+
+def split_heads(x: jax.Array, n_heads: int, logical: Sequence[str]) -> jax.Array:
+    """``(batch, seq, n_heads * head_dim) -> (batch, seq, n_heads, head_dim)``, constrained."""
+    b, s, _ = x.shape
+    return constrain(x.reshape(b, s, n_heads, -1), logical)

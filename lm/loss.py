@@ -1,0 +1,37 @@
+"""Next-token cross-entropy in float32, with optional z-loss, and model FLOPs per token."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lm.config import ModelConfig
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, *, z_loss: float = 0.0) -> tuple[jax.Array, dict]:
+    """Mean over tokens of ``logsumexp(z) - z[target] + z_loss * logsumexp(z)^2``.
+
+    The z-loss term (PaLM, arXiv:2204.02311) keeps the softmax normaliser near 1. All in float32.
+
+    Returns:
+      ``(loss, metrics)`` with metrics ``nll`` (the cross-entropy alone, nats per token) and ``z_loss``.
+    """
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    nll = jnp.mean(log_z - target_logit)
+    z_term = z_loss * jnp.mean(jnp.square(log_z))
+    return nll + z_term, {"nll": nll, "z_loss": z_term}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward): ``6 N + 12 L H d_head T``.
+
+    ``N`` counts matrix-multiply parameters (the embedding lookup is free, the LM head is not),
+    ``12 L H d_head T`` is attention's score and value products (PaLM, arXiv:2204.02311, App. B;
+    the causal mask's savings are not counted, as is customary for MFU).
+    """
+    d, hd = cfg.d_model, cfg.head_dim
+    per_layer = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.mlp_dim
+    matmul_params = cfg.n_layers * per_layer + d * cfg.vocab_size
+    return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.n_heads * hd * seq_len

@@ -1,0 +1,51 @@
+"""Functional view of a model: parameters as a plain nested dict, built abstractly, initialised sharded.
+
+`nnx` modules are the readable definition; training works on the pure-dict parameter pytree that
+`nnx.split` yields, so optimizers (`optim/`) and checkpoints see ordinary arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+from flax import nnx
+
+from lm.config import ModelConfig
+from lm.transformer import Transformer
+
+Params = dict[str, Any]
+
+
+class ModelDef(NamedTuple):
+    """What is needed to run a model on a parameter dict: its config and nnx graph definition."""
+
+    config: ModelConfig
+    graphdef: nnx.GraphDef
+    abstract_params: Params  # ShapeDtypeStruct leaves
+    logical_specs: Params  # PartitionSpec of logical axis names per leaf
+
+
+def define(cfg: ModelConfig) -> ModelDef:
+    """Traces the model abstractly (no allocation): graph definition, parameter shapes, logical axes."""
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    specs = nnx.get_partition_spec(state).to_pure_dict()
+    return ModelDef(cfg, graphdef, state.to_pure_dict(), specs)
+
+
+def init_params(model_def: ModelDef, seed: int, shardings: Params | None = None) -> Params:
+    """Initialises parameters under `jit`, directly into ``shardings`` when given (never whole on one device)."""
+
+    def init() -> Params:
+        with nnx.use_eager_sharding(False):
+            return nnx.split(Transformer(model_def.config, rngs=nnx.Rngs(seed)))[1].to_pure_dict()
+
+    return jax.jit(init, out_shardings=shardings)()
+
+
+def apply(model_def: ModelDef, params: Params, tokens: jax.Array, *, return_aux: bool = False):
+    """Runs the model with ``params`` on ``tokens`` ``(batch, seq)``; see `Transformer.__call__`."""
+    model = nnx.merge(model_def.graphdef, params)
+    return model(tokens, return_aux=return_aux)

@@ -1,0 +1,102 @@
+"""The decoder-only transformer, written for one device; GSPMD partitions it from logical names.
+
+    h_0 = E[tokens]
+    h_l = h_{l-1} + Attn(RMSNorm(h_{l-1}));  h_l = h_l + SwiGLU(RMSNorm(h_l))
+    logits = RMSNorm(h_L) @ W_out            (W_out = E^T when embeddings are tied)
+
+With ``scan_layers`` the blocks' parameters are stacked along a leading ``layers`` axis and one block
+is compiled and scanned over depth, so compile time does not grow with the number of layers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lm.attention import Attention
+from lm.config import ModelConfig
+from lm.layers import RMSNorm, SwiGLU, linear
+from sharding.partition import constrain
+
+ACTIVATION = ("batch", "seq", "embed")
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dtype = cfg.compute_dtype
+        self.attn_norm = RMSNorm(cfg.d_model, "embed", eps=cfg.norm_eps, dtype=dtype)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, "embed", eps=cfg.norm_eps, dtype=dtype)
+        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_dim, out_scale=(2 * cfg.n_layers) ** -0.5, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array):
+        attn_out, max_logits = self.attn(self.attn_norm(x))
+        x = constrain(x + attn_out, ACTIVATION)
+        x = constrain(x + self.mlp(self.mlp_norm(x)), ACTIVATION)
+        return x, max_logits
+
+
+def _run_block(block: Block, x: jax.Array, remat: bool):
+    if remat:
+        return nnx.remat(lambda blk, h: blk(h))(block, x)
+    return block(x)
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dtype = cfg.compute_dtype
+        self.embed = nnx.Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            dtype=dtype,
+            param_dtype=jnp.float32,
+            embedding_init=nnx.with_partitioning(nnx.initializers.normal(cfg.d_model**-0.5), ("vocab", "embed")),
+            rngs=rngs,
+        )
+        if cfg.scan_layers:
+
+            @nnx.split_rngs(splits=cfg.n_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make_blocks(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, rngs=rngs)
+
+            self.blocks = make_blocks(rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, "embed", eps=cfg.norm_eps, dtype=dtype)
+        if not cfg.tie_embeddings:
+            self.lm_head = linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, *, return_aux: bool = False):
+        """Logits ``(batch, seq, vocab)`` for ``tokens`` ``(batch, seq)``.
+
+        With ``return_aux`` returns ``(logits, aux)``; ``aux["attn_max_logits"]`` is
+        ``(n_layers, n_heads)`` when ``track_attn_logits`` is on.
+        """
+        cfg = self.cfg
+        x = constrain(self.embed(tokens), ACTIVATION)
+        if cfg.scan_layers:
+
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def body(h, block):
+                return _run_block(block, h, cfg.remat)
+
+            x, max_logits = body(x, self.blocks)
+        else:
+            per_layer = []
+            for block in self.blocks:
+                x, layer_max = _run_block(block, x, cfg.remat)
+                per_layer.append(layer_max)
+            max_logits = jnp.stack(per_layer) if cfg.track_attn_logits else None
+        x = self.final_norm(x)
+        if cfg.tie_embeddings:
+            logits = self.embed.attend(x)
+        else:
+            logits = self.lm_head(x)
+        logits = constrain(logits, ("batch", "seq", "vocab"))
+        if not return_aux:
+            return logits
+        aux = {"attn_max_logits": max_logits} if cfg.track_attn_logits else {}
+        return logits, aux

@@ -13,12 +13,13 @@ Writes ``config.json``, ``metrics.jsonl``, TensorBoard events, ``loss.png``, che
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import ml_collections
@@ -97,7 +98,7 @@ def _setup(config: ml_collections.ConfigDict) -> _Setup:
             raise ValueError(f"data.seq_len={config.data.seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
         mesh = mesh_lib.make_mesh(config.mesh)
         rules = rules_lib.make_rules(config.rules, rules_lib.parse_overrides(config.get("rule_overrides", "")))
-        n_batch_shards = int(np.prod([mesh.shape[a] for a in dict(rules).get("batch", ()) if a in mesh.shape]))
+        n_batch_shards = int(np.prod([mesh.shape[a] for a in dict(rules.activations).get("batch", ()) if a in mesh.shape]))
         if (config.batch_size // config.grad_accum_steps) % n_batch_shards:
             raise ValueError(
                 f"the micro-batch of {config.batch_size // config.grad_accum_steps} sequences cannot be split over "
@@ -290,38 +291,54 @@ class Progress:
             self.bar = None
 
 
-_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file (ml_collections).", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder; default: a fresh folder under ./runs/.")
-_VERBOSE = flags.DEFINE_bool("verbose", False, "Show tracebacks for bad input.")
-
-
 def _parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing with one-line errors and exit code 2 for bad flags."""
     try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        rest = flags.FLAGS(argv)
+    except (flags.Error, KeyError, TypeError, ValueError) as e:
+        _usage_exit(str(e))
+    if len(rest) > 1:
+        _usage_exit(f"unexpected arguments {rest[1:]}; options are --workdir, --config and --config.<key>=<value>")
+    return rest
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}; options are --workdir, --config and --config.<key>=<value>")
-    if not _VERBOSE.value:
+def _usage_exit(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
+    del argv  # checked by _parse_flags
+    if not flags.FLAGS.verbose:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-    config = _CONFIG.value
-    workdir = _WORKDIR.value or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.model.preset}-{config.optimizer.name}"
+    config = config_flag.value
+    workdir = flags.FLAGS.workdir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.model.preset}-{config.optimizer.name}"
     try:
         summary = run(config, workdir)
-    except (UsageError, NonFiniteError) as e:
-        if _VERBOSE.value:
+    except UsageError as e:
+        if flags.FLAGS.verbose:
             raise
+        _usage_exit(str(e))
+    except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2 if isinstance(e, UsageError) else 1)
+        sys.exit(1)
     if summary.get("interrupted"):
         sys.exit(128 + summary["signal"])
     print(json.dumps({k: summary[k] for k in ("steps", "final_train_loss", "final_val_loss", "tokens_per_second", "mfu")}))
     print(f"workdir: {workdir}")
 
 
+def define_flags() -> flags.FlagHolder:
+    """The command-line flags; config overrides of unknown keys exit with code 2."""
+    flags.DEFINE_string("workdir", None, "Output folder; default: a fresh folder under ./runs/.")
+    flags.DEFINE_bool("verbose", False, "Show tracebacks for bad input, and library logs.")
+    try:
+        return config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file (ml_collections).", lock_config=True)
+    except (AttributeError, KeyError) as e:  # config_flags applies --config.* overrides right here
+        key = str(e).strip("\"'")
+        _usage_exit(f"unknown config key {key!r}; the keys are listed in {DEFAULT_CONFIG}")
+
+
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags)
+    config_holder = define_flags()
+    app.run(functools.partial(main, config_holder), flags_parser=_parse_flags)

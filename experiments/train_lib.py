@@ -46,7 +46,7 @@ def make_shardings(
     opt = partition.state_shardings(abstract_opt, model_def.abstract_params, params, mesh)
     replicated = jax.NamedSharding(mesh, jax.P())
     state = {"params": params, "opt_state": opt, "step": replicated, "bad_streak": replicated, "skipped": replicated}
-    batch_spec = rules_lib.logical_to_mesh_spec(("batch", None), rules, mesh.axis_names)
+    batch_spec = rules_lib.logical_to_mesh_spec(("batch", None), rules.activations, mesh.axis_names)
     return Shardings(mesh, rules, params, state, jax.NamedSharding(mesh, batch_spec))
 
 

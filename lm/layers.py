@@ -37,7 +37,7 @@ class RMSNorm(nnx.Module):
     """``y = x / sqrt(mean(x^2) + eps) * scale``, computed in float32 (Zhang & Sennrich, arXiv:1910.07467)."""
 
     def __init__(self, dim: int, axis_name: str, *, eps: float, dtype: jnp.dtype):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), sharding=(axis_name,))
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=(axis_name,))
         self.eps = eps
         self.dtype = dtype
 

@@ -31,8 +31,8 @@ def define(cfg: ModelConfig) -> ModelDef:
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    specs = nnx.get_partition_spec(state).to_pure_dict()
-    return ModelDef(cfg, graphdef, state.to_pure_dict(), specs)
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
+    return ModelDef(cfg, graphdef, nnx.to_pure_dict(state), specs)
 
 
 def init_params(model_def: ModelDef, seed: int, shardings: Params | None = None) -> Params:
@@ -40,7 +40,7 @@ def init_params(model_def: ModelDef, seed: int, shardings: Params | None = None)
 
     def init() -> Params:
         with nnx.use_eager_sharding(False):
-            return nnx.split(Transformer(model_def.config, rngs=nnx.Rngs(seed)))[1].to_pure_dict()
+            return nnx.to_pure_dict(nnx.split(Transformer(model_def.config, rngs=nnx.Rngs(seed)))[1])
 
     return jax.jit(init, out_shardings=shardings)()
 

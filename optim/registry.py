@@ -1,10 +1,11 @@
 """Builds optimizers by name from the ``optimizer`` config block.
 
 The config block has common keys (``name``, ``learning_rate``, ``schedule``, ``warmup_steps``,
-``min_lr_ratio``, ``decay_fraction``, ``weight_decay``, ``grad_clip_norm``) and one sub-block per
-registered optimizer holding its family-specific keys, e.g. ``optimizer.sgd.momentum``. Those
-sub-blocks are generated from each optimizer function's keyword defaults (`family_defaults`), so
-adding an optimizer is one line in `OPTIMIZERS` and its keys appear in the config by themselves.
+``min_lr_ratio``, ``decay_fraction``, ``weight_decay``, ``grad_clip_norm``, ``cautious``,
+``state_bits``) and one sub-block per registered optimizer holding its family-specific keys, e.g.
+``optimizer.sgd.momentum``. Those sub-blocks are generated from each optimizer function's keyword
+defaults (`family_defaults`), so adding an optimizer is one line in `OPTIMIZERS` and its keys appear
+in the config by themselves.
 
 Every registered function has the signature ``fn(learning_rate, *, weight_decay=..., **family)``
 and returns an `optax.GradientTransformation` (or ``...ExtraArgs``).
@@ -19,6 +20,14 @@ from typing import Any
 import optax
 
 from optim import labels, schedules
+from optim.came import came
+from optim.cautious import cautious
+from optim.lion import lion
+from optim.mars_muon import mars_muon
+from optim.muon import muon
+from optim.muon_clip import muon_clip
+from optim.normuon import normuon
+from optim.quantize_state import quantize_state
 
 
 def adamw(
@@ -51,6 +60,12 @@ def sgd(
 OPTIMIZERS: dict[str, Callable[..., Any]] = {
     "adamw": adamw,
     "sgd": sgd,
+    "muon": muon,
+    "normuon": normuon,
+    "muon_clip": muon_clip,
+    "mars_muon": mars_muon,
+    "lion": lion,
+    "came": came,
 }
 
 COMMON_KEYS = (
@@ -62,6 +77,8 @@ COMMON_KEYS = (
     "decay_fraction",
     "weight_decay",
     "grad_clip_norm",
+    "cautious",
+    "state_bits",
 )
 
 _CONFIGURABLE = (bool, int, float, str)
@@ -94,7 +111,10 @@ def build(config: Mapping[str, Any], total_steps: int) -> optax.GradientTransfor
     """The optimizer described by an ``optimizer`` config block, for a run of ``total_steps``.
 
     The result is ``chain(clip_by_global_norm, <name>(schedule, ...))``; no clipping when
-    ``grad_clip_norm`` is 0 or None.
+    ``grad_clip_norm`` is 0 or None. ``state_bits`` 8 or 4 wraps the optimizer in
+    `optim.quantize_state.quantize_state` (0: fp32 state); ``cautious=True`` then wraps it in
+    `optim.cautious.cautious` (its whole update, weight decay included). The clip stays outside both:
+    it scales the gradient by one positive factor, so the cautious sign mask is unchanged by it.
     """
     fn = _lookup(config["name"])
     schedule = learning_rate_fn(config, total_steps)
@@ -106,6 +126,13 @@ def build(config: Mapping[str, Any], total_steps: int) -> optax.GradientTransfor
         tx = fn(schedule, **family)
     except TypeError as e:
         raise ValueError(f"optimizer {config['name']!r} rejected its config keys {sorted(family)}: {e}") from e
+    state_bits = int(config.get("state_bits") or 0)
+    if state_bits not in (0, 4, 8):
+        raise ValueError(f"optimizer.state_bits={state_bits}: use 0 (fp32 state), 8 or 4")
+    if state_bits:
+        tx = quantize_state(tx, bits=state_bits)
+    if config.get("cautious"):
+        tx = cautious(tx)
     clip = config.get("grad_clip_norm")
     if clip:
         tx = optax.chain(optax.clip_by_global_norm(float(clip)), tx)

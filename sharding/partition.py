@@ -39,14 +39,14 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    spec = rules_lib.logical_to_mesh_spec(logical, current_rules(), mesh.axis_names)
+    spec = rules_lib.logical_to_mesh_spec(logical, current_rules().activations, mesh.axis_names)
     return jax.lax.with_sharding_constraint(x, spec)
 
 
 def named_shardings(logical_specs: Any, mesh: jax.sharding.Mesh, rules: rules_lib.Rules) -> Any:
-    """Maps a pytree of logical `PartitionSpec`s (e.g. from `nnx.get_partition_spec`) to `NamedSharding`s."""
+    """Maps a pytree of logical parameter `PartitionSpec`s (from `nnx.get_partition_spec`) to `NamedSharding`s."""
     return jax.tree.map(
-        lambda spec: jax.NamedSharding(mesh, rules_lib.logical_to_mesh_spec(tuple(spec), rules, mesh.axis_names)),
+        lambda spec: jax.NamedSharding(mesh, rules_lib.logical_to_mesh_spec(tuple(spec), rules.params, mesh.axis_names)),
         logical_specs,
         is_leaf=lambda x: isinstance(x, jax.P),
     )

@@ -10,7 +10,8 @@ Presets (mesh axis names ``data``, ``fsdp``, ``tensor``, ``seq``, ``expert``):
 
 - ``dp``: batch over ``data``; parameters replicated.
 - ``fsdp`` (default): batch over ``data`` and ``fsdp``; parameters, gradients and optimizer state
-  sharded along ``embed`` over ``fsdp`` (ZeRO-3), gathered per layer by GSPMD.
+  sharded along ``embed`` over ``fsdp`` (ZeRO-3), gathered per layer by GSPMD. With no ``fsdp``
+  axis in the mesh this is plain data parallelism.
 - ``tp``: Megatron tensor parallelism: ``heads`` / ``kv_heads`` / ``mlp`` / ``vocab`` over ``tensor``,
   one all-reduce after attention and one after the MLP; combined with FSDP on ``embed``.
 - ``sp``: the ``tp`` rules plus activations sharded along ``seq`` over ``seq`` (context parallelism).
@@ -20,31 +21,48 @@ Presets (mesh axis names ``data``, ``fsdp``, ``tensor``, ``seq``, ``expert``):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
 import jax
 
 MeshAxes = tuple[str, ...]
-Rules = tuple[tuple[str, MeshAxes], ...]
+RuleTable = tuple[tuple[str, MeshAxes], ...]
 
 LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "experts", "layers")
 
-_BATCH = ("data", "fsdp", "expert")
 
-PRESETS: dict[str, dict[str, MeshAxes]] = {
-    "dp": {"batch": _BATCH, "experts": ("expert",)},
-    "fsdp": {"batch": _BATCH, "embed": ("fsdp",), "experts": ("expert",)},
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Two tables: one for parameters (and everything shaped like them), one for activations.
+
+    They differ where a mesh axis plays two roles: under FSDP the ``fsdp`` axis shards parameters
+    along ``embed`` but activations along ``batch``, so ``embed`` maps to ``fsdp`` only for
+    parameters.
+    """
+
+    params: RuleTable
+    activations: RuleTable
+
+
+_BATCH = ("data", "fsdp", "expert")
+_TENSOR = {"heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",), "vocab": ("tensor",)}
+
+PRESETS: dict[str, dict[str, dict[str, MeshAxes]]] = {
+    "dp": {"params": {"experts": ("expert",)}, "activations": {"batch": _BATCH, "experts": ("expert",)}},
+    "fsdp": {
+        "params": {"embed": ("fsdp",), "experts": ("expert",)},
+        "activations": {"batch": _BATCH, "experts": ("expert",)},
+    },
     "tp": {
-        "batch": _BATCH,
-        "embed": ("fsdp",),
-        "heads": ("tensor",),
-        "kv_heads": ("tensor",),
-        "mlp": ("tensor",),
-        "vocab": ("tensor",),
-        "experts": ("expert",),
+        "params": {"embed": ("fsdp",), **_TENSOR, "experts": ("expert",)},
+        "activations": {"batch": _BATCH, **_TENSOR, "experts": ("expert",)},
     },
 }
-PRESETS["sp"] = {**PRESETS["tp"], "seq": ("seq",)}
+PRESETS["sp"] = {
+    "params": PRESETS["tp"]["params"],
+    "activations": {**PRESETS["tp"]["activations"], "seq": ("seq",)},
+}
 
 
 def _as_axes(value: str | Sequence[str] | None) -> MeshAxes:
@@ -58,22 +76,27 @@ def _as_axes(value: str | Sequence[str] | None) -> MeshAxes:
 def make_rules(preset: str = "fsdp", overrides: Mapping[str, str | Sequence[str] | None] | None = None) -> Rules:
     """The rule set ``preset`` with single rules replaced by ``overrides``.
 
-    An override maps a logical name to mesh axes: ``{"mlp": "tensor"}``, ``{"batch": "data+fsdp"}``,
-    or ``{"embed": None}`` to replicate. From config: ``--config.rules=tp`` and
-    ``--config.rule_overrides="mlp=tensor,vocab="``.
+    An override maps a logical name to mesh axes in both tables: ``{"mlp": "tensor"}``,
+    ``{"batch": "data+fsdp"}``, or ``{"embed": None}`` to replicate. Prefix the name with
+    ``params.`` or ``activations.`` to change one table only. From config: ``--config.rules=tp``
+    and ``--config.rule_overrides="mlp=tensor,params.vocab="``.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown rule preset {preset!r}; set --config.rules to one of {', '.join(PRESETS)}")
-    table = dict(PRESETS[preset])
-    for name, value in (overrides or {}).items():
+    tables = {kind: dict(table) for kind, table in PRESETS[preset].items()}
+    for key, value in (overrides or {}).items():
+        kind, _, name = key.rpartition(".")
+        if kind not in ("", "params", "activations"):
+            raise ValueError(f"rule override {key!r}: the prefix must be 'params.' or 'activations.'")
         if name not in LOGICAL_AXES:
             raise ValueError(f"rule override for unknown logical axis {name!r}; logical axes: {', '.join(LOGICAL_AXES)}")
-        table[name] = _as_axes(value)
-    return tuple((name, _as_axes(axes)) for name, axes in table.items())
+        for target in ("params", "activations") if not kind else (kind,):
+            tables[target][name] = _as_axes(value)
+    return Rules(**{kind: tuple((n, _as_axes(a)) for n, a in table.items()) for kind, table in tables.items()})
 
 
 def parse_overrides(text: str) -> dict[str, str]:
-    """``"mlp=tensor,vocab="`` -> ``{"mlp": "tensor", "vocab": ""}``."""
+    """``"mlp=tensor,params.vocab="`` -> ``{"mlp": "tensor", "params.vocab": ""}``."""
     out = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = part.partition("=")
@@ -85,7 +108,7 @@ def parse_overrides(text: str) -> dict[str, str]:
 
 def logical_to_mesh_spec(
     logical: Sequence[str | None] | None,
-    rules: Rules,
+    rules: RuleTable,
     mesh_axis_names: Iterable[str],
 ) -> jax.P:
     """Maps one array's logical axis names to a `PartitionSpec` on a mesh with ``mesh_axis_names``.

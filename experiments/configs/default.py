@@ -20,6 +20,8 @@ def optimizer_config(name: str = "adamw", learning_rate: float = 3e-3) -> ml_col
     opt.decay_fraction = 0.2  # wsd only: fraction of the run spent decaying
     opt.weight_decay = config_dict.placeholder(float)  # None: the optimizer's own default
     opt.grad_clip_norm = 1.0
+    opt.cautious = False  # mask update entries that disagree in sign with the gradient
+    opt.state_bits = 0  # optimizer state in 8 or 4 bits; 0: fp32
     for family in sorted(registry.OPTIMIZERS):
         opt[family] = registry.family_defaults(family)
     return opt
@@ -55,8 +57,9 @@ def get_config() -> ml_collections.ConfigDict:
 
     config.optimizer = optimizer_config()
 
-    config.mesh = ""  # empty: every device on the data axis, e.g. "data:2,fsdp:2,tensor:2"
-    config.rules = "fsdp"  # logical-to-mesh rule preset, see sharding/rules.py
+    config.mesh = ""  # empty: every device on the data axis; e.g. "data:2,fsdp:2,tensor:2", "fsdp:-1"
+    config.rules = "fsdp"  # logical-to-mesh rule preset: dp | fsdp | tp | sp (sharding/rules.py)
+    config.rule_overrides = ""  # e.g. "mlp=tensor,params.vocab=" (logical=mesh_axis[+mesh_axis])
 
     config.eval_every = 100
     config.eval_batches = 8

@@ -1,0 +1,216 @@
+"""MuonClip: Muon plus QK-clip (Kimi Team, "Kimi K2: Open Agentic Intelligence", arXiv:2507.20534).
+
+Muon lets attention logits grow without bound in some heads. QK-clip caps them by rescaling the query
+and key projections after each optimizer step. With ``S_h`` the maximum pre-softmax logit of query
+head ``h`` over the step's batch (measured in the forward pass, before the update) and
+
+    gamma_h = tau / S_h  if S_h > tau,  else 1,
+
+the logits of head ``h`` scale by ``gamma_h`` at the next step (they are bilinear in the two kernels):
+
+- multi-head attention (one key head per query head): ``W_q^h <- sqrt(gamma_h) W_q^h`` and
+  ``W_k^h <- sqrt(gamma_h) W_k^h``, Kimi K2's rule;
+- grouped-query attention (a key head shared by ``H / K`` query heads): ``W_q^h <- gamma_h W_q^h``
+  and the shared key head is left alone. This is Kimi K2's rule for the key component it shares
+  across heads (the rotary key of MLA: only the per-head query side is scaled, by ``gamma_h``). It
+  caps exactly the heads that exceeded ``tau``, never touches the logits of the other heads of the
+  group, and never enlarges a weight.
+
+Heads are contiguous ``head_dim``-wide column groups of the last axis of ``q_proj/kernel``
+``(*layers, d_model, H * head_dim)`` and ``k_proj/kernel`` ``(*layers, d_model, K * head_dim)``; the
+logits are ``(*layers, H)`` (the model's ``aux["attn_max_logits"]`` with
+``model.track_attn_logits=True``). Kernels without leading layer axes (an unrolled model) take the
+row of the logits given by the integer component of their path (``blocks/3/attn/...``). A QK-norm
+layer would undo the rescaling, so trees with ``q_norm`` / ``k_norm`` next to the projections are
+rejected.
+
+`qk_clip` applies the rule to a parameter tree (for a training loop that clips by hand);
+`scale_by_qk_clip` is the same as the last transform of an optax chain: it receives the final
+updates ``u`` and returns ``(p + u) * s - p``, so ``apply_updates`` lands on the clipped weights.
+`muon_clip` = ``chain(muon(...), scale_by_qk_clip(tau))``; call its update as
+``tx.update(grads, state, params, attn_max_logits=aux["attn_max_logits"])``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optim import labels
+from optim import muon as muon_lib
+from optim import newton_schulz as ns
+
+Q_NAME, K_NAME = "q_proj", "k_proj"
+
+
+class QKClipState(NamedTuple):
+    """State of `scale_by_qk_clip`."""
+
+    num_clipped: jax.Array  # int32: query heads whose max logit exceeded tau at the last step
+
+
+def _layer_index(path: tuple[str, ...]) -> int | None:
+    for name in reversed(path):
+        digits = name.rsplit("_", 1)[-1]
+        if digits.isdigit():
+            return int(digits)
+    return None
+
+
+def _locate(params: Any) -> dict[tuple[str, ...], dict[str, int]]:
+    """``{attention path: {"q": leaf index, "k": leaf index, "norm": ...}}`` over the flat leaves."""
+    found: dict[tuple[str, ...], dict[str, int]] = {}
+    for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
+        names = labels.path_names(path)
+        for j, name in enumerate(names):
+            if name in (Q_NAME, K_NAME) and names[-1] == "kernel":
+                found.setdefault(names[:j], {})["q" if name == Q_NAME else "k"] = i
+            elif name in ("q_norm", "k_norm"):
+                found.setdefault(names[:j], {})["norm"] = i
+    return found
+
+
+def qk_clip_scales(params: Any, attn_max_logits: jax.Array, tau: jax.typing.ArrayLike) -> tuple[Any, jax.Array]:
+    """Per-column multipliers for every leaf (1.0 for leaves QK-clip does not touch).
+
+    Returns:
+      ``(scales, num_clipped)``: a tree like ``params`` whose q/k kernel leaves are arrays
+      broadcastable to the kernel and whose other leaves are the scalar 1.0; and the number of
+      query heads whose logit exceeded ``tau``.
+    """
+    logits = jnp.asarray(attn_max_logits, jnp.float32)
+    if logits.ndim < 1:
+        raise ValueError(f"attn_max_logits must be (*layers, n_heads), got shape {logits.shape}")
+    n_heads = logits.shape[-1]
+    gamma = jnp.where(logits > tau, tau / logits, 1.0)
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+    scales: list[Any] = [1.0] * len(leaves_with_path)
+    modules = _locate(params)
+    if not any("q" in m or "k" in m for m in modules.values()):
+        raise ValueError(f"QK-clip found no '{Q_NAME}/kernel' / '{K_NAME}/kernel' leaves in the parameter tree")
+
+    for where, found in modules.items():
+        name = "/".join(where)
+        if "norm" in found:
+            raise ValueError(
+                f"QK-clip rescales {name}/{Q_NAME} and {K_NAME}, which the QK-norm there undoes; "
+                "set model.qk_norm=False or use muon instead of muon_clip"
+            )
+        if "q" not in found or "k" not in found:
+            raise ValueError(f"QK-clip needs both {Q_NAME}/kernel and {K_NAME}/kernel under {name}")
+        q_path, q = leaves_with_path[found["q"]]
+        k = leaves_with_path[found["k"]][1]
+        layers = q.shape[:-2]
+        if layers == logits.shape[:-1]:
+            g = gamma
+        elif not layers and logits.ndim == 2 and _layer_index(labels.path_names(q_path)) is not None:
+            g = gamma[_layer_index(labels.path_names(q_path))]
+        else:
+            raise ValueError(
+                f"attn_max_logits of shape {logits.shape} does not match {name}/{Q_NAME}/kernel {q.shape}: "
+                "expected (*layers, n_heads) with the kernel's leading layer axes"
+            )
+        head_dim, rem = divmod(q.shape[-1], n_heads)
+        if rem or k.shape[-1] % head_dim or n_heads % (k.shape[-1] // head_dim):
+            raise ValueError(
+                f"{name}: q kernel {q.shape} and k kernel {k.shape} do not split into {n_heads} query heads "
+                "and a divisor of that many key heads of equal width"
+            )
+        n_kv = k.shape[-1] // head_dim
+
+        def columns(per_head):
+            return jnp.repeat(per_head, head_dim, axis=-1)[..., None, :]
+
+        if n_kv == n_heads:
+            scales[found["q"]] = scales[found["k"]] = columns(jnp.sqrt(g))
+        else:
+            scales[found["q"]] = columns(g)
+    return treedef.unflatten(scales), jnp.sum(logits > tau).astype(jnp.int32)
+
+
+def qk_clip(params: Any, attn_max_logits: jax.Array, tau: float = 100.0) -> Any:
+    """``params`` with the query/key kernels of heads whose max logit exceeded ``tau`` rescaled."""
+    scales, _ = qk_clip_scales(params, attn_max_logits, tau)
+    return jax.tree.map(lambda p, s: p if isinstance(s, float) else (p * s).astype(p.dtype), params, scales)
+
+
+def scale_by_qk_clip(tau: float = 100.0) -> optax.GradientTransformationExtraArgs:
+    """QK-clip as the last transform of a chain; ``update`` needs ``params`` and ``attn_max_logits``."""
+
+    def init_fn(params):
+        del params
+        return QKClipState(num_clipped=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None, *, attn_max_logits=None, **extra_args):
+        del state, extra_args
+        if params is None:
+            raise ValueError("QK-clip rescales the updated weights: pass params to update")
+        if attn_max_logits is None:
+            raise ValueError(
+                "muon_clip needs the attention logits: set model.track_attn_logits=True and call "
+                "tx.update(grads, state, params, attn_max_logits=aux['attn_max_logits'])"
+            )
+        scales, num_clipped = qk_clip_scales(params, attn_max_logits, tau)
+
+        def clip(u, p, s):
+            if isinstance(s, float):
+                return u
+            return (u * s + p * (s - 1)).astype(u.dtype)
+
+        return jax.tree.map(clip, updates, params, scales), QKClipState(num_clipped=num_clipped)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def muon_clip(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    tau: float = 100.0,
+    beta: float = 0.95,
+    momentum_form: str = "ema",
+    nesterov: bool = True,
+    ns_coeffs: ns.Coeffs = "jordan",
+    ns_steps: int = 0,
+    ns_dtype: str = "float32",
+    ns_eps: float = 1e-7,
+    shape_scale: str = "moonlight",
+    weight_decay: float = 0.1,
+    adam_lr_ratio: float = 1.0,
+    adam_b1: float = 0.9,
+    adam_b2: float = 0.95,
+    adam_eps: float = 1e-8,
+    mu_dtype: str = "float32",
+    batch_same_shape: bool = True,
+    ns_sharding: str = "as_is",
+    adam_learning_rate: optax.ScalarOrSchedule | None = None,
+    param_labels: Callable[[Any], Any] | Any | None = None,
+    dimension_numbers: ns.AxesSpec = None,
+) -> optax.GradientTransformationExtraArgs:
+    """MuonClip: `optim.muon.muon` (same arguments) followed by QK-clip at ``tau`` (Kimi K2: 100)."""
+    inner = muon_lib.muon(
+        learning_rate,
+        beta=beta,
+        momentum_form=momentum_form,
+        nesterov=nesterov,
+        ns_coeffs=ns_coeffs,
+        ns_steps=ns_steps,
+        ns_dtype=ns_dtype,
+        ns_eps=ns_eps,
+        shape_scale=shape_scale,
+        weight_decay=weight_decay,
+        adam_lr_ratio=adam_lr_ratio,
+        adam_b1=adam_b1,
+        adam_b2=adam_b2,
+        adam_eps=adam_eps,
+        mu_dtype=mu_dtype,
+        batch_same_shape=batch_same_shape,
+        ns_sharding=ns_sharding,
+        adam_learning_rate=adam_learning_rate,
+        param_labels=param_labels,
+        dimension_numbers=dimension_numbers,
+    )
+    return optax.chain(inner, scale_by_qk_clip(tau))

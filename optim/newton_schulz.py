@@ -1,0 +1,324 @@
+"""Newton-Schulz orthogonalisation: the matrix function inside the Muon family.
+
+For ``X = U S V^T`` Muon wants ``polar(X) = U V^T``. A quintic Newton-Schulz step applies the odd
+polynomial ``p(s) = a s + b s^3 + c s^5`` to every singular value without an SVD:
+
+    A = X X^T,    X <- a X + (b A + c A A) X,
+
+with ``X`` oriented so that it is wide (rows <= columns) and ``A`` is the smaller Gram matrix. The
+input is first scaled so that every singular value lies in (0, 1]; each step then pushes singular
+values towards 1.
+
+Coefficient presets (``coeffs=``), with the band of output singular values each one reaches for
+inputs whose singular values (after the preset's own normalisation) lie in ``[floor, 1]``,
+measured by iterating the scalar polynomials (tests/optim/test_muon.py checks them on matrices):
+
+============== ===== ============================================= ======= ================
+preset         steps normalisation                                 floor   output band
+============== ===== ============================================= ======= ================
+jordan         5     X / (||X||_F + eps)                           1e-2    [0.681, 1.135]
+                                                                   1e-3    [0.470, 1.203]
+polar_express  5     X / (1.01 ||X||_F + eps)                      1e-3    [0.840, 1.124]
+turbo          4     Frobenius, then AOL: X <- diag(r)^(-1/2) X,   1e-2    [0.972, 1.146]
+                     r_i = sum_j |X X^T|_ij  (bounds ||X||_2 <= 1)  1e-3    [0.120, 1.146]
+============== ===== ============================================= ======= ================
+
+- ``jordan``: one row (3.4445, -4.7750, 2.0315) repeated (K. Jordan, "Muon", 2024,
+  https://kellerjordan.github.io/posts/muon/; the slope at 0 is maximised, so the iteration does not
+  converge to 1 but to a band around it).
+- ``polar_express``: the per-step minimax-optimal table of Amsel et al., "The Polar Express"
+  (arXiv:2505.16932, Algorithm 1, designed for a lower bound of 1e-3), with its safety factor: every
+  row but the last evaluates ``p(s / 1.01)``, and the input is divided by ``1.01 ||X||_F``.
+- ``turbo``: Turbo-Muon (Boissin et al., arXiv:2512.04632; reference code
+  github.com/thib-s/flash-newton-schulz): "Almost Orthogonal Layer" row rescaling (Prach & Lampert,
+  arXiv:2208.03160) before the first step. It leaves X much closer to orthogonal than Frobenius
+  scaling does, so one step can be dropped: the table is the 5-row Dion table (Ahn et al.,
+  arXiv:2504.05295) without its first row, run for 4 steps. The Gram matrix of the AOL step is reused
+  by the first Newton-Schulz step, so the preconditioning costs no extra matmul. Unlike the reference,
+  the input is Frobenius-normalised before AOL (AOL is scale-invariant; this only keeps the ``eps``
+  floor of the row sums meaningful for very small gradients).
+
+A user table is any sequence of ``(a, b, c)`` rows with the ``jordan`` normalisation.
+
+Indexing rule: step ``i`` (0-based) uses row ``min(i, len(table) - 1)``. A table longer than
+``steps`` is cut after ``steps`` rows; a shorter one repeats its last row (Polar Express's rule: its
+later rows converge to the classical (15/8, -10/8, 3/8) polynomial). Note that optax and Dion take the
+*last* ``steps`` rows instead. ``steps=0`` means the preset's own count (a user table: its length).
+
+`newton_schulz` works on one array of matrices ``(..., m, n)``. `orthogonalize` works on a pytree:
+it brings every leaf to that form via `MatrixAxes`, batches same-shape matrices into one call and
+optionally changes their layout on the device mesh first (``sharding=``; see `orthogonalize`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class NSPreset(NamedTuple):
+    """A Newton-Schulz recipe."""
+
+    table: tuple[tuple[float, float, float], ...]  # (a, b, c) rows, row i used at step i
+    steps: int  # default number of steps
+    precondition: str  # "frobenius" or "aol"
+    safety: float  # the Frobenius-normalised input is further divided by this
+
+
+def _safe(rows, factor):
+    return tuple((a / factor, b / factor**3, c / factor**5) for a, b, c in rows)
+
+
+_POLAR_EXPRESS = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+)
+_DION = (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+)
+
+PRESETS: dict[str, NSPreset] = {
+    "jordan": NSPreset(((3.4445, -4.7750, 2.0315),), 5, "frobenius", 1.0),
+    "polar_express": NSPreset(_safe(_POLAR_EXPRESS, 1.01) + ((1.875, -1.25, 0.375),), 5, "frobenius", 1.01),
+    "turbo": NSPreset(_DION[1:], 4, "aol", 1.0),
+}
+
+Coeffs = str | Sequence[Sequence[float]]
+Steps = int | jax.Array
+
+
+def resolve(coeffs: Coeffs) -> NSPreset:
+    """The `NSPreset` for a preset name or a user table of ``(a, b, c)`` rows."""
+    if isinstance(coeffs, str):
+        if coeffs not in PRESETS:
+            raise ValueError(f"unknown Newton-Schulz preset {coeffs!r}; use one of {', '.join(PRESETS)} or a table of (a, b, c) rows")
+        return PRESETS[coeffs]
+    table = np.asarray(coeffs, dtype=np.float64)
+    if table.ndim != 2 or table.shape[0] < 1 or table.shape[1] != 3:
+        raise ValueError(f"a Newton-Schulz table must have shape (n, 3) with n >= 1 rows (a, b, c), got {table.shape}")
+    rows = tuple(tuple(float(v) for v in row) for row in table)
+    return NSPreset(rows, len(rows), "frobenius", 1.0)
+
+
+def _gram(x: jax.Array, precision) -> jax.Array:
+    return jnp.einsum("...ik,...jk->...ij", x, x, precision=precision)
+
+
+def _step(x: jax.Array, gram: jax.Array, row, precision) -> jax.Array:
+    a, b, c = row
+    poly = b * gram + c * jnp.matmul(gram, gram, precision=precision)
+    return a * x + jnp.matmul(poly, x, precision=precision)
+
+
+def newton_schulz(
+    x: jax.Array,
+    coeffs: Coeffs = "jordan",
+    steps: Steps = 0,
+    *,
+    eps: float = 1e-7,
+    dtype: str = "float32",
+) -> jax.Array:
+    """Approximates ``polar(X) = U V^T`` for every matrix in ``x`` ``(..., m, n)``.
+
+    Args:
+      x: matrices on the last two axes; leading axes are batch axes.
+      coeffs: a preset name (``"jordan"``, ``"polar_express"``, ``"turbo"``) or ``(a, b, c)`` rows.
+      steps: iterations; 0 means the preset's own count. A traced integer is allowed (the loop then
+        becomes a `jax.lax.fori_loop`), which is what `optax.inject_hyperparams` passes.
+      eps: added to the Frobenius norm (and the floor of the AOL row sums).
+      dtype: ``"float32"`` (matmuls at highest precision) or ``"bfloat16"`` (bf16 iterations, as
+        in Jordan's reference). The norm is always taken in float32.
+
+    Returns:
+      The orthogonalised matrices, shape and dtype of ``x``.
+    """
+    if x.ndim < 2:
+        raise ValueError(f"Newton-Schulz needs matrices (..., m, n), got shape {x.shape}")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"Newton-Schulz dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    preset = resolve(coeffs)
+    precision = jax.lax.Precision.HIGHEST if dtype == "float32" else None
+    wide = x.shape[-2] <= x.shape[-1]
+    y = x.astype(jnp.float32) if wide else jnp.swapaxes(x, -1, -2).astype(jnp.float32)
+    norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True))
+    y = (y / (norm * preset.safety + eps)).astype(dtype)
+    gram = _gram(y, precision)
+    if preset.precondition == "aol":
+        scale = jax.lax.rsqrt(jnp.maximum(jnp.sum(jnp.abs(gram), axis=-1), eps))
+        y = y * scale[..., :, None]
+        gram = gram * scale[..., :, None] * scale[..., None, :]
+    table = preset.table
+    y = _step(y, gram, table[0], precision)
+
+    if isinstance(steps, (int, np.integer)):
+        steps = int(steps) or preset.steps
+        if steps < 1:
+            raise ValueError(f"Newton-Schulz steps must be >= 1 (or 0 for the preset's count), got {steps}")
+        for i in range(1, steps):
+            y = _step(y, _gram(y, precision), table[min(i, len(table) - 1)], precision)
+    else:
+        rows = jnp.asarray(table, dtype=jnp.float32)
+        steps = jnp.where(steps > 0, steps, preset.steps)
+
+        def body(i, y):
+            row = rows[jnp.minimum(i, len(table) - 1)].astype(y.dtype)
+            return _step(y, _gram(y, precision), (row[0], row[1], row[2]), precision)
+
+        y = jax.lax.fori_loop(1, steps, body, y)
+
+    y = y if wide else jnp.swapaxes(y, -1, -2)
+    return y.astype(x.dtype)
+
+
+class MatrixAxes(NamedTuple):
+    """Which axes of a leaf form the matrix; every other axis is a batch axis.
+
+    The default is the repo's kernel layout ``(*batch, fan_in, fan_out)`` (optim/labels.py). Several
+    axes may be merged into one side, e.g. ``MatrixAxes(fan_in=0, fan_out=(1, 2))`` for a
+    ``(d_model, heads, head_dim)`` kernel. PyTorch's ``(out, in)`` layout is
+    ``MatrixAxes(fan_in=-1, fan_out=-2)``.
+    """
+
+    fan_in: int | tuple[int, ...] = -2
+    fan_out: int | tuple[int, ...] = -1
+
+
+AxesSpec = MatrixAxes | Callable[[Any], Any] | None
+
+
+def matrix_axes_tree(tree: Any, axes: AxesSpec) -> Any:
+    """A `MatrixAxes` per leaf of ``tree``: ``axes`` itself, the default, or ``axes(tree)``."""
+    if callable(axes) and not isinstance(axes, MatrixAxes):
+        return axes(tree)
+    spec = MatrixAxes() if axes is None else axes
+    return jax.tree.map(lambda _: spec, tree)
+
+
+def split_axes(shape: Sequence[int], axes: MatrixAxes) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``(batch_axes, fan_in_axes, fan_out_axes)`` of a leaf of ``shape``, as non-negative ints."""
+    ndim = len(shape)
+
+    def norm(a):
+        a = (a,) if isinstance(a, int) else tuple(a)
+        if not a or any(not -ndim <= i < ndim for i in a):
+            raise ValueError(f"matrix axes {axes} do not fit a leaf of shape {tuple(shape)}")
+        return tuple(i % ndim for i in a)
+
+    fan_in, fan_out = norm(axes.fan_in), norm(axes.fan_out)
+    if set(fan_in) & set(fan_out) or len(set(fan_in)) != len(fan_in) or len(set(fan_out)) != len(fan_out):
+        raise ValueError(f"matrix axes {axes} must name distinct fan-in and fan-out axes (leaf shape {tuple(shape)})")
+    batch = tuple(i for i in range(ndim) if i not in fan_in + fan_out)
+    return batch, fan_in, fan_out
+
+
+def fans(shape: Sequence[int], axes: MatrixAxes) -> tuple[int, int]:
+    """``(fan_in, fan_out)``: the sizes of the two sides of the matrix."""
+    _, fan_in, fan_out = split_axes(shape, axes)
+    return math.prod(shape[i] for i in fan_in), math.prod(shape[i] for i in fan_out)
+
+
+SHARDING_MODES = ("as_is", "replicated", "owner")
+
+
+def _place(stack: jax.Array, sharding: str) -> jax.Array:
+    """Applies the ``sharding`` layout to a stack ``(B, m, n)`` under the ambient mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if sharding == "as_is" or mesh.empty:
+        return stack
+    if sharding == "replicated":
+        return jax.lax.with_sharding_constraint(stack, jax.P())
+    return jax.lax.with_sharding_constraint(stack, jax.P(tuple(mesh.axis_names), None, None))
+
+
+def orthogonalize(
+    tree: Any,
+    axes: AxesSpec = None,
+    *,
+    coeffs: Coeffs = "jordan",
+    steps: Steps = 0,
+    eps: float = 1e-7,
+    dtype: str = "float32",
+    batch_same_shape: bool = True,
+    sharding: str = "as_is",
+) -> Any:
+    """`newton_schulz` applied to every leaf of ``tree``, each seen as a batch of matrices.
+
+    Each leaf is transposed and reshaped to ``(batch, fan_in, fan_out)`` from its `MatrixAxes`,
+    then turned wide (the smaller side is the one contracted). With ``batch_same_shape`` all
+    matrices of equal oriented shape, across leaves, are concatenated into one stack and
+    orthogonalised by one call (one set of batched matmuls instead of one per leaf).
+
+    Sharding (``sharding=``, under the mesh set with `jax.set_mesh`; ignored without one). Each step
+    computes ``A = X X^T`` (contracting the long side ``n``), ``A A`` and ``(bA + cA^2) X``
+    (contracting the short side ``m``), plus one norm.
+
+    - ``"as_is"``: Newton-Schulz runs on the matrices as they are sharded and GSPMD inserts the
+      collectives. A matrix sharded along its long side (tensor parallelism of an MLP or attention
+      projection on its wide axis) costs one all-reduce of the ``m x m`` Gram matrix per step plus a
+      scalar for the norm, and the rest is local: cheap, keep it. A matrix sharded along its short
+      side (FSDP sharding ``embed`` of a wide kernel) needs ``X`` or ``A`` all-gathered for the
+      second and third products at every step: 5 steps cost ~5-10 gathers of the matrix.
+    - ``"replicated"``: every matrix is all-gathered once onto every device, orthogonalised
+      redundantly there (no communication inside the iteration) and the result is sliced back to
+      the parameter's layout for free. One all-gather of the update per step; compute is not
+      divided. Good for small meshes and small matrices.
+    - ``"owner"``: gather-to-owner. The stack of same-shape matrices is resharded along its batch
+      axis over all mesh axes, so each device group receives whole matrices (an all-to-all),
+      orthogonalises them with no further communication, and the results go back to the
+      parameters' layout (the reverse all-to-all, inserted by GSPMD where the update meets the
+      parameter). Compute is divided across devices, communication is two all-to-alls of the
+      update: the choice for FSDP at scale (as in Moonlight's distributed Muon, arXiv:2502.16982,
+      and Dion). A stack not divisible by the device count is padded by GSPMD.
+    """
+    if sharding not in SHARDING_MODES:
+        raise ValueError(f"Newton-Schulz sharding must be one of {', '.join(SHARDING_MODES)}, got {sharding!r}")
+    leaves, treedef = jax.tree.flatten(tree)
+    axes_leaves = treedef.flatten_up_to(matrix_axes_tree(tree, axes))
+
+    flat, undo = [], []
+    for x, ax in zip(leaves, axes_leaves, strict=True):
+        batch, fan_in, fan_out = split_axes(x.shape, ax)
+        perm = batch + fan_in + fan_out
+        moved_shape = tuple(x.shape[i] for i in perm)
+        fi, fo = math.prod(x.shape[i] for i in fan_in), math.prod(x.shape[i] for i in fan_out)
+        if min(fi, fo) < 1:
+            raise ValueError(f"cannot orthogonalise an empty matrix (leaf shape {x.shape}, axes {ax})")
+        m = jnp.transpose(x, perm).reshape(-1, fi, fo)
+        tall = fi > fo
+        flat.append(jnp.swapaxes(m, -1, -2) if tall else m)
+        undo.append((perm, moved_shape, tall))
+
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, m in enumerate(flat):
+        key = (m.shape[1:], m.dtype) if batch_same_shape else (i,)
+        groups.setdefault(key, []).append(i)
+
+    out: list[jax.Array] = [None] * len(flat)  # type: ignore[list-item]
+    for members in groups.values():
+        stack = flat[members[0]] if len(members) == 1 else jnp.concatenate([flat[i] for i in members], axis=0)
+        ortho = newton_schulz(_place(stack, sharding), coeffs, steps, eps=eps, dtype=dtype)
+        offset = 0
+        for i in members:
+            n = flat[i].shape[0]
+            out[i] = ortho[offset : offset + n]
+            offset += n
+
+    result = []
+    for m, (perm, moved_shape, tall) in zip(out, undo, strict=True):
+        m = jnp.swapaxes(m, -1, -2) if tall else m
+        result.append(jnp.transpose(m.reshape(moved_shape), np.argsort(perm)))
+    return treedef.unflatten(result)

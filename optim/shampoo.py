@@ -1,0 +1,371 @@
+"""Shampoo: blocked, grafted Kronecker-factored AdaGrad with distributed inverse roots.
+
+Gupta, Koren & Singer, "Shampoo" (arXiv:1802.09568); Anil et al., "Scalable Second Order
+Optimization for Deep Learning" (distributed Shampoo, arXiv:2002.09018; reference matched: the
+``distributed_shampoo`` of google-research/scalable_shampoo/optax); Shi et al., "A Distributed
+Data-Parallel PyTorch Implementation of Distributed Shampoo" (arXiv:2309.06497, the AlgoPerf winner).
+
+Each parameter is reshaped and cut into blocks (`optim.blocking`: leading axes are batch axes,
+small dims merged, blocks of at most ``block_size`` per dim; dims longer than ``max_precond_dim``
+are not preconditioned). For a 2-D block ``G_t`` (k-D blocks: one factor per dim)::
+
+    L_t = beta2 L_{t-1} + (1 - beta2) G_t G_t^T,  R_t = beta2 R_{t-1} + (1 - beta2) G_t^T G_t
+          (beta2 = 1: the AdaGrad sums L_t = L_{t-1} + G_t G_t^T); L_0 = R_0 = matrix_eps * I
+    every precondition_every steps (and at start_preconditioning_step):
+      P_L = (L_t + r I)^(-1/p), P_R = (R_t + r I)^(-1/p),  r = matrix_eps * lambda_max,
+      p = 2k (k = number of preconditioned dims of the tensor) or exponent_override;
+      a root that is not finite or whose error exceeds failure_threshold is rejected: the previous
+      P is kept and ``root_failures`` counts it
+    S_t = P_L G_t P_R                                    (identity on unpreconditioned dims)
+    A_t = graft direction: g / (sqrt(v_t / (1 - b^t)) + eps) "adam", g / (sqrt(v_t) + eps)
+          "rmsprop" (v EMA with graft_beta2) or "adagrad" (v sum), g "sgd"
+    D_t = S_t ||A_t|| / ||S_t||    per parameter (per block with graft_per_block; per batch entry
+          of stacked layers); D_t = S_t for graft_type="none" (the original Shampoo)
+    D_t = A_t                      before start_preconditioning_step, and for parameters with no
+                                   preconditioned dim (1-D leaves, dims > max_precond_dim)
+    M_t = beta1 M_{t-1} + (1 - beta1) D_t;  update = beta1 M_t + (1 - beta1) D_t (nesterov) or M_t
+
+Differences from the reference: one momentum buffer over the grafted direction (as in
+arXiv:2309.06497) instead of separate Shampoo and graft buffers; momentum is an EMA (the
+reference's ``moving_average_for_momentum=True``) so learning rates are Adam-like; weight decay is
+decoupled (`shampoo` chains `optax.add_decayed_weights`).
+
+Distributed computation: statistics and preconditioners of all parameters are stacked per
+(block side, exponent) group into ``(n_blocks, b, b)`` arrays, padded to a multiple of the device
+count and sharded along the block axis over all axes of the ambient mesh (`optim.blocking`). Under
+`jit` each device stores and computes the roots of its slice of blocks (eigh or Newton batched);
+GSPMD gathers the preconditioners where the gradients need them. For ``jit(tx.init,
+out_shardings=...)`` use `optim.blocking.annotate_block_shardings`. Roots are computed under
+`lax.cond`, so steps that do not refresh them cost statistics + preconditioning only.
+
+Under `optax.inject_hyperparams` the integer arguments that set array shapes must be static:
+``static_args=STATIC_ARGS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optim import blocking, matrix_roots
+from optim.muon import with_adam
+
+GRAFT_TYPES = ("adam", "adagrad", "rmsprop", "sgd", "none")
+STATIC_ARGS = ("block_size", "max_precond_dim", "exponent_override")
+
+
+class ShampooState(NamedTuple):
+    """State of `scale_by_shampoo`."""
+
+    count: jax.Array  # steps taken (int32)
+    momentum: optax.Updates  # M_t, float32, shaped like the parameters
+    graft_nu: optax.Updates  # graft second moment v_t, like the parameters (None for sgd / none)
+    stats: blocking.BlockStacks  # L and R factors: (n_blocks, b, b) per group, block-sharded
+    preconds: blocking.BlockStacks  # their inverse roots, same layout
+    root_failures: jax.Array  # roots rejected so far (NaN or error > failure_threshold), int32
+
+
+def static_int(name: str, value: Any) -> int:
+    """``value`` as a Python int; a clear error when it was injected as an array."""
+    try:
+        return int(value)
+    except jax.errors.ConcretizationTypeError:
+        raise ValueError(
+            f"{name} sets array shapes and must be a Python int; with optax.inject_hyperparams pass "
+            f"static_args={STATIC_ARGS}"
+        ) from None
+
+
+def _graft(kind: str, g: jax.Array, nu: jax.Array | None, t: jax.Array, beta2: Any, eps: Any):
+    """(graft direction A_t, new v_t) for one leaf, float32."""
+    if kind in ("sgd", "none"):
+        return g, None
+    if kind == "adagrad":
+        nu = nu + g * g
+        return g / (jnp.sqrt(nu) + eps), nu
+    nu = beta2 * nu + (1 - beta2) * g * g
+    if kind == "adam":
+        return g / (jnp.sqrt(nu / (1 - beta2**t)) + eps), nu
+    return g / (jnp.sqrt(nu) + eps), nu
+
+
+def _rescale(direction: jax.Array, target: jax.Array, reduce_axes: tuple[int, ...]) -> jax.Array:
+    """``direction * ||target|| / ||direction||`` with norms over ``reduce_axes`` (0 where direction is 0)."""
+    d_norm = jnp.sqrt(jnp.sum(direction * direction, axis=reduce_axes, keepdims=True))
+    t_norm = jnp.sqrt(jnp.sum(target * target, axis=reduce_axes, keepdims=True))
+    return direction * jnp.where(d_norm > 0, t_norm / jnp.where(d_norm > 0, d_norm, 1.0), 0.0)
+
+
+def scale_by_shampoo(
+    block_size: int = 1024,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    *,
+    nesterov: bool = True,
+    matrix_eps: float = 1e-6,
+    precondition_every: int = 100,
+    start_preconditioning_step: int = -1,
+    exponent_override: int = 0,
+    max_precond_dim: int = 4096,
+    root_method: str = "eigh",
+    failure_threshold: float = 0.1,
+    newton_iters: int = 100,
+    graft_type: str = "adam",
+    graft_beta2: float = 0.999,
+    graft_eps: float = 1e-8,
+    graft_per_block: bool = False,
+    merge_dims: bool = True,
+    batch_leading_axes: bool = True,
+) -> optax.GradientTransformation:
+    """Shampoo's grafted, momentum-averaged direction (module docstring); no learning rate.
+
+    Args:
+      block_size: longest block side per dim (distributed Shampoo's blocking).
+      beta1: momentum coefficient (0 disables momentum).
+      beta2: statistics EMA coefficient; 1.0 gives the AdaGrad sums of the original Shampoo.
+      nesterov: Nesterov look-ahead on the momentum.
+      matrix_eps: statistics start at ``matrix_eps * I``; ridge ``matrix_eps * lambda_max``.
+      precondition_every: steps between root refreshes.
+      start_preconditioning_step: first step (1-based) that uses Shampoo; before it the graft
+        direction alone. -1: ``precondition_every`` (as arXiv:2309.06497).
+      exponent_override: use ``X^(-1/exponent_override)`` instead of ``X^(-1/(2k))``; 0: off.
+      max_precond_dim: dims longer than this (after merging) are not preconditioned.
+      root_method: ``"eigh"`` or ``"newton"`` (`optim.matrix_roots`).
+      failure_threshold: largest accepted root error.
+      newton_iters: iteration cap of the Newton method.
+      graft_type: ``"adam"``, ``"adagrad"``, ``"rmsprop"``, ``"sgd"`` or ``"none"``.
+      graft_beta2: second-moment EMA of the adam / rmsprop graft.
+      graft_eps: epsilon of the adam / rmsprop / adagrad graft.
+      graft_per_block: graft each block's norm instead of each parameter's.
+      merge_dims: merge adjacent small dims up to ``block_size`` (`blocking.merge_small_dims`).
+      batch_leading_axes: axes before the last two are batch axes (scan-stacked layers): each entry
+        gets its own statistics. False: every axis is a tensor dim.
+    """
+    block_size = static_int("block_size", block_size)
+    max_precond_dim = static_int("max_precond_dim", max_precond_dim)
+    exponent_override = static_int("exponent_override", exponent_override)
+    if block_size < 1 or max_precond_dim < 1 or exponent_override < 0:
+        raise ValueError(
+            f"need block_size >= 1, max_precond_dim >= 1 and exponent_override >= 0; got {block_size}, "
+            f"{max_precond_dim}, {exponent_override}"
+        )
+    if graft_type not in GRAFT_TYPES:
+        raise ValueError(f"graft_type={graft_type!r} is not one of {', '.join(GRAFT_TYPES)}")
+    if root_method not in matrix_roots.METHODS:
+        raise ValueError(f"root_method={root_method!r} is not one of {', '.join(matrix_roots.METHODS)}")
+    has_nu = graft_type in ("adam", "adagrad", "rmsprop")
+
+    def make_layout(leaf: jax.Array) -> blocking.TensorLayout | None:
+        if leaf.ndim < 2:
+            return None
+        layout = blocking.tensor_layout(
+            leaf.shape,
+            block_size=block_size,
+            max_precond_dim=max_precond_dim,
+            merge_dims=merge_dims,
+            batch_leading_axes=batch_leading_axes,
+        )
+        return layout if layout.rank else None
+
+    def exponent(layout: blocking.TensorLayout) -> int:
+        return exponent_override or 2 * layout.rank
+
+    def layouts(tree: Any) -> tuple[list[jax.Array], Any, list, blocking.StackLayout]:
+        leaves, treedef, tensors = blocking.layout_tree(tree, make_layout)
+        stack = blocking.stack_layout(tensors, lambda b, t: f"p{exponent(t)}_b{b}")
+        return leaves, treedef, tensors, stack
+
+    def init_fn(params):
+        leaves, treedef, _, stack = layouts(params)
+        sizes = {key: blocking.padded_count(n) for key, _, n in stack.groups}
+
+        def eyes(scale):
+            return blocking.BlockStacks(
+                {
+                    key: blocking.constrain_blocks(scale * blocking.identity_fill(sizes[key], b))
+                    for key, b, _ in stack.groups
+                }
+            )
+
+        zeros = treedef.unflatten([jnp.zeros(p.shape, jnp.float32) for p in leaves])
+        return ShampooState(
+            count=jnp.zeros([], jnp.int32),
+            momentum=zeros,
+            graft_nu=zeros if has_nu else None,
+            stats=eyes(matrix_eps),
+            preconds=eyes(1.0),
+            root_failures=jnp.zeros([], jnp.int32),
+        )
+
+    def refresh_roots(stack: blocking.StackLayout, stats, preconds):
+        new, failures = blocking.BlockStacks(), jnp.zeros([], jnp.int32)
+        for key, _, n in stack.groups:
+            p = int(key[1 : key.index("_")])
+            roots, errors = matrix_roots.inverse_pth_root(
+                stats[key], p, method=root_method, ridge_epsilon=matrix_eps, newton_iters=newton_iters
+            )
+            ok = matrix_roots.accepted(roots, errors, failure_threshold)
+            new[key] = blocking.constrain_blocks(jnp.where(ok[:, None, None], roots, preconds[key]))
+            failures += jnp.sum(~ok[:n]).astype(jnp.int32)
+        return new, failures
+
+    def update_fn(updates, state, params=None):
+        del params
+        grads, treedef, tensors, stack = layouts(updates)
+        t = state.count + 1
+        start = jnp.where(start_preconditioning_step < 0, precondition_every, start_preconditioning_step)
+        use_shampoo = t >= start
+
+        g32 = [g.astype(jnp.float32) for g in grads]
+        nus = treedef.flatten_up_to(state.graft_nu) if has_nu else [None] * len(grads)
+        grafts = [_graft(graft_type, g, nu, t, graft_beta2, graft_eps) for g, nu in zip(g32, nus, strict=True)]
+
+        blocks = [None if lay is None else lay.to_blocks(g) for g, lay in zip(g32, tensors, strict=True)]
+        outer = [
+            [
+                [None if s is None else blocking.factor_statistic(rb, i) for i, s in enumerate(region_slots)]
+                for rb, region_slots in zip(leaf_blocks or (), leaf_slots, strict=True)
+            ]
+            for leaf_blocks, leaf_slots in zip(blocks, stack.slots, strict=True)
+        ]
+        outer = blocking.stack(stack, outer, {k: v.shape[0] for k, v in state.stats.items()}, blocking.zeros_fill)
+        w2 = jnp.where(beta2 == 1.0, 1.0, 1.0 - beta2)
+        stats = blocking.BlockStacks(
+            {k: blocking.constrain_blocks(beta2 * state.stats[k] + w2 * outer[k]) for k in state.stats}
+        )
+
+        refresh = use_shampoo & ((t == start) | (t % precondition_every == 0))
+        preconds, failures = jax.lax.cond(
+            refresh,
+            lambda s, p: refresh_roots(stack, s, p),
+            lambda s, p: (p, jnp.zeros([], jnp.int32)),
+            stats,
+            state.preconds,
+        )
+        mats = blocking.unstack(stack, preconds)
+
+        directions = []
+        for g, (graft_dir, _), lay, leaf_blocks, leaf_mats in zip(g32, grafts, tensors, blocks, mats, strict=True):
+            if lay is None:
+                directions.append(graft_dir)
+                continue
+            pre = []
+            for rb, region_mats in zip(leaf_blocks, leaf_mats, strict=True):
+                for i, m in enumerate(region_mats):
+                    if m is not None:
+                        rb = blocking.apply_factor(rb, m, i)
+                pre.append(rb)
+            if graft_type == "none":
+                shampoo_dir = lay.from_blocks(pre)
+            elif graft_per_block:
+                target = lay.to_blocks(graft_dir)
+                shampoo_dir = lay.from_blocks(
+                    [_rescale(s, a, tuple(range(1, s.ndim))) for s, a in zip(pre, target, strict=True)]
+                )
+            else:
+                flat = lay.from_blocks(pre).reshape(lay.batch, -1)
+                shampoo_dir = _rescale(flat, graft_dir.reshape(lay.batch, -1), (1,)).reshape(g.shape)
+            directions.append(jnp.where(use_shampoo, shampoo_dir, graft_dir))
+
+        momentum = []
+        out = []
+        for d, m, g in zip(directions, treedef.flatten_up_to(state.momentum), grads, strict=True):
+            m = beta1 * m + (1 - beta1) * d
+            momentum.append(m)
+            out.append((beta1 * m + (1 - beta1) * d if nesterov else m).astype(g.dtype))
+        new_state = ShampooState(
+            count=t,
+            momentum=treedef.unflatten(momentum),
+            graft_nu=treedef.unflatten([nu for _, nu in grafts]) if has_nu else None,
+            stats=stats,
+            preconds=preconds,
+            root_failures=state.root_failures + failures,
+        )
+        return treedef.unflatten(out), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def root_failures(opt_state: Any) -> jax.Array:
+    """Total rejected roots over every `ShampooState` inside ``opt_state`` (a metric; 0 if none)."""
+    states = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ShampooState))
+    counts = [s.root_failures for s in states if isinstance(s, ShampooState)]
+    return sum(counts, jnp.zeros([], jnp.int32))
+
+
+def shampoo(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    block_size: int = 1024,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    nesterov: bool = True,
+    matrix_eps: float = 1e-6,
+    precondition_every: int = 100,
+    start_preconditioning_step: int = -1,
+    exponent_override: int = 0,
+    max_precond_dim: int = 4096,
+    root_method: str = "eigh",
+    failure_threshold: float = 0.1,
+    newton_iters: int = 100,
+    graft_type: str = "adam",
+    graft_beta2: float = 0.999,
+    graft_eps: float = 1e-8,
+    graft_per_block: bool = False,
+    merge_dims: bool = True,
+    weight_decay: float = 0.0,
+    adam_lr_ratio: float = 1.0,
+    adam_b1: float = 0.9,
+    adam_b2: float = 0.95,
+    adam_eps: float = 1e-8,
+    adam_learning_rate: optax.ScalarOrSchedule | None = None,
+    param_labels: Callable[[Any], Any] | Any | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Shampoo on hidden matrices, AdamW on embeddings, LM head, norms, biases and scalars.
+
+    Matrix leaves: ``chain(scale_by_shampoo(...), add_decayed_weights(weight_decay),
+    scale_by_learning_rate(learning_rate))``; the rest: AdamW with ``adam_lr_ratio * learning_rate``
+    (or ``adam_learning_rate``), see `optim.muon.with_adam`. With the default Adam graft the update
+    has Adam's scale, so Adam's learning rate and schedule carry over. Defaults follow distributed
+    Shampoo (arXiv:2002.09018: beta1 0.9, beta2 0.999, Nesterov, matrix_eps 1e-6, failure
+    threshold 0.1, no weight decay) with the issue's block size 1024 and refresh every 100 steps.
+
+    Example:
+      >>> tx = shampoo(optax.cosine_decay_schedule(1e-3, 1000), precondition_every=10)
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update(grads, state, params)
+    """
+    direction = scale_by_shampoo(
+        block_size,
+        beta1,
+        beta2,
+        nesterov=nesterov,
+        matrix_eps=matrix_eps,
+        precondition_every=precondition_every,
+        start_preconditioning_step=start_preconditioning_step,
+        exponent_override=exponent_override,
+        max_precond_dim=max_precond_dim,
+        root_method=root_method,
+        failure_threshold=failure_threshold,
+        newton_iters=newton_iters,
+        graft_type=graft_type,
+        graft_beta2=graft_beta2,
+        graft_eps=graft_eps,
+        graft_per_block=graft_per_block,
+        merge_dims=merge_dims,
+    )
+    return with_adam(
+        direction,
+        learning_rate,
+        weight_decay=weight_decay,
+        adam_lr_ratio=adam_lr_ratio,
+        adam_learning_rate=adam_learning_rate,
+        adam_b1=adam_b1,
+        adam_b2=adam_b2,
+        adam_eps=adam_eps,
+        param_labels=param_labels,
+    )

@@ -1,0 +1,158 @@
+"""Float64 NumPy references for the Muon family tests, written from the papers' update rules.
+
+Shared by test_muon.py, test_normuon.py, test_mars_muon.py and test_muon_clip.py. The coefficient
+tables are copied here from the papers / reference code, independently of optim/newton_schulz.py.
+"""
+
+import jax
+import numpy as np
+
+JORDAN = [(3.4445, -4.7750, 2.0315)]
+_PE_RAW = [
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+]
+POLAR_EXPRESS = [(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _PE_RAW[:-1]] + [_PE_RAW[-1]]
+DION = [
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+]
+# name: (table, default steps, preconditioning, safety factor on the Frobenius norm)
+PRESETS = {
+    "jordan": (JORDAN, 5, "frobenius", 1.0),
+    "polar_express": (POLAR_EXPRESS, 5, "frobenius", 1.01),
+    "turbo": (DION[1:], 4, "aol", 1.0),
+}
+
+
+def preset_spec(coeffs):
+    if isinstance(coeffs, str):
+        return PRESETS[coeffs]
+    return list(coeffs), len(coeffs), "frobenius", 1.0
+
+
+def normalize(x, coeffs="jordan", eps=1e-7):
+    """The iteration's starting point: wide orientation, Frobenius (and AOL) scaling."""
+    _, _, precondition, safety = preset_spec(coeffs)
+    x = x / (safety * np.linalg.norm(x) + eps)
+    if precondition == "aol":
+        row_sums = np.abs(x @ x.T).sum(axis=1)
+        x = x / np.sqrt(np.maximum(row_sums, eps))[:, None]
+    return x
+
+
+def newton_schulz(x, coeffs="jordan", steps=0, eps=1e-7):
+    """Polar factor approximation of one matrix: X <- a X + b (X X^T) X + c (X X^T)^2 X."""
+    table, default_steps, _, _ = preset_spec(coeffs)
+    tall = x.shape[0] > x.shape[1]
+    x = normalize(x.T if tall else x, coeffs, eps)
+    for i in range(steps or default_steps):
+        a, b, c = table[min(i, len(table) - 1)]
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+def orthogonalize(x, coeffs="jordan", steps=0, eps=1e-7):
+    """`newton_schulz` on every matrix of a ``(*batch, fan_in, fan_out)`` array."""
+    flat = x.reshape(-1, *x.shape[-2:])
+    return np.stack([newton_schulz(m, coeffs, steps, eps) for m in flat]).reshape(x.shape)
+
+
+def shape_scale(shape, kind):
+    fan_in, fan_out = shape[-2:]
+    if kind == "jordan":
+        return np.sqrt(max(1.0, fan_out / fan_in))
+    return 0.2 * np.sqrt(max(fan_in, fan_out))
+
+
+def momentum(g, mu, beta, form, nesterov):
+    """(direction, new momentum): Jordan's EMA or the torch-SGD sum form, with optional Nesterov."""
+    if form == "ema":
+        mu = beta * mu + (1 - beta) * g
+        return (beta * mu + (1 - beta) * g if nesterov else mu), mu
+    mu = beta * mu + g
+    return (g + beta * mu if nesterov else mu), mu
+
+
+def is_matrix(path, leaf):
+    names = {str(getattr(k, "key", k)) for k in path}
+    return leaf.ndim >= 2 and not names & {"embed", "embedding", "lm_head"}
+
+
+class AdamW:
+    """Loshchilov & Hutter's AdamW with bias correction; decay only on leaves of two or more axes."""
+
+    def __init__(self, b1=0.9, b2=0.95, eps=1e-8):
+        self.b1, self.b2, self.eps = b1, b2, eps
+        self.m, self.v, self.t = {}, {}, {}
+
+    def update(self, key, g, p, lr, wd):
+        m = self.b1 * self.m.get(key, 0.0) + (1 - self.b1) * g
+        v = self.b2 * self.v.get(key, 0.0) + (1 - self.b2) * g * g
+        t = self.t.get(key, 0) + 1
+        self.m[key], self.v[key], self.t[key] = m, v, t
+        step = (m / (1 - self.b1**t)) / (np.sqrt(v / (1 - self.b2**t)) + self.eps)
+        return -lr * (step + (wd * p if p.ndim >= 2 else 0.0))
+
+
+def model_tree(seed, *, layers=2, d=8, heads=2, kv_heads=1, head_dim=4, mlp=12, vocab=11, untied=False, scale=1.0):
+    """A miniature of the LM's parameter tree (float64), scan-stacked layers."""
+    rng = np.random.default_rng(seed)
+    r = lambda *shape: scale * rng.standard_normal(shape)  # noqa: E731
+    tree = {
+        "embed": {"embedding": r(vocab, d)},
+        "blocks": {
+            "attn_norm": {"scale": r(layers, d)},
+            "attn": {
+                "q_proj": {"kernel": r(layers, d, heads * head_dim)},
+                "k_proj": {"kernel": r(layers, d, kv_heads * head_dim)},
+                "v_proj": {"kernel": r(layers, d, kv_heads * head_dim)},
+                "o_proj": {"kernel": r(layers, heads * head_dim, d)},
+            },
+            "mlp": {
+                "gate_proj": {"kernel": r(layers, d, mlp)},
+                "down_proj": {"kernel": r(layers, mlp, d)},
+            },
+        },
+        "final_norm": {"scale": r(d)},
+    }
+    if untied:
+        tree["lm_head"] = {"kernel": r(d, vocab)}
+    return tree
+
+
+def f32(tree):
+    """The float32-rounded tree, as float64 (what the JAX run sees, exactly)."""
+    return jax.tree.map(lambda x: np.asarray(x, np.float32).astype(np.float64), tree)
+
+
+def run_matrix_family(params, grads_seq, direction_fn, *, lr, adam_lr, wd, adam=None):
+    """Runs a matrix optimizer: ``direction_fn(key, g, p)`` on matrices, AdamW elsewhere.
+
+    The full update is ``-lr (direction + wd W)`` on matrices. Returns the parameters after each step.
+    """
+    adam = adam or AdamW()
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    values = [leaf for _, leaf in flat]
+    history = []
+    for grads in grads_seq:
+        g_leaves = jax.tree.leaves(grads)
+        new = []
+        for i, ((path, _), p, g) in enumerate(zip(flat, values, g_leaves, strict=True)):
+            if is_matrix(path, p):
+                new.append(p - lr * (direction_fn(i, g, p) + wd * p))
+            else:
+                new.append(p + adam.update(i, g, p, adam_lr, wd))
+        values = new
+        history.append(treedef.unflatten(values))
+    return history

@@ -194,12 +194,6 @@ def _loop(config, workdir, setup, shardings, step_fn, state, start, mgr, meta, s
             bad_streak = int(jax.device_get(state["bad_streak"]))
             step_times.append(time.perf_counter() - t0)
             done = step + 1
-            if bad_streak >= config.max_bad_steps:
-                raise NonFiniteError(
-                    f"{bad_streak} consecutive steps had a non-finite loss or gradient (last at step {done}); parameters "
-                    "were left unchanged and no such state was checkpointed. Lower optimizer.learning_rate, enable "
-                    "optimizer.grad_clip_norm, or check the data"
-                )
             record = {
                 "step": done,
                 "loss": float(metrics["loss"]),
@@ -215,15 +209,20 @@ def _loop(config, workdir, setup, shardings, step_fn, state, start, mgr, meta, s
             if done % config.log_every == 0 or "val_loss" in record or done == config.steps:
                 writer.write(record)
                 progress.update(record)
-            checkpointing.save(mgr, done, state, setup.train_iter.get_state(), meta)
+            if bad_streak >= config.max_bad_steps:
+                raise NonFiniteError(
+                    f"{bad_streak} consecutive steps had a non-finite loss or gradient (last at step {done}); parameters "
+                    "were left unchanged and no such state was checkpointed. Lower optimizer.learning_rate, enable "
+                    "optimizer.grad_clip_norm, or check the data"
+                )
             if interrupt_at is not None and done == interrupt_at:
                 stop.request(signal.SIGTERM)
-            if stop.signum is not None and done < config.steps:
-                checkpointing.save(mgr, done, state, setup.train_iter.get_state(), meta, force=True)
+            stopping = stop.signum is not None and done < config.steps
+            checkpointing.save(mgr, done, state, setup.train_iter.get_state(), meta, force=stopping or done == config.steps)
+            if stopping:
                 progress.close()
                 print(f"stopped by signal {stop.signum} after step {done}; checkpoint saved, rerun with the same --workdir to resume", file=sys.stderr)
                 return {"interrupted": True, "steps": done, "signal": stop.signum}
-        checkpointing.save(mgr, config.steps, state, setup.train_iter.get_state(), meta, force=mgr.latest_step() != config.steps)
     finally:
         progress.close()
         writer.close()
@@ -335,8 +334,10 @@ def define_flags() -> flags.FlagHolder:
     try:
         return config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file (ml_collections).", lock_config=True)
     except (AttributeError, KeyError) as e:  # config_flags applies --config.* overrides right here
-        key = str(e).strip("\"'")
-        _usage_exit(f"unknown config key {key!r}; the keys are listed in {DEFAULT_CONFIG}")
+        detail = str(e.args[0] if e.args else e).replace("\\'", "'").replace("\\n", "\n").strip("'\"")
+        key, _, hint = detail.partition("\n")
+        hint = f" ({hint.strip()})" if hint.strip() else ""
+        _usage_exit(f"unknown config key {key.strip(chr(39))!r}{hint}; the keys are listed in {DEFAULT_CONFIG}")
 
 
 if __name__ == "__main__":

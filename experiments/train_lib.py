@@ -132,8 +132,8 @@ def make_train_step(
         metrics = {
             "loss": loss,
             **metrics,
-            "grad_norm": optax.global_norm(grads),
-            "update_norm": optax.global_norm(updates),
+            "grad_norm": optax.tree.norm(grads),
+            "update_norm": optax.tree.norm(updates),
             "finite": ok,
         }
         if learning_rate is not None:

@@ -1,0 +1,179 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+from experiments import train, train_lib
+from experiments.configs import default
+from experiments.metrics_io import read_metrics
+from lm import config as config_lib
+from lm import model as model_lib
+from sharding import mesh as mesh_lib
+from sharding import rules as rules_lib
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def small_config(**overrides):
+    config = default.get_config()
+    config.steps = 12
+    config.batch_size = 8
+    config.data.seq_len = 32
+    config.eval_every = 6
+    config.eval_batches = 2
+    config.log_every = 1
+    config.checkpoint_every = 5
+    config.optimizer.warmup_steps = 2
+    for key, value in overrides.items():
+        target = config
+        *path, last = key.split(".")
+        for p in path:
+            target = target[p]
+        target[last] = value
+    return config
+
+
+def test_run_writes_every_output_and_learns(tmp_path):
+    summary = train.run(small_config(steps=30, eval_every=10), tmp_path)
+    for name in ("config.json", "metrics.jsonl", "loss.png", "summary.json"):
+        assert (tmp_path / name).is_file(), name
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 31))
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_second"} <= set(records[0])
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(vals) == 3 and vals[-1] < vals[0] - 0.3
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("steps", "final_train_loss", "final_val_loss", "tokens_per_second", "mfu", "peak_memory_bytes"):
+        assert on_disk[key] == summary[key]
+    assert 0 < summary["mfu"] < 1 and summary["peak_memory_bytes"] > 0
+    assert json.loads((tmp_path / "config.json").read_text())["steps"] == 30
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("straight")
+    train.run(small_config(), workdir)
+    return read_metrics(workdir / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("interrupt_at", [5, 7])  # on and between checkpoint_every=5 boundaries
+def test_interrupted_and_resumed_run_matches_uninterrupted_bit_for_bit(tmp_path, straight_run, interrupt_at):
+    config = small_config()
+    stopped = train.run(config, tmp_path, interrupt_at=interrupt_at)
+    assert stopped == {"interrupted": True, "steps": interrupt_at, "signal": 15}
+    summary = train.run(config, tmp_path)
+    assert summary["resumed_from_step"] == interrupt_at
+    resumed = read_metrics(tmp_path / "metrics.jsonl")
+    for key in ("step", "loss", "grad_norm", "lr", "val_loss"):
+        assert [r.get(key) for r in resumed] == [r.get(key) for r in straight_run], key
+
+
+def test_non_finite_steps_are_skipped_and_counted():
+    """A corrupt batch (token ids past the vocabulary gather NaN embeddings) must not touch the state."""
+    model_def = model_lib.define(config_lib.from_preset("tiny", n_layers=1))
+    tx = optax.adam(1e-3)
+    mesh = mesh_lib.make_mesh("data:8")
+    shardings = train_lib.make_shardings(model_def, tx, mesh, rules_lib.make_rules())
+    good = np.random.default_rng(0).integers(0, 256, (8, 17))
+    corrupt = good.copy()
+    corrupt[3, 5] = 10_000
+    with jax.set_mesh(mesh):
+        state = train_lib.init_state(model_def, tx, 0, shardings)
+        step = jax.jit(train_lib.make_train_step(model_def, tx))
+        history = []
+        for batch in (good, corrupt, corrupt, good):
+            before = jax.tree.map(np.asarray, (state["params"], state["opt_state"]))
+            state, metrics = step(state, jnp.asarray(batch, jnp.int32))
+            after = jax.tree.leaves((state["params"], state["opt_state"]))
+            changed = any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), after))
+            history.append((bool(metrics["finite"]), changed, int(state["bad_streak"]), int(state["skipped"])))
+    assert history == [(True, True, 0, 0), (False, False, 1, 1), (False, False, 2, 2), (True, True, 0, 2)]
+    assert all(np.all(np.isfinite(p)) for p in jax.tree.leaves(state["params"]))
+
+
+def test_run_stops_after_consecutive_bad_steps_without_poisoned_checkpoint(tmp_path):
+    config = small_config(steps=10, max_bad_steps=3)
+    config.optimizer.learning_rate = float("inf")
+    config.optimizer.schedule = "constant"
+    config.optimizer.warmup_steps = 0
+    with pytest.raises(train.NonFiniteError, match="3 consecutive steps"):
+        train.run(config, tmp_path)
+    mgr = ocp.CheckpointManager(tmp_path / "checkpoints")
+    for step in mgr.all_steps():
+        restored = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+        assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(restored["state"]["params"]))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["skipped_steps"] for r in records] == [1, 2, 3]
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    one = train.run(small_config(steps=4, eval_every=4, batch_size=16), tmp_path / "one")
+    accumulated = train.run(small_config(steps=4, eval_every=4, batch_size=16, grad_accum_steps=2), tmp_path / "two")
+    assert accumulated["final_train_loss"] == pytest.approx(one["final_train_loss"], rel=1e-5)
+    assert accumulated["final_val_loss"] == pytest.approx(one["final_val_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"optimizer.name": "adamz"}, "unknown optimizer 'adamz'; set optimizer.name to one of"),
+        ({"model.preset": "huge"}, "unknown model preset 'huge'"),
+        ({"model.n_heads": 3}, "multiple of model.n_kv_heads"),
+        ({"data.path": "/no/such/corpus"}, "does not exist"),
+        ({"mesh": "data:3"}, "divisors of 8"),
+        ({"batch_size": 12}, "batch_size divisible by 8"),
+        ({"optimizer.schedule": "step"}, "one of constant, cosine"),
+    ],
+)
+def test_bad_input_is_a_usage_error_naming_the_fix(tmp_path, overrides, message):
+    with pytest.raises(train.UsageError, match=message):
+        train.run(small_config(**overrides), tmp_path)
+
+
+def test_workdir_with_another_models_checkpoint_is_refused(tmp_path):
+    train.run(small_config(steps=2, eval_every=2, **{"optimizer.warmup_steps": 0}), tmp_path)
+    with pytest.raises(train.UsageError, match="different run .*d_model: checkpoint 128 vs now 64"):
+        train.run(small_config(steps=4, **{"model.d_model": 64}), tmp_path)
+
+
+def _cli(*args, cwd, env_extra=None, timeout=900):
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--config.optimizer.nme=sgd"], "unknown config key 'nme'"),
+        (["--config.model.preset=huge"], "unknown model preset 'huge'"),
+        (["--config.steps=ten"], "--config.steps=ten"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(tmp_path, args, message):
+    result = _cli(f"--workdir={tmp_path}", *args, cwd=tmp_path)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+def test_default_main_job_reaches_target_loss(tmp_path):
+    """The README's main command, as a fresh user runs it: no flags, a workdir under ./runs/."""
+    result = _cli(cwd=tmp_path, env_extra={"JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == default.get_config().steps
+    assert summary["final_val_loss"] <= 2.5
+    print(f"default job: val loss {summary['final_val_loss']:.3f}, {summary['tokens_per_second']:.0f} tokens/s")

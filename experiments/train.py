@@ -34,6 +34,7 @@ from lm import model as model_lib
 from lm.loss import flops_per_token
 from optim import registry
 from sharding import mesh as mesh_lib
+from sharding import multihost
 from sharding import partition
 from sharding import rules as rules_lib
 
@@ -84,6 +85,7 @@ class _Setup:
     rules: rules_lib.Rules
     train_iter: data.PackedBatches
     val_batches: list[np.ndarray]
+    shardings: train_lib.Shardings
 
 
 def _setup(config: ml_collections.ConfigDict) -> _Setup:
@@ -96,7 +98,11 @@ def _setup(config: ml_collections.ConfigDict) -> _Setup:
         cfg = model_config(config)
         if config.data.seq_len > cfg.max_seq_len:
             raise ValueError(f"data.seq_len={config.data.seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
-        mesh = mesh_lib.make_mesh(config.mesh)
+        if config.devices and jax.process_count() > 1:
+            raise ValueError("config.devices selects local devices and works only in single-process runs; leave it 0")
+        if config.devices > len(jax.devices()):
+            raise ValueError(f"config.devices={config.devices} but only {len(jax.devices())} devices are present")
+        mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[: config.devices] if config.devices else None)
         rules = rules_lib.make_rules(config.rules, rules_lib.parse_overrides(config.get("rule_overrides", "")))
         n_batch_shards = int(np.prod([mesh.shape[a] for a in dict(rules.activations).get("batch", ()) if a in mesh.shape]))
         if (config.batch_size // config.grad_accum_steps) % n_batch_shards:
@@ -105,6 +111,8 @@ def _setup(config: ml_collections.ConfigDict) -> _Setup:
                 f"{n_batch_shards} batch shards of mesh {dict(mesh.shape)}; use a batch_size divisible by {n_batch_shards * config.grad_accum_steps}"
             )
         tx = registry.build(config.optimizer, config.steps)
+        model_def = model_lib.define(cfg)
+        shardings = train_lib.make_shardings(model_def, tx, mesh, rules)
         streams = corpus.load(config.data.path, val_fraction=config.data.val_fraction, cache_dir=config.data.cache_dir or None)
         p_index, p_count = jax.process_index(), jax.process_count()
         train_iter = data.PackedBatches(
@@ -116,7 +124,7 @@ def _setup(config: ml_collections.ConfigDict) -> _Setup:
         )  # fmt: skip
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise UsageError(str(e).strip("'\"")) from e
-    return _Setup(cfg, model_lib.define(cfg), tx, mesh, rules, train_iter, val)
+    return _Setup(cfg, model_def, tx, mesh, rules, train_iter, val, shardings)
 
 
 def _evaluate(eval_step, params, batches, shardings) -> float:
@@ -142,7 +150,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | Path, *, interrupt_at:
     if lead:
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
 
-    shardings = train_lib.make_shardings(setup.model_def, setup.tx, setup.mesh, setup.rules)
+    shardings = setup.shardings
     lr_fn = registry.learning_rate_fn(config.optimizer, config.steps)
     step_fn = train_lib.make_train_step(
         setup.model_def, setup.tx, grad_accum_steps=config.grad_accum_steps, z_loss=config.loss.z_loss, learning_rate=lr_fn
@@ -234,7 +242,7 @@ def _summarize(config, workdir, setup, step_times, last, val_loss, start, lead) 
     timed = step_times[1:] or step_times  # the first step of a process includes compilation
     tokens_per_second = tokens_per_step / float(np.median(timed)) if timed else 0.0
     fpt = flops_per_token(setup.cfg, config.data.seq_len)
-    peak_flops = hardware.matmul_flops_per_device() * len(jax.devices())
+    peak_flops = hardware.matmul_flops_per_device() * setup.mesh.size
     peak_bytes, peak_source = hardware.peak_memory_bytes()
     summary = {
         "steps": config.steps,
@@ -249,7 +257,7 @@ def _summarize(config, workdir, setup, step_times, last, val_loss, start, lead) 
         "peak_memory_source": peak_source,
         "skipped_steps": last.get("skipped_steps", 0),
         "num_params": setup.cfg.num_params(),
-        "devices": len(jax.devices()),
+        "devices": setup.mesh.size,
         "mesh": dict(setup.mesh.shape),
     }
     if lead:
@@ -310,6 +318,12 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     del argv  # checked by _parse_flags
     if not flags.FLAGS.verbose:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    try:
+        multihost.initialize(
+            flags.FLAGS.coordinator_address, flags.FLAGS.num_processes, flags.FLAGS.process_id, auto=flags.FLAGS.distributed_auto
+        )
+    except ValueError as e:
+        _usage_exit(str(e))
     config = config_flag.value
     workdir = flags.FLAGS.workdir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.model.preset}-{config.optimizer.name}"
     try:
@@ -331,6 +345,10 @@ def define_flags() -> flags.FlagHolder:
     """The command-line flags; config overrides of unknown keys exit with code 2."""
     flags.DEFINE_string("workdir", None, "Output folder; default: a fresh folder under ./runs/.")
     flags.DEFINE_bool("verbose", False, "Show tracebacks for bad input, and library logs.")
+    flags.DEFINE_string("coordinator_address", None, "Multi-process: host:port of process 0.")
+    flags.DEFINE_integer("num_processes", None, "Multi-process: number of processes.")
+    flags.DEFINE_integer("process_id", None, "Multi-process: rank of this process.")
+    flags.DEFINE_bool("distributed_auto", False, "Multi-process with values detected by JAX (TPU VM, SLURM).")
     try:
         return config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file (ml_collections).", lock_config=True)
     except (AttributeError, KeyError) as e:  # config_flags applies --config.* overrides right here

@@ -42,6 +42,7 @@ def make_shardings(
     model_def: model_lib.ModelDef, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, rules: rules_lib.Rules
 ) -> Shardings:
     params = partition.named_shardings(model_def.logical_specs, mesh, rules)
+    partition.check_divisible(model_def.abstract_params, params)
     abstract_opt = jax.eval_shape(tx.init, model_def.abstract_params)
     opt = partition.state_shardings(abstract_opt, model_def.abstract_params, params, mesh)
     replicated = jax.NamedSharding(mesh, jax.P())

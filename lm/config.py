@@ -14,7 +14,7 @@ from lm import tokenizer
 class ModelConfig:
     """A decoder-only transformer (pre-norm, RMSNorm, RoPE, grouped-query attention, SwiGLU)."""
 
-    vocab_size: int = tokenizer.VOCAB_SIZE
+    vocab_size: int = tokenizer.PADDED_VOCAB_SIZE
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4

@@ -8,6 +8,7 @@ BOS = 256
 EOS = 257  # separates documents in the packed stream
 PAD = 258
 VOCAB_SIZE = 259
+PADDED_VOCAB_SIZE = 320  # model vocabulary: a multiple of 64, so it splits over tensor-parallel axes
 
 
 def encode(text: str | bytes) -> np.ndarray:

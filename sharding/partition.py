@@ -52,6 +52,21 @@ def named_shardings(logical_specs: Any, mesh: jax.sharding.Mesh, rules: rules_li
     )
 
 
+def check_divisible(abstract: Any, shardings: Any) -> None:
+    """Raises a ValueError naming the array, dimension and fix when a sharded dimension does not divide."""
+    flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    for (path, leaf), sharding in zip(flat, jax.tree.leaves(shardings), strict=True):
+        for dim, axes in enumerate(sharding.spec):
+            names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            ways = int(np.prod([sharding.mesh.shape[a] for a in names]))
+            if leaf.shape[dim] % ways:
+                raise ValueError(
+                    f"{jax.tree_util.keystr(path)} has shape {leaf.shape}; dimension {dim} ({leaf.shape[dim]}) does not "
+                    f"split over mesh axes {names} of size {ways}. Change the model size, the mesh, or override the rule "
+                    "for that logical axis (--config.rule_overrides)"
+                )
+
+
 def _shape_key(leaf: Any) -> tuple[int, ...]:
     return tuple(getattr(leaf, "shape", ()))
 

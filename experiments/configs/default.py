@@ -58,6 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.optimizer = optimizer_config()
 
     config.mesh = ""  # empty: every device on the data axis; e.g. "data:2,fsdp:2,tensor:2", "fsdp:-1"
+    config.devices = 0  # 0: all devices; N: the first N (single process), e.g. 1 to debug on one GPU
     config.rules = "fsdp"  # logical-to-mesh rule preset: dp | fsdp | tp | sp (sharding/rules.py)
     config.rule_overrides = ""  # e.g. "mlp=tensor,params.vocab=" (logical=mesh_axis[+mesh_axis])
 

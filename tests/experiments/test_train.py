@@ -133,6 +133,8 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
         ({"mesh": "data:3"}, "divisors of 8"),
         ({"batch_size": 12}, "batch_size divisible by 8"),
         ({"optimizer.schedule": "step"}, "one of constant, cosine"),
+        ({"mesh": "tensor:8", "rules": "tp", "model.mlp_dim": 100}, "does not split over mesh axes \\('tensor',\\)"),
+        ({"devices": 9}, "only 8 devices"),
     ],
 )
 def test_bad_input_is_a_usage_error_naming_the_fix(tmp_path, overrides, message):

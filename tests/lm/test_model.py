@@ -13,7 +13,7 @@ from lm.loss import cross_entropy, flops_per_token
 from sharding.rules import LOGICAL_AXES
 
 TINY_SHAPES = {
-    "embed/embedding": ((259, 128), ("vocab", "embed")),
+    "embed/embedding": ((320, 128), ("vocab", "embed")),
     "blocks/attn_norm/scale": ((4, 128), ("layers", "embed")),
     "blocks/attn/q_proj/kernel": ((4, 128, 128), ("layers", "embed", "heads")),
     "blocks/attn/k_proj/kernel": ((4, 128, 64), ("layers", "embed", "kv_heads")),

@@ -159,7 +159,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | Path, *, interrupt_at:
     mgr = checkpointing.manager(workdir, keep=config.keep_checkpoints, every=config.checkpoint_every)
     stop = _Stop()
     handlers = {}
-    if interrupt_at is None and hasattr(signal, "SIGTERM"):
+    if hasattr(signal, "SIGTERM"):
         try:
             handlers = {s: signal.signal(s, stop.request) for s in (signal.SIGINT, signal.SIGTERM)}
         except ValueError:  # not the main thread: no signal handling
@@ -327,7 +327,7 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     config = config_flag.value
     workdir = flags.FLAGS.workdir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.model.preset}-{config.optimizer.name}"
     try:
-        summary = run(config, workdir)
+        summary = run(config, workdir, interrupt_at=flags.FLAGS.stop_after)
     except UsageError as e:
         if flags.FLAGS.verbose:
             raise
@@ -348,6 +348,7 @@ def define_flags() -> flags.FlagHolder:
     flags.DEFINE_string("coordinator_address", None, "Multi-process: host:port of process 0.")
     flags.DEFINE_integer("num_processes", None, "Multi-process: number of processes.")
     flags.DEFINE_integer("process_id", None, "Multi-process: rank of this process.")
+    flags.DEFINE_integer("stop_after", None, "Stop as if preempted after this step (checkpoint, exit 143).")
     flags.DEFINE_bool("distributed_auto", False, "Multi-process with values detected by JAX (TPU VM, SLURM).")
     try:
         return config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file (ml_collections).", lock_config=True)

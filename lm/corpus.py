@@ -67,7 +67,7 @@ def _cache_key(root: Path, files: list[Path], val_fraction: float) -> str:
 
 
 def _write_stream(path: Path, chunks: list[np.ndarray]) -> None:
-    tmp = path.with_suffix(".tmp.npy")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp.npy")  # processes may build the same cache at once
     np.save(tmp, np.concatenate(chunks) if chunks else np.zeros((0,), np.uint16))
     os.replace(tmp, path)
 

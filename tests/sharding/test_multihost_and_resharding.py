@@ -1,0 +1,89 @@
+"""Runs that move between meshes and processes: checkpoint resharding and a 2-process job."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments import train
+from experiments.configs import default
+from experiments.metrics_io import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _config(mesh="", rules="fsdp", devices=0):
+    config = default.get_config()
+    config.steps, config.batch_size, config.data.seq_len = 10, 8, 32
+    config.eval_every, config.eval_batches, config.log_every = 5, 2, 1
+    config.checkpoint_every = 100
+    config.optimizer.warmup_steps = 2
+    config.mesh, config.rules, config.devices = mesh, rules, devices
+    return config
+
+
+def _losses(workdir):
+    return [r["loss"] for r in read_metrics(Path(workdir) / "metrics.jsonl")]
+
+
+def test_checkpoint_saved_on_fsdp_restores_on_other_meshes(tmp_path):
+    reference = train.run(_config("fsdp:8"), tmp_path / "straight")
+    assert reference["steps"] == 10
+    train.run(_config("fsdp:8"), tmp_path / "saved", interrupt_at=4)
+    targets = {
+        "tp": (_config("data:2,tensor:4", rules="tp"), {"data": 2, "tensor": 4}),
+        "one_device": (_config("data:1", devices=1), {"data": 1}),
+    }
+    for name, (config, mesh) in targets.items():
+        shutil.copytree(tmp_path / "saved", tmp_path / name)
+        summary = train.run(config, tmp_path / name)
+        assert summary["resumed_from_step"] == 4 and summary["mesh"] == mesh
+        assert _losses(tmp_path / name) == pytest.approx(_losses(tmp_path / "straight"), rel=1e-5)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_cli(workdir, *extra, env_extra=None):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", **(env_extra or {})}
+    args = [
+        sys.executable, "-m", "experiments.train", f"--workdir={workdir}", "--config.steps=8", "--config.batch_size=8",
+        "--config.data.seq_len=32", "--config.eval_every=4", "--config.eval_batches=2", "--config.log_every=1",
+        "--config.optimizer.warmup_steps=2", *extra,
+    ]  # fmt: skip
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _two_processes(workdir, *extra):
+    port = _free_port()
+    procs = [
+        _train_cli(workdir, f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}", *extra)
+        for i in range(2)
+    ]
+    results = [p.communicate(timeout=600) for p in procs]
+    return [p.returncode for p in procs], results
+
+
+def test_two_process_run_checkpoints_resumes_and_matches_one_process(tmp_path):
+    single = _train_cli(tmp_path / "single", env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    out, err = single.communicate(timeout=600)
+    assert single.returncode == 0, err[-2000:]
+
+    codes, results = _two_processes(tmp_path / "multi", "--stop_after=3")
+    assert codes == [143, 143], [r[1][-2000:] for r in results]
+    assert (tmp_path / "multi" / "checkpoints" / "3").is_dir()
+    codes, results = _two_processes(tmp_path / "multi")
+    assert codes == [0, 0], [r[1][-2000:] for r in results]
+
+    multi = read_metrics(tmp_path / "multi" / "metrics.jsonl")
+    reference = read_metrics(tmp_path / "single" / "metrics.jsonl")
+    assert [r["step"] for r in multi] == list(range(1, 9))
+    assert [r["loss"] for r in multi] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
+    assert [r.get("val_loss") for r in multi] == pytest.approx([r.get("val_loss") for r in reference], rel=1e-5)

@@ -76,20 +76,20 @@ def _run_meta(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConf
     }
 
 
-@dataclasses.dataclass
-class _Setup:
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """The model, optimizer and placement a config describes (no data, no allocation)."""
+
     cfg: model_config_lib.ModelConfig
     model_def: model_lib.ModelDef
     tx: Any
     mesh: jax.sharding.Mesh
     rules: rules_lib.Rules
-    train_iter: data.PackedBatches
-    val_batches: list[np.ndarray]
     shardings: train_lib.Shardings
 
 
-def _setup(config: ml_collections.ConfigDict) -> _Setup:
-    """Everything that depends only on the config; every bad-input error surfaces here."""
+def build_run(config: ml_collections.ConfigDict) -> RunSpec:
+    """Checks ``config`` and builds its `RunSpec`; every bad-input error becomes a `UsageError`."""
     try:
         if config.steps < 1:
             raise ValueError(f"config.steps={config.steps} must be >= 1")
@@ -113,6 +113,14 @@ def _setup(config: ml_collections.ConfigDict) -> _Setup:
         tx = registry.build(config.optimizer, config.steps)
         model_def = model_lib.define(cfg)
         shardings = train_lib.make_shardings(model_def, tx, mesh, rules)
+    except (ValueError, KeyError) as e:
+        raise UsageError(str(e).strip("'\"")) from e
+    return RunSpec(cfg, model_def, tx, mesh, rules, shardings)
+
+
+def _load_data(config: ml_collections.ConfigDict) -> tuple[data.PackedBatches, list[np.ndarray]]:
+    """This process's training iterator and validation batches."""
+    try:
         streams = corpus.load(config.data.path, val_fraction=config.data.val_fraction, cache_dir=config.data.cache_dir or None)
         p_index, p_count = jax.process_index(), jax.process_count()
         train_iter = data.PackedBatches(
@@ -122,9 +130,9 @@ def _setup(config: ml_collections.ConfigDict) -> _Setup:
             streams["validation"], config.data.seq_len, config.batch_size, config.eval_batches,
             process_index=p_index, process_count=p_count,
         )  # fmt: skip
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        raise UsageError(str(e).strip("'\"")) from e
-    return _Setup(cfg, model_def, tx, mesh, rules, train_iter, val, shardings)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from e
+    return train_iter, val
 
 
 def _evaluate(eval_step, params, batches, shardings) -> float:
@@ -144,18 +152,19 @@ def run(config: ml_collections.ConfigDict, workdir: str | Path, *, interrupt_at:
       The summary dict also written to ``summary.json``; ``{"interrupted": True, ...}`` when stopped.
     """
     workdir = Path(workdir)
-    setup = _setup(config)
+    spec = build_run(config)
+    train_iter, val_batches = _load_data(config)
     lead = jax.process_index() == 0
     workdir.mkdir(parents=True, exist_ok=True)
     if lead:
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
 
-    shardings = setup.shardings
+    shardings = spec.shardings
     lr_fn = registry.learning_rate_fn(config.optimizer, config.steps)
     step_fn = train_lib.make_train_step(
-        setup.model_def, setup.tx, grad_accum_steps=config.grad_accum_steps, z_loss=config.loss.z_loss, learning_rate=lr_fn
+        spec.model_def, spec.tx, grad_accum_steps=config.grad_accum_steps, z_loss=config.loss.z_loss, learning_rate=lr_fn
     )
-    meta = _run_meta(config, setup.cfg)
+    meta = _run_meta(config, spec.cfg)
     mgr = checkpointing.manager(workdir, keep=config.keep_checkpoints, every=config.checkpoint_every)
     stop = _Stop()
     handlers = {}
@@ -165,18 +174,21 @@ def run(config: ml_collections.ConfigDict, workdir: str | Path, *, interrupt_at:
         except ValueError:  # not the main thread: no signal handling
             handlers = {}
     try:
-        with jax.set_mesh(setup.mesh), partition.use_rules(setup.rules):
-            target = train_lib.abstract_state(setup.model_def, setup.tx, shardings)
+        with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
+            target = train_lib.abstract_state(spec.model_def, spec.tx, shardings)
             try:
                 restored = checkpointing.restore_latest(mgr, target, meta)
             except checkpointing.CheckpointMismatch as e:
                 raise UsageError(str(e)) from e
             if restored is None:
-                state, start = train_lib.init_state(setup.model_def, setup.tx, config.seed, shardings), 0
+                state, start = train_lib.init_state(spec.model_def, spec.tx, config.seed, shardings), 0
             else:
                 start, state, data_state = restored
-                setup.train_iter.set_state(data_state)
-            summary = _loop(config, workdir, setup, shardings, step_fn, state, start, mgr, meta, stop, interrupt_at, lead)
+                try:
+                    train_iter.set_state(data_state)
+                except ValueError as e:
+                    raise UsageError(str(e)) from e
+            summary = _loop(config, workdir, spec, train_iter, val_batches, step_fn, state, start, mgr, meta, stop, interrupt_at)
     finally:
         mgr.wait_until_finished()
         mgr.close()
@@ -185,9 +197,10 @@ def run(config: ml_collections.ConfigDict, workdir: str | Path, *, interrupt_at:
     return summary
 
 
-def _loop(config, workdir, setup, shardings, step_fn, state, start, mgr, meta, stop, interrupt_at, lead) -> dict:
+def _loop(config, workdir, spec, train_iter, val_batches, step_fn, state, start, mgr, meta, stop, interrupt_at) -> dict:
+    shardings, lead = spec.shardings, jax.process_index() == 0
     train_step = train_lib.jit_train_step(step_fn, shardings)
-    eval_step = train_lib.jit_eval_step(train_lib.make_eval_step(setup.model_def), shardings)
+    eval_step = train_lib.jit_eval_step(train_lib.make_eval_step(spec.model_def), shardings)
     writer = metrics_io.MetricsWriter(workdir, resume_step=start, enabled=lead)
     tokens_per_step = config.batch_size * config.data.seq_len
     progress = Progress(config.steps, start, lead)
@@ -197,7 +210,7 @@ def _loop(config, workdir, setup, shardings, step_fn, state, start, mgr, meta, s
     try:
         for step in range(start, config.steps):
             t0 = time.perf_counter()
-            state, metrics = train_step(state, train_lib.global_batch(next(setup.train_iter), shardings))
+            state, metrics = train_step(state, train_lib.global_batch(next(train_iter), shardings))
             metrics = jax.device_get(metrics)
             bad_streak = int(jax.device_get(state["bad_streak"]))
             step_times.append(time.perf_counter() - t0)
@@ -211,7 +224,7 @@ def _loop(config, workdir, setup, shardings, step_fn, state, start, mgr, meta, s
                 "skipped_steps": int(jax.device_get(state["skipped"])),
             }
             if done % config.eval_every == 0 or done == config.steps:
-                val_loss = _evaluate(eval_step, state["params"], setup.val_batches, shardings)
+                val_loss = _evaluate(eval_step, state["params"], val_batches, shardings)
                 record["val_loss"] = val_loss
             last = record
             if done % config.log_every == 0 or "val_loss" in record or done == config.steps:
@@ -226,7 +239,7 @@ def _loop(config, workdir, setup, shardings, step_fn, state, start, mgr, meta, s
             if interrupt_at is not None and done == interrupt_at:
                 stop.request(signal.SIGTERM)
             stopping = stop.signum is not None and done < config.steps
-            checkpointing.save(mgr, done, state, setup.train_iter.get_state(), meta, force=stopping or done == config.steps)
+            checkpointing.save(mgr, done, state, train_iter.get_state(), meta, force=stopping or done == config.steps)
             if stopping:
                 progress.close()
                 print(f"stopped by signal {stop.signum} after step {done}; checkpoint saved, rerun with the same --workdir to resume", file=sys.stderr)
@@ -234,15 +247,15 @@ def _loop(config, workdir, setup, shardings, step_fn, state, start, mgr, meta, s
     finally:
         progress.close()
         writer.close()
-    return _summarize(config, workdir, setup, step_times, last, val_loss, start, lead)
+    return _summarize(config, workdir, spec, step_times, last, val_loss, start, lead)
 
 
-def _summarize(config, workdir, setup, step_times, last, val_loss, start, lead) -> dict:
+def _summarize(config, workdir, spec, step_times, last, val_loss, start, lead) -> dict:
     tokens_per_step = config.batch_size * config.data.seq_len
     timed = step_times[1:] or step_times  # the first step of a process includes compilation
     tokens_per_second = tokens_per_step / float(np.median(timed)) if timed else 0.0
-    fpt = flops_per_token(setup.cfg, config.data.seq_len)
-    peak_flops = hardware.matmul_flops_per_device() * setup.mesh.size
+    fpt = flops_per_token(spec.cfg, config.data.seq_len)
+    peak_flops = hardware.matmul_flops_per_device() * spec.mesh.size
     peak_bytes, peak_source = hardware.peak_memory_bytes()
     summary = {
         "steps": config.steps,
@@ -256,9 +269,9 @@ def _summarize(config, workdir, setup, step_times, last, val_loss, start, lead) 
         "peak_memory_bytes": peak_bytes,
         "peak_memory_source": peak_source,
         "skipped_steps": last.get("skipped_steps", 0),
-        "num_params": setup.cfg.num_params(),
-        "devices": setup.mesh.size,
-        "mesh": dict(setup.mesh.shape),
+        "num_params": spec.cfg.num_params(),
+        "devices": spec.mesh.size,
+        "mesh": dict(spec.mesh.shape),
     }
     if lead:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -298,24 +311,24 @@ class Progress:
             self.bar = None
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
+def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing with one-line errors and exit code 2 for bad flags."""
     try:
         rest = flags.FLAGS(argv)
     except (flags.Error, KeyError, TypeError, ValueError) as e:
-        _usage_exit(str(e))
+        usage_exit(str(e))
     if len(rest) > 1:
-        _usage_exit(f"unexpected arguments {rest[1:]}; options are --workdir, --config and --config.<key>=<value>")
+        usage_exit(f"unexpected arguments {rest[1:]}; options are --workdir, --config and --config.<key>=<value>")
     return rest
 
 
-def _usage_exit(message: str) -> NoReturn:
+def usage_exit(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
 def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
-    del argv  # checked by _parse_flags
+    del argv  # checked by parse_flags
     if not flags.FLAGS.verbose:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     try:
@@ -323,7 +336,7 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
             flags.FLAGS.coordinator_address, flags.FLAGS.num_processes, flags.FLAGS.process_id, auto=flags.FLAGS.distributed_auto
         )
     except ValueError as e:
-        _usage_exit(str(e))
+        usage_exit(str(e))
     config = config_flag.value
     workdir = flags.FLAGS.workdir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.model.preset}-{config.optimizer.name}"
     try:
@@ -331,7 +344,7 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     except UsageError as e:
         if flags.FLAGS.verbose:
             raise
-        _usage_exit(str(e))
+        usage_exit(str(e))
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
@@ -356,9 +369,9 @@ def define_flags() -> flags.FlagHolder:
         detail = str(e.args[0] if e.args else e).replace("\\'", "'").replace("\\n", "\n").strip("'\"")
         key, _, hint = detail.partition("\n")
         hint = f" ({hint.strip()})" if hint.strip() else ""
-        _usage_exit(f"unknown config key {key.strip(chr(39))!r}{hint}; the keys are listed in {DEFAULT_CONFIG}")
+        usage_exit(f"unknown config key {key.strip(chr(39))!r}{hint}; the keys are listed in {DEFAULT_CONFIG}")
 
 
 if __name__ == "__main__":
     config_holder = define_flags()
-    app.run(functools.partial(main, config_holder), flags_parser=_parse_flags)
+    app.run(functools.partial(main, config_holder), flags_parser=parse_flags)

@@ -1,0 +1,133 @@
+r"""Memory planner: will this model, optimizer, batch and mesh fit in each device's memory?
+
+    python -m experiments.plan --config.model.preset=llama-1b --config.mesh=fsdp:8 --hbm_gb=16
+
+Nothing is allocated. Parameter, gradient and optimizer-state bytes per device are exact, from the
+abstract state and its shardings. Activations and temporaries come from compiling the real train
+step for the mesh and reading XLA's memory analysis. Without ``--native``, the step is compiled for
+as many fake CPU devices as the mesh needs, so a laptop can plan a pod slice; XLA:CPU's buffer
+assignment then stands in for the accelerator's, which fuses and lays out differently (treat the
+activation figure as an estimate). Exit code 0 when it fits, 1 when it does not, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+
+import jax
+import ml_collections
+from absl import app, flags, logging
+
+from experiments import train, train_lib
+from sharding import mesh as mesh_lib
+from sharding import partition
+
+GiB = 2**30
+
+
+def _state_bytes(abstract_tree) -> int:
+    return sum(
+        math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract_tree)
+    )
+
+
+def plan(config: ml_collections.ConfigDict, hbm_bytes: float) -> dict:
+    """Per-device memory of one training step of ``config``; see the module docstring."""
+    spec = train.build_run(config)
+    shardings = spec.shardings
+    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
+        state = train_lib.abstract_state(spec.model_def, spec.tx, shardings)
+        batch = jax.ShapeDtypeStruct((config.batch_size, config.data.seq_len + 1), jax.numpy.int32, sharding=shardings.batch)
+        step_fn = train_lib.make_train_step(spec.model_def, spec.tx, grad_accum_steps=config.grad_accum_steps)
+        compiled = train_lib.jit_train_step(step_fn, shardings).lower(state, batch).compile()
+    memory = compiled.memory_analysis()
+    params = _state_bytes(state["params"])
+    report = {
+        "model": config.model.preset,
+        "mesh": dict(spec.mesh.shape),
+        "devices": spec.mesh.size,
+        "num_params": spec.cfg.num_params(),
+        "params_bytes": params,
+        "gradients_bytes": params,  # fp32, sharded like the parameters
+        "optimizer_state_bytes": _state_bytes(state["opt_state"]),
+        "compiled_arguments_bytes": int(memory.argument_size_in_bytes),
+        "compiled_temporaries_bytes": int(memory.temp_size_in_bytes),
+        "compiled_outputs_bytes": int(memory.output_size_in_bytes),
+        "compiled_aliased_bytes": int(memory.alias_size_in_bytes),
+    }
+    # Donated state aliases the outputs: peak = inputs + temporaries + outputs not written in place.
+    report["activations_estimate_bytes"] = max(report["compiled_temporaries_bytes"] - report["gradients_bytes"], 0)
+    report["peak_bytes"] = (
+        report["compiled_arguments_bytes"]
+        + report["compiled_temporaries_bytes"]
+        + report["compiled_outputs_bytes"]
+        - report["compiled_aliased_bytes"]
+    )
+    report["hbm_bytes"] = int(hbm_bytes)
+    report["fits"] = report["peak_bytes"] <= hbm_bytes
+    return report
+
+
+def format_report(report: dict) -> str:
+    rows = [
+        ("parameters", report["params_bytes"]),
+        ("gradients", report["gradients_bytes"]),
+        ("optimizer state", report["optimizer_state_bytes"]),
+        ("activations + temporaries (compiled, less gradients)", report["activations_estimate_bytes"]),
+        ("peak of one train step (compiled)", report["peak_bytes"]),
+        ("device memory (--hbm_gb)", report["hbm_bytes"]),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [
+        f"{report['model']} ({report['num_params'] / 1e6:,.1f}M parameters) on mesh {report['mesh']}: bytes per device",
+        *(f"  {name:<{width}}  {value / GiB:10.3f} GiB" for name, value in rows),
+    ]
+    if report["fits"]:
+        lines.append(f"FITS: the step needs {report['peak_bytes'] / report['hbm_bytes']:.0%} of device memory.")
+    else:
+        lines.append(
+            f"DOES NOT FIT: the step needs {report['peak_bytes'] / GiB:.2f} GiB per device, {report['hbm_bytes'] / GiB:.2f} GiB "
+            "available. Shard more (a larger fsdp axis), turn on --config.model.remat, use gradient accumulation "
+            "(--config.grad_accum_steps) or a smaller batch."
+        )
+    return "\n".join(lines)
+
+
+def _fake_devices_for(spec: str) -> int | None:
+    """Devices the mesh spec needs, when it fixes the number (no -1)."""
+    sizes = [n for _, n in mesh_lib.parse_mesh_spec(spec)]
+    return None if -1 in sizes else math.prod(sizes)
+
+
+def main(config_flag, argv) -> None:
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    config = config_flag.value
+    if not flags.FLAGS.native:
+        try:
+            needed = _fake_devices_for(config.mesh)
+        except ValueError as e:
+            train.usage_exit(str(e))
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", needed or flags.FLAGS.num_devices)
+    try:
+        report = plan(config, flags.FLAGS.hbm_gb * GiB)
+    except train.UsageError as e:
+        train.usage_exit(str(e))
+    print(format_report(report))
+    if flags.FLAGS.json_out:
+        with open(flags.FLAGS.json_out, "w") as f:
+            json.dump(report, f, indent=2)
+    sys.exit(0 if report["fits"] else 1)
+
+
+if __name__ == "__main__":
+    config_holder = train.define_flags()
+    flags.DEFINE_float("hbm_gb", 16.0, "Memory per device, GiB.")
+    flags.DEFINE_bool("native", False, "Compile for this machine's devices instead of fake CPU devices.")
+    flags.DEFINE_integer("num_devices", 8, "Fake devices when the mesh spec has a -1.")
+    flags.DEFINE_string("json_out", None, "Also write the report as JSON here.")
+    app.run(functools.partial(main, config_holder), flags_parser=train.parse_flags)

@@ -1,0 +1,44 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from experiments import plan
+from experiments.configs import default
+from lm import config as config_lib
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _config(mesh, **model):
+    config = default.get_config()
+    config.mesh, config.batch_size, config.data.seq_len = mesh, 8, 64
+    for key, value in model.items():
+        config.model[key] = value
+    return config
+
+
+def test_fsdp_plan_has_an_eighth_of_the_state_per_device():
+    report = plan.plan(_config("fsdp:8"), 16 * plan.GiB)
+    total_param_bytes = config_lib.from_preset("tiny").num_params() * 4
+    assert report["params_bytes"] * 8 == total_param_bytes
+    assert report["gradients_bytes"] == report["params_bytes"]
+    assert report["optimizer_state_bytes"] >= 2 * report["params_bytes"]  # AdamW: two moments (+ a counter)
+    assert report["fits"] and report["peak_bytes"] > report["params_bytes"] + report["optimizer_state_bytes"]
+    replicated = plan.plan(_config("data:8"), 16 * plan.GiB)
+    assert replicated["params_bytes"] == total_param_bytes
+
+
+def test_remat_lowers_the_activation_estimate():
+    plain = plan.plan(_config("fsdp:8", n_layers=8), 16 * plan.GiB)
+    remat = plan.plan(_config("fsdp:8", n_layers=8, remat=True), 16 * plan.GiB)
+    assert remat["activations_estimate_bytes"] < plain["activations_estimate_bytes"]
+
+
+def test_cli_says_when_it_does_not_fit(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    args = [sys.executable, "-m", "experiments.plan", "--config.mesh=fsdp:4", "--hbm_gb=0.001", f"--json_out={tmp_path / 'p.json'}"]
+    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "DOES NOT FIT" in result.stdout and "{'fsdp': 4}" in result.stdout
+    assert (tmp_path / "p.json").is_file()

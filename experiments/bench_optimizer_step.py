@@ -12,6 +12,13 @@ default optimizer config: cosine schedule, gradient clipping). Extra rows compar
 implementations at matching settings: ``optax_muon`` is ``optax.contrib.muon`` and ``muon@optax`` is
 our Muon with the same settings (EMA momentum without Nesterov, Jordan's Newton-Schulz, Jordan's
 shape scale, eps 1e-8). To add a row, add an entry to `EXTRA_ROWS` or register the optimizer.
+
+Shampoo's cost depends on whether a step refreshes the inverse roots: ``shampoo`` is a step without
+a refresh (the registered default, first refresh at step 100), ``shampoo_refresh`` one that
+recomputes every root; with both timed, ``shampoo@10`` and ``shampoo@100`` are the amortised costs
+``((k - 1) shampoo + shampoo_refresh) / k`` for ``precondition_every = k``:
+
+    python -m experiments.bench_optimizer_step --optimizers=adamw,shampoo,shampoo_refresh --trees=small
 """
 
 from __future__ import annotations
@@ -94,8 +101,19 @@ def _optax_dims(params):
     )
 
 
+def _shampoo_refreshing(tree: dict[str, int]) -> optax.GradientTransformation:
+    """Registered Shampoo recomputing every inverse root at every step."""
+    config = default.optimizer_config("shampoo")
+    config.shampoo.precondition_every = 1
+    config.shampoo.start_preconditioning_step = 1
+    return registry.build(config, TOTAL_STEPS)
+
+
+AMORTISED = {"shampoo@10": ("shampoo", "shampoo_refresh", 10), "shampoo@100": ("shampoo", "shampoo_refresh", 100)}
+
 _SCHEDULE = optax.cosine_decay_schedule(0.02, TOTAL_STEPS)
 EXTRA_ROWS: dict[str, Row] = {
+    "shampoo_refresh": Row(_shampoo_refreshing),
     "optax_muon": Row(
         lambda tree: optax.contrib.muon(
             _SCHEDULE,
@@ -159,6 +177,9 @@ def main(argv):
             for name in _OPTIMIZERS.value
         }
         rows = {name: {"ms": 1e3 * seconds} for name, seconds in time_rows(calls, _REPEATS.value).items()}
+        for name, (plain, refresh, every) in AMORTISED.items():
+            if plain in rows and refresh in rows:
+                rows[name] = {"ms": ((every - 1) * rows[plain]["ms"] + rows[refresh]["ms"]) / every}
         base = rows.get("adamw", {}).get("ms")
         for name, r in rows.items():
             r["vs_adamw"] = r["ms"] / base if base else None

@@ -212,8 +212,14 @@ def _mesh_axes() -> tuple[tuple[str, ...], int]:
 
 
 def padded_count(n: int) -> int:
-    """``n`` rounded up to a multiple of the ambient mesh's device count (1 without a mesh)."""
-    _, size = _mesh_axes()
+    """``n`` rounded up to a multiple of the ambient mesh's device count (without a mesh: of all devices).
+
+    Without a mesh the count is `jax.device_count()`, so ``jax.eval_shape(tx.init, ...)`` outside
+    ``jax.set_mesh`` gives the same shapes as inside it when the mesh spans every device.
+    """
+    axes, size = _mesh_axes()
+    if not axes:
+        size = jax.device_count()
     return -(-n // size) * size
 
 

@@ -39,13 +39,29 @@ def state_bytes(state: Any) -> int:
 
 
 def _spec_like(shape: tuple[int, ...], sharding: jax.NamedSharding) -> jax.P:
-    """The parameter's spec on each axis of ``shape`` that its mesh axes split evenly, else None."""
+    """The parameter's spec on each axis of ``shape`` that its mesh axes split evenly.
+
+    Mesh axes that an axis cannot take (a reduced axis of length 1, as in rank-1 or factored
+    statistics) move to the last axis that has none and that they split evenly, so a row statistic
+    of a column-sharded matrix is still spread over the same devices.
+    """
     spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-    out = []
+
+    def names(axes):
+        return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+    def size(axes):
+        return int(np.prod([sharding.mesh.shape[a] for a in names(axes)], dtype=np.int64))
+
+    out, freed = [], []
     for dim, axes in zip(shape, spec, strict=True):
-        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        size = int(np.prod([sharding.mesh.shape[a] for a in names], dtype=np.int64))
-        out.append(axes if names and dim > 0 and dim % size == 0 else None)
+        fits = names(axes) and dim > 0 and dim % size(axes) == 0
+        out.append(axes if fits else None)
+        freed += [] if fits else list(names(axes))
+    for i in reversed(range(len(shape))):
+        if freed and out[i] is None and shape[i] > 0 and shape[i] % size(freed) == 0:
+            out[i] = freed[0] if len(freed) == 1 else tuple(freed)
+            break
     return jax.P(*out)
 
 
@@ -56,8 +72,9 @@ def state_shardings(state: Any, params: Any, param_shardings: Any) -> Any:
     path, or of the leaf's path without its last key (the field of a quantized node such as
     ``.absmax``). The longest such parameter with the leaf's rank wins; the leaf then takes the
     parameter's `PartitionSpec` on every axis whose length the spec's mesh axes divide (a leaf of the
-    parameter's shape takes its sharding exactly; an axis cut into whole tiles keeps its mesh axes; a
-    reduced axis of length 1 is replicated). Other leaves (counters, scalars) are replicated.
+    parameter's shape takes its sharding exactly; an axis cut into whole tiles keeps its mesh axes; the
+    mesh axes of a reduced axis of length 1 move to a free axis they divide). Other leaves (counters,
+    scalars) are replicated.
 
     Args:
       state: the optimizer state, or ``jax.eval_shape(tx.init, params)``.

@@ -13,7 +13,8 @@ For each hidden weight matrix ``W`` (layout ``(*batch, fan_in, fan_out)``, the t
 Shape scale ``s(W)`` (``shape_scale=``), with fan_in / fan_out the input / output sizes:
 
 - ``"jordan"``: ``sqrt(max(1, fan_out / fan_in))`` (Jordan's ``max(1, rows/cols)`` on PyTorch's
-  ``(out, in)`` weights); keeps the spectral norm of the update per unit of input at ``lr``.
+  ``(out, in)`` weights, https://kellerjordan.github.io/posts/muon/); the update's RMS-to-RMS
+  operator norm is then ``lr`` for matrices with ``fan_out >= fan_in``.
 - ``"moonlight"`` (default): ``0.2 sqrt(max(fan_in, fan_out))`` (Liu et al.); the update's RMS is
   ~0.2 like AdamW's, so one learning rate and one schedule serve the Muon and the AdamW groups.
 
@@ -27,10 +28,12 @@ learning rate (decoupled, as in Moonlight).
 AdamW with learning rate ``adam_lr_ratio * learning_rate`` (or ``adam_learning_rate``).
 
 Matching ``optax.contrib.muon``: optax bias-corrects its EMA, which is a scalar factor Newton-Schulz
-removes for ``nesterov=False`` but changes the mix of ``M_t`` and ``G_t`` for ``nesterov=True``. So
-``muon(momentum_form="ema", nesterov=False, shape_scale="jordan")`` equals
-``optax.contrib.muon(nesterov=False)`` (``"moonlight"``: ``consistent_rms=0.2``) when both use the
-same ``eps``; tests/optim/test_muon.py checks it.
+removes for ``nesterov=False`` but changes the mix of ``M_t`` and ``G_t`` for ``nesterov=True``. So on
+the matrices ``muon(momentum_form="ema", nesterov=False, shape_scale="jordan")`` equals
+``optax.contrib.muon(nesterov=False)`` (``"moonlight"``: ``consistent_rms=0.2``) with the same
+``eps``; the AdamW groups agree with ``adam_b2=0.95`` on the optax side and no decay of 1-D leaves
+(optax decays every Adam leaf by ``adam_weight_decay``, this module only leaves of two or more axes).
+tests/optim/test_muon.py checks it; its default ``adam_b2`` (0.999) and Nesterov form differ.
 
 Newton-Schulz presets, batching and sharding: optim/newton_schulz.py. Under
 `optax.inject_hyperparams` every numeric argument (``ns_steps`` included) may be injected.

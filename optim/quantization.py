@@ -37,13 +37,20 @@ Layout (what a fused kernel reads and writes in place). For an array of shape ``
 - ``Rank1Quantized.row`` / ``.col``: fp32, ``(*lead, R, 1)`` and ``(*lead, 1, C)``.
 
 Every stored array has the rank of the original, and each of its axes is either the original axis,
-that axis cut into whole tiles, or a broadcast axis of size 1. Sharding follows: each array takes the
-original array's `PartitionSpec` on every axis it splits evenly (`optim.memory.state_shardings`).
-**Blocks never straddle shard boundaries** as long as each shard of the last two axes holds whole
-tiles, i.e. the per-shard lengths of ``R`` and ``C`` are multiples of ``tr`` and ``tc`` (16 for the
-8-bit default); leading axes can be sharded freely. Otherwise the scales of that axis are replicated
-and XLA moves the straddling values, which stays correct. Rank-1 maxima of a sharded axis take one
-all-reduce of a vector per step.
+that axis cut into whole tiles, or an axis of size 1. Sharding follows the parameter: each array takes
+the parameter's `PartitionSpec` on every axis it splits evenly, and the mesh axes of a size-1 axis move
+to the other matrix axis (`optim.memory.state_shardings`), so every piece is spread over the same
+devices as the parameter.
+
+Blocks are 2-D tiles rather than the papers' runs of consecutive elements of the flattened tensor so
+that they follow the sharding: FSDP shards ``embed``, which is the *last* axis of an output projection,
+where runs of 256 consecutive elements cross shard boundaries whenever ``C / n_shards < 256``.
+**Blocks never straddle shard boundaries** when each shard of the last two axes holds whole tiles,
+i.e. the per-shard lengths of ``R`` and ``C`` are multiples of ``tr`` and ``tc`` (16 for the 8-bit
+default; true of every model dimension that is a multiple of ``16 x`` its mesh-axis size); leading
+axes can be sharded freely. Otherwise that axis of the scales is replicated and XLA moves the
+straddling values, which stays correct but costs communication. Rank-1 maxima along a sharded axis
+take one all-reduce of a vector per step.
 """
 
 from __future__ import annotations
@@ -136,17 +143,41 @@ def is_quantized(x: Any) -> bool:
     return isinstance(x, BlockQuantized | Rank1Quantized)
 
 
-def _round(y: jax.Array, table: np.ndarray, key: jax.Array | None) -> jax.Array:
+def _guess(y: jax.Array, code: str, bits: int) -> jax.Array:
+    """An index at most one entry away from the table entry nearest ``y``, by arithmetic (no search).
+
+    Dynamic codes: ``y``'s decade ``e = floor(-log10 |y|)`` holds ``n_e = k 2^(bits-2-e)`` fraction
+    codes (``k = 1`` signed, 2 unsigned), ``n_e - k`` magnitudes lie in the smaller decades, and the
+    fraction interval is ``j = floor((|y| 10^e - 0.1) / 0.9 n_e)``. Rounding of ``log10`` near a
+    decade boundary moves the guess by at most one entry.
+    """
+    if code == "linear":
+        return jnp.clip(jnp.round(y * 2**bits) - 1, 0, 2**bits - 1).astype(jnp.int32)
+    k = 1 if code == "signed" else 2
+    mag = jnp.abs(y)
+    e = jnp.clip(jnp.floor(-jnp.log10(mag)), 0, bits - 2)  # |y| = 0 gives the smallest decade
+    n_e = k * jnp.exp2(bits - 2 - e)
+    j = jnp.clip(jnp.floor((mag * jnp.exp(e * np.log(10.0)) - 0.1) / 0.9 * n_e), 0, n_e - 1)
+    zero = 2 ** (bits - 1) - 1 if code == "signed" else 0  # index of the code 0
+    rank = 1 + (n_e - k) + j  # position of the magnitude above the code 0
+    return (zero + jnp.where(y < 0, -rank, rank)).astype(jnp.int32)
+
+
+def _round(y: jax.Array, code: str, bits: int, key: jax.Array | None) -> jax.Array:
     """Index of the table entry nearest ``y`` (``key=None``) or a stochastic rounding to a neighbour.
 
-    Stochastic: ``lo <= y <= hi`` adjacent entries, pick ``hi`` with probability
-    ``(y - lo) / (hi - lo)`` (unbiased inside the table's range).
+    Nearest: from a guess ``c`` within one entry of it, ``c - 1 + [y > mid_{c-1}] + [y > mid_c]`` with
+    ``mid`` the midpoints between adjacent entries. Stochastic: ``lo <= y <= hi`` adjacent entries,
+    pick ``hi`` with probability ``(y - lo) / (hi - lo)`` (unbiased inside the table's range).
     """
+    table = code_table(code, bits)
+    mid = jnp.asarray((table[1:] + table[:-1]) / 2)
+    c = jnp.clip(_guess(y, code, bits), 1, len(table) - 2)
+    nearest = c - 1 + (y > mid[c - 1]) + (y > mid[c])
     if key is None:
-        mid = jnp.asarray((table[1:] + table[:-1]) / 2)
-        return jnp.searchsorted(mid, y).astype(jnp.uint8)
+        return nearest.astype(jnp.uint8)
     t = jnp.asarray(table)
-    lo = jnp.clip(jnp.searchsorted(t, y, side="right") - 1, 0, len(table) - 2)
+    lo = jnp.clip(nearest - (t[nearest] > y), 0, len(table) - 2)
     p = jnp.clip((y - t[lo]) / (t[lo + 1] - t[lo]), 0.0, 1.0)
     return (lo + (jax.random.uniform(key, y.shape) < p)).astype(jnp.uint8)
 
@@ -200,13 +231,12 @@ def quantize_blockwise(
     stochastic rounding when ``key`` is given). An all-zero block stores ``absmax = 0`` and decodes to
     zeros. Values outside the table's range (negatives under "unsigned"/"linear") clamp to its ends.
     """
-    table = code_table(code, bits)
     matrix = _as_matrix(x.shape)
     tile = tile_shape(x.shape, block_size)
     t = _tiles(x.astype(jnp.float32).reshape(matrix), tile)
     absmax = jnp.max(jnp.abs(t), axis=(-3, -1))
     y = t / jnp.where(absmax > 0, absmax, 1.0)[..., :, None, :, None]
-    codes = _untile(_round(y, table, key), *matrix[-2:])
+    codes = _untile(_round(y, code, bits, key), *matrix[-2:])
     return BlockQuantized(
         codes=_pack(codes, bits).reshape(*x.shape[:-1], -1),
         absmax=absmax if x.ndim >= 2 else absmax[0],
@@ -218,7 +248,9 @@ def quantize_blockwise(
     )
 
 
-def quantize_rank1(x: jax.Array, *, bits: int = 4, code: str = "linear", key: jax.Array | None = None) -> Rank1Quantized:
+def quantize_rank1(
+    x: jax.Array, *, bits: int = 4, code: str = "linear", key: jax.Array | None = None
+) -> Rank1Quantized:
     """Rank-1 normalised quantization of ``x`` with at least two axes (the last two are the matrix).
 
     ``r_i = max_j |x_ij|``, ``c_j = max_i |x_ij|``, ``code_ij = argmin_k |table_k - x_ij / min(r_i, c_j)|``.
@@ -230,7 +262,7 @@ def quantize_rank1(x: jax.Array, *, bits: int = 4, code: str = "linear", key: ja
     row = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
     col = jnp.max(jnp.abs(xf), axis=-2, keepdims=True)
     scale = jnp.minimum(row, col)
-    codes = _round(xf / jnp.where(scale > 0, scale, 1.0), code_table(code, bits), key)
+    codes = _round(xf / jnp.where(scale > 0, scale, 1.0), code, bits, key)
     return Rank1Quantized(
         codes=_pack(codes, bits),
         row=row,

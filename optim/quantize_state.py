@@ -21,8 +21,14 @@ parameters under ``min_size = 4096`` elements and embedding tables (`optim.label
 in fp32, as the 8-bit paper does for stability. Counters, scalars and leaves of other shapes
 (factored statistics, preconditioners) stay as they are. A leaf is a second moment (non-negative:
 unsigned / rank-1 + linear code) when a key of the state path before the parameter's path is one of
-``nonnegative_fields`` (optax's ``nu``, CAME's ``v``, PyTorch's ``exp_avg_sq``); a field that goes
-negative must not be listed there, as the unsigned codes clamp negatives to their smallest entry.
+``nonnegative_fields`` (optax's and SOAP's ``nu``, CAME's ``v``, Shampoo's ``graft_nu``, PyTorch's
+``exp_avg_sq``); a field that goes negative must not be listed there, as the unsigned codes clamp
+negatives to their smallest entry.
+
+Sharding: each stored array keeps the parameter's rank; `optim.memory.state_shardings` gives every
+piece the parameter's mesh axes (a state-sharding rule that only matches parameter-shaped leaves would
+replicate the scales and the 4-bit codes). The initial state is quantized behind an optimization
+barrier, so XLA does not constant-fold the quantization of all-zero moments (seconds of compile time).
 
 Memory per parameter of AdamW's two moments: 8 bytes in fp32; 2 + 2 * 4/256 = 2.03 in 8 bits;
 1 + 4/128 + rank-1 maxima ~ 1.04 in 4 bits (`optim.memory.state_bytes` counts it exactly).
@@ -40,7 +46,7 @@ import optax
 from optim import labels
 from optim import quantization as qz
 
-NONNEGATIVE_FIELDS: tuple[str, ...] = ("nu", "nu_max", "v", "exp_avg_sq")
+NONNEGATIVE_FIELDS: tuple[str, ...] = ("nu", "nu_max", "v", "exp_avg_sq", "graft_nu")
 DEFAULT_BLOCK = {8: 256, 4: 128}
 
 

@@ -28,6 +28,8 @@ from optim.muon import muon
 from optim.muon_clip import muon_clip
 from optim.normuon import normuon
 from optim.quantize_state import quantize_state
+from optim.shampoo import shampoo
+from optim.soap import soap
 
 
 def adamw(
@@ -66,6 +68,8 @@ OPTIMIZERS: dict[str, Callable[..., Any]] = {
     "mars_muon": mars_muon,
     "lion": lion,
     "came": came,
+    "shampoo": shampoo,
+    "soap": soap,
 }
 
 COMMON_KEYS = (

@@ -1,11 +1,16 @@
-"""Float64 NumPy references for the Muon family tests, written from the papers' update rules.
-
-Shared by test_muon.py, test_normuon.py, test_mars_muon.py and test_muon_clip.py. The coefficient
-tables are copied here from the papers / reference code, independently of optim/newton_schulz.py.
+"""Float64 NumPy references for the Muon family tests, written from the papers' update rules, and
+the JAX harness the four test files share (test_muon.py, test_normuon.py, test_mars_muon.py,
+test_muon_clip.py). The coefficient tables are copied here from the papers / reference code,
+independently of optim/newton_schulz.py.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+
+from optim import labels
+from sharding import partition
 
 JORDAN = [(3.4445, -4.7750, 2.0315)]
 _PE_RAW = [
@@ -84,6 +89,17 @@ def momentum(g, mu, beta, form, nesterov):
     return (g + beta * mu if nesterov else mu), mu
 
 
+def muon_direction(*, beta, form, nesterov, coeffs, steps, scale, eps=1e-7):
+    """Muon's direction ``s(W) NewtonSchulz(D_t)`` with its momentum kept per leaf."""
+    mus = {}
+
+    def direction(key, g, p):
+        d, mus[key] = momentum(g, mus.get(key, 0.0), beta, form, nesterov)
+        return shape_scale(p.shape, scale) * orthogonalize(d, coeffs, steps, eps)
+
+    return direction
+
+
 def is_matrix(path, leaf):
     names = {str(getattr(k, "key", k)) for k in path}
     return leaf.ndim >= 2 and not names & {"embed", "embedding", "lm_head"}
@@ -136,10 +152,11 @@ def f32(tree):
     return jax.tree.map(lambda x: np.asarray(x, np.float32).astype(np.float64), tree)
 
 
-def run_matrix_family(params, grads_seq, direction_fn, *, lr, adam_lr, wd, adam=None):
+def run_matrix_family(params, grads_seq, direction_fn, *, lr, adam_lr, wd, adam=None, post_step=None):
     """Runs a matrix optimizer: ``direction_fn(key, g, p)`` on matrices, AdamW elsewhere.
 
-    The full update is ``-lr (direction + wd W)`` on matrices. Returns the parameters after each step.
+    The full update is ``-lr (direction + wd W)`` on matrices; ``post_step(t, params)``, if given,
+    then maps the new parameters (QK-clip). Returns the parameters after each step.
     """
     adam = adam or AdamW()
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -153,6 +170,110 @@ def run_matrix_family(params, grads_seq, direction_fn, *, lr, adam_lr, wd, adam=
                 new.append(p - lr * (direction_fn(i, g, p) + wd * p))
             else:
                 new.append(p + adam.update(i, g, p, adam_lr, wd))
-        values = new
-        history.append(treedef.unflatten(values))
+        tree = treedef.unflatten(new)
+        if post_step is not None:
+            tree = post_step(len(history), tree)
+        values = jax.tree.leaves(tree)
+        history.append(tree)
     return history
+
+
+def grads_sequence(params, n=6, seed=100, scale=1.0):
+    """``n`` float32-representable random gradient trees."""
+    return [
+        f32(jax.tree.map(lambda p, s=seed + t: scale * np.random.default_rng(s).standard_normal(p.shape), params))
+        for t in range(n)
+    ]
+
+
+def run_jax(tx, params, grads_seq, extra_seq=None):
+    """Parameters after each step of ``tx`` under `jax.jit`, as float64 NumPy."""
+    params = jax.tree.map(jnp.float32, params)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, grads, extra):
+        updates, state = tx.update(grads, state, params, **extra)
+        return optax.apply_updates(params, updates), state
+
+    out = []
+    for t, grads in enumerate(grads_seq):
+        extra = extra_seq[t] if extra_seq else {}
+        params, state = step(params, state, jax.tree.map(jnp.float32, grads), extra)
+        out.append(jax.tree.map(lambda x: np.asarray(x, np.float64), params))
+    return out
+
+
+def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
+    """rtol 1e-5; the atol (1e-5 of the parameters' ~0.1 scale) only matters for entries near 0."""
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
+
+
+def fsdp_shardings(params, mesh):
+    """FSDP-like layout: stacked kernels sharded on their d_model side, everything else replicated."""
+
+    def spec(path, p):
+        names = labels.path_names(path)
+        if p.ndim == 3:
+            return jax.P(None, None, "fsdp") if names[-2] in ("o_proj", "down_proj") else jax.P(None, "fsdp", None)
+        return jax.P()
+
+    return jax.tree_util.tree_map_with_path(lambda path, p: jax.NamedSharding(mesh, spec(path, p)), params)
+
+
+def step_fn(tx, extra=None):
+    """``(params, state, grads) -> (params, state)``: one update of ``tx`` applied."""
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params, **(extra or {}))
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def check_sharded_matches_single_device(tx, params, grads, extra=None, state_fields=("mu",)):
+    """One step on 8 devices (state placed by `sharding.partition.state_shardings`) equals the
+    single-device step, and the named state fields come out sharded like their parameters."""
+    expected, _ = jax.jit(step_fn(tx, extra))(params, tx.init(params), grads)
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        p_shard = fsdp_shardings(params, mesh)
+        s_shard = partition.state_shardings(jax.eval_shape(tx.init, params), params, p_shard, mesh)
+        state = jax.jit(tx.init, out_shardings=s_shard)(jax.device_put(params, p_shard))
+        step = jax.jit(step_fn(tx, extra), in_shardings=(p_shard, s_shard, p_shard), out_shardings=(p_shard, s_shard))
+        new_params, new_state = step(jax.device_put(params, p_shard), state, jax.device_put(grads, p_shard))
+    assert_trees_close(new_params, expected)
+    by_path = dict(zip(map(str, (p for p, _ in jax.tree_util.tree_leaves_with_path(params))), jax.tree.leaves(p_shard)))
+    partitioned = new_state if hasattr(new_state, "inner_states") else new_state[0]  # muon_clip: a chain
+    inner = partitioned.inner_states["matrix"].inner_state[0]
+    for field in state_fields:
+        leaves = jax.tree_util.tree_leaves_with_path(getattr(inner, field))
+        assert leaves
+        for path, leaf in leaves:
+            assert leaf.sharding == by_path[str(path)], (field, path, leaf.sharding)
+
+
+def regression_loss_ratio(tx, steps=60, seed=0):
+    """Final / initial loss of ``tx`` on a matrix regression ``min_W ||X W - Y||^2`` with a bias."""
+    rng = np.random.default_rng(seed)
+    x = jnp.float32(rng.standard_normal((64, 16)))
+    w_true = jnp.float32(rng.standard_normal((16, 24)) / 4)
+    y = x @ w_true + 0.5
+    params = {"w": jnp.zeros((16, 24)), "bias": jnp.zeros(24)}
+
+    def loss(p):
+        return jnp.mean(jnp.square(x @ p["w"] + p["bias"] - y))
+
+    @jax.jit
+    def step(p, s):
+        value, g = jax.value_and_grad(loss)(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, value
+
+    state = tx.init(params)
+    first = None
+    for _ in range(steps):
+        params, state, value = step(params, state)
+        first = value if first is None else first
+    return float(loss(params) / first)

@@ -92,7 +92,8 @@ def test_state_layout_and_factoring_threshold():
     params = {"big": jnp.zeros((3, 128, 256)), "norms": jnp.zeros((3, 256)), "bias": jnp.zeros((256,))}
     state = jax.eval_shape(came.scale_by_came().init, params)
     assert state.mu["big"].shape == (3, 128, 256)
-    assert (state.v_row["big"].shape, state.v_col["big"].shape, state.v["big"].shape) == ((3, 128, 1), (3, 1, 256), (0,))
+    assert (state.v_row["big"].shape, state.v_col["big"].shape) == ((3, 128, 1), (3, 1, 256))
+    assert state.v["big"].shape == (0,)
     assert (state.res_row["big"].shape, state.res_col["big"].shape) == ((3, 128, 1), (3, 1, 256))
     # A stack of 3 vectors is not factored at the default min_dim_size_to_factor=128.
     for k in ("norms", "bias"):
@@ -100,9 +101,9 @@ def test_state_layout_and_factoring_threshold():
 
 
 def test_update_rms_is_clipped_and_zero_gradient_is_finite():
-    params = {"w": jnp.zeros((128, 128)), "b": jnp.zeros((5,))}
-    tx = came.scale_by_came()
-    g = {"w": jnp.full((128, 128), 1e3).at[0, 0].set(1e6), "b": jnp.zeros((5,))}
+    params = {"w": jnp.zeros((8, 8)), "b": jnp.zeros((5,))}
+    tx = came.scale_by_came(min_dim_size_to_factor=2)
+    g = {"w": jnp.full((8, 8), 1e3).at[0, 0].set(1e6), "b": jnp.zeros((5,))}
     updates, state = jax.jit(tx.update)(g, tx.init(params))
     # First step: m = (1 - b1) U with RMS(U) <= d, and the confidence factor is finite.
     assert np.all(np.isfinite(updates["w"])) and np.all(updates["b"] == 0)
@@ -115,8 +116,8 @@ def test_inject_hyperparams():
     plain, _ = _run(came.came(1e-2, b1=0.8, min_dim_size_to_factor=2), params, grads_seq)
     inject = optax.inject_hyperparams(came.came, static_args=("min_dim_size_to_factor",))
     injected, state = _run(inject(learning_rate=1e-2, b1=0.8, min_dim_size_to_factor=2), params, grads_seq)
-    for k in params:
-        np.testing.assert_allclose(plain[k], injected[k], rtol=1e-6)
+    for k in params:  # injected hyper-parameters are float32 (1 - b3 differs by 1e-4 relative)
+        np.testing.assert_allclose(plain[k] - params[k], injected[k] - params[k], rtol=2e-3, atol=1e-6)
     assert float(state.hyperparams["b1"]) == pytest.approx(0.8)
 
 
@@ -160,7 +161,7 @@ def test_sharded_state_follows_params_and_matches_unsharded():
     s = new_state[0]
     assert s.mu["w"].sharding == shard["w"] and s.v["b"].sharding == shard["b"]
     assert s.v_row["w"].sharding.spec == jax.P(None, "fsdp", None)  # (2, 16, 1): rows stay sharded
-    assert s.v_col["w"].sharding.spec == jax.P(None, None, None)  # (2, 1, 8): reduced over the sharded axis
+    assert s.v_col["w"].sharding.spec == jax.P(None, None, "fsdp")  # (2, 1, 8): fsdp moves to the kept axis
     for k in params:
         np.testing.assert_allclose(updates[k], want_updates[k], rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(want_state), strict=True):

@@ -73,7 +73,8 @@ def test_schedule_and_inject_hyperparams():
     grads_seq = [_grads(t, params) for t in range(4)]
     schedule = optax.linear_schedule(1e-2, 1e-3, 4)
     scheduled, _ = _run(lion.lion(schedule, weight_decay=0.1), params, grads_seq)
-    injected, state = _run(optax.inject_hyperparams(lion.lion)(learning_rate=schedule, b1=0.9, weight_decay=0.1), params, grads_seq)
+    tx = optax.inject_hyperparams(lion.lion)(learning_rate=schedule, b1=0.9, weight_decay=0.1)
+    injected, state = _run(tx, params, grads_seq)
     for k in params:
         np.testing.assert_allclose(scheduled[k], injected[k], rtol=1e-6)
     assert float(state.hyperparams["learning_rate"]) == pytest.approx(float(schedule(3)))

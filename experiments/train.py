@@ -66,12 +66,17 @@ def model_config(config: ml_collections.ConfigDict) -> model_config_lib.ModelCon
     return model_config_lib.from_preset(config.model.preset, **overrides)
 
 
+# Model fields a resumed run may change: they alter how the step computes, not what the state is.
+_RESUMABLE_MODEL_CHANGES = ("dtype", "remat", "track_attn_logits")
+
+
 def _run_meta(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConfig) -> dict:
     """What a checkpoint must agree with to be resumed by this run."""
     name = config.optimizer.name
     family = config.optimizer.get(name)
+    model = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _RESUMABLE_MODEL_CHANGES}
     return {
-        "model": dataclasses.asdict(cfg),
+        "model": model,
         "optimizer": {"name": name, **(family.to_dict() if family is not None else {})},
     }
 

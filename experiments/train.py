@@ -66,6 +66,9 @@ def model_config(config: ml_collections.ConfigDict) -> model_config_lib.ModelCon
     return model_config_lib.from_preset(config.model.preset, **overrides)
 
 
+# Common optimizer keys that change the optimizer state's structure.
+STATE_SHAPING_KEYS = ("state_bits", "cautious")
+
 # Model fields a resumed run may change: they alter how the step computes, not what the state is.
 _RESUMABLE_MODEL_CHANGES = ("dtype", "remat", "track_attn_logits")
 
@@ -77,7 +80,11 @@ def _run_meta(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConf
     model = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _RESUMABLE_MODEL_CHANGES}
     return {
         "model": model,
-        "optimizer": {"name": name, **(family.to_dict() if family is not None else {})},
+        "optimizer": {
+            "name": name,
+            **(family.to_dict() if family is not None else {}),
+            **{k: config.optimizer[k] for k in STATE_SHAPING_KEYS if k in config.optimizer},
+        },
     }
 
 

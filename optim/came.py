@@ -24,7 +24,7 @@ statistics and the RMS are per matrix, which equals the reference on each unstac
 ``min_dim_size_to_factor = 128`` follows optax's Adafactor (the reference factors every tensor of two
 or more axes; set it to 1 for that), so that stacks of vectors such as scan-stacked norm scales
 ``(layers, d)`` keep a full second moment. Factored statistics keep both matrix axes (size 1 where
-reduced), so they take the parameter's sharding on the axes they keep (`optim.memory.state_shardings`).
+reduced), so they take the parameter's sharding on the axes they keep (`sharding.partition.state_shardings`).
 Under `optax.inject_hyperparams`, pass ``static_args=("min_dim_size_to_factor",)``: it decides shapes.
 """
 

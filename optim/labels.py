@@ -20,6 +20,9 @@ import jax
 MATRIX = "matrix"
 ADAM = "adam"
 
+# Leaf names of vectors that scan stacking turns into (layers, dim) arrays: never matrices.
+VECTOR_NAMES: tuple[str, ...] = ("scale", "bias")
+
 # Path components that mark vocabulary-sized tables. They are matrices by shape but must never be
 # orthogonalised (the tied embedding is also the LM head).
 EMBEDDING_NAMES: tuple[str, ...] = ("embed", "embedding", "embeddings", "lm_head", "unembed", "wte", "wpe")
@@ -54,8 +57,10 @@ def matrix_labels(
     """Labels every leaf ``"matrix"`` or ``"adam"``.
 
     A leaf is ``"matrix"`` when it has at least two axes, both of its last two axes have at least
-    ``min_matrix_dim`` entries, and no component of its path names an embedding or LM head. All
-    other leaves (embeddings, LM head, norm scales, biases, scalars) are ``"adam"``.
+    ``min_matrix_dim`` entries, its name is not a vector name (``scale``, ``bias``: a stack of
+    per-layer norm scales is ``(layers, dim)`` but no matrix), and no component of its path names an
+    embedding or LM head. All other leaves (embeddings, LM head, norm scales, biases, scalars) are
+    ``"adam"``.
 
     Args:
       params: any pytree of arrays (or `jax.ShapeDtypeStruct`).
@@ -72,6 +77,9 @@ def matrix_labels(
         if len(shape) < 2 or min(shape[-2:]) < min_matrix_dim:
             return ADAM
         if is_embedding_path(path, embedding_names):
+            return ADAM
+        names = path_names(path)
+        if names and names[-1].lower() in VECTOR_NAMES:
             return ADAM
         return MATRIX
 

@@ -39,7 +39,7 @@ Layout (what a fused kernel reads and writes in place). For an array of shape ``
 Every stored array has the rank of the original, and each of its axes is either the original axis,
 that axis cut into whole tiles, or an axis of size 1. Sharding follows the parameter: each array takes
 the parameter's `PartitionSpec` on every axis it splits evenly, and the mesh axes of a size-1 axis move
-to the other matrix axis (`optim.memory.state_shardings`), so every piece is spread over the same
+to the other matrix axis (`sharding.partition.state_shardings`), so every piece is spread over the same
 devices as the parameter.
 
 Blocks are 2-D tiles rather than the papers' runs of consecutive elements of the flattened tensor so

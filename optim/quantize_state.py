@@ -25,7 +25,7 @@ unsigned / rank-1 + linear code) when a key of the state path before the paramet
 ``exp_avg_sq``); a field that goes negative must not be listed there, as the unsigned codes clamp
 negatives to their smallest entry.
 
-Sharding: each stored array keeps the parameter's rank; `optim.memory.state_shardings` gives every
+Sharding: each stored array keeps the parameter's rank; `sharding.partition.state_shardings` gives every
 piece the parameter's mesh axes (a state-sharding rule that only matches parameter-shaped leaves would
 replicate the scales and the 4-bit codes). The initial state is quantized behind an optimization
 barrier, so XLA does not constant-fold the quantization of all-zero moments (seconds of compile time).

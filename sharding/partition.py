@@ -67,38 +67,71 @@ def check_divisible(abstract: Any, shardings: Any) -> None:
                 )
 
 
-def _shape_key(leaf: Any) -> tuple[int, ...]:
-    return tuple(getattr(leaf, "shape", ()))
+def _names(path: Any) -> tuple[str, ...]:
+    return tuple(jax.tree_util.keystr((key,), simple=True) for key in path)
 
 
-def state_shardings(abstract_state: Any, params: Any, param_shardings: Any, mesh: jax.sharding.Mesh) -> Any:
-    """Shardings for an optimizer state: leaves shaped like a parameter take that parameter's sharding.
+def _mesh_axes(axes: Any) -> tuple[str, ...]:
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
 
-    Works for any optax state. A leaf is matched to a parameter by walking the state's key path from
-    the end: the longest suffix of the state path that is a parameter path with the same shape wins.
-    Leaves with no matching parameter (counters, scalars) are replicated, except leaves that carry
-    their own ``.sharding`` (from an optimizer that stacks blocks, e.g. Shampoo), which keep it.
+
+def _spec_like(shape: tuple[int, ...], sharding: jax.NamedSharding) -> jax.P:
+    """A parameter's spec carried over to a state leaf of the same rank but other shape.
+
+    Each axis keeps the parameter's mesh axes when they split it evenly. Mesh axes an axis cannot
+    take (a reduced axis of length 1, as in factored or rank-1 statistics) move to the last free axis
+    they split evenly, so a row statistic of a column-sharded matrix is spread over the same devices.
+    """
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    ways = lambda axes: int(np.prod([sharding.mesh.shape[a] for a in _mesh_axes(axes)]))  # noqa: E731
+    out, freed = [], []
+    for dim, axes in zip(shape, spec, strict=True):
+        fits = bool(_mesh_axes(axes)) and dim > 0 and dim % ways(axes) == 0
+        out.append(axes if fits else None)
+        freed += [] if fits else list(_mesh_axes(axes))
+    for i in reversed(range(len(shape))):
+        if freed and out[i] is None and shape[i] > 0 and shape[i] % ways(freed) == 0:
+            out[i] = freed[0] if len(freed) == 1 else tuple(freed)
+            break
+    return jax.P(*out)
+
+
+def state_shardings(
+    abstract_state: Any, params: Any, param_shardings: Any, mesh: jax.sharding.Mesh | None = None
+) -> Any:
+    """Shardings for any optimizer state, derived from the parameters' shardings.
+
+    A state leaf belongs to a parameter when the parameter's key path ends the leaf's path, or the
+    leaf's path without its last key (a field of a per-parameter node, e.g. a quantized moment's
+    ``.codes``); the longest such parameter path wins. A leaf of the parameter's shape takes its
+    sharding exactly; a leaf of the same rank but another shape (quantization scales, factored
+    moments, packed codes) takes `_spec_like`. Leaves with no parameter keep a `NamedSharding` they
+    carry on a mesh of this shape (an optimizer's stacked blocks) or are replicated (counters).
 
     Args:
       abstract_state: the state, or `jax.eval_shape(tx.init, params)`.
       params: the parameter pytree (arrays or `ShapeDtypeStruct`s).
       param_shardings: `NamedSharding` per parameter, same structure as ``params``.
-      mesh: the mesh that replicated leaves live on.
+      mesh: the mesh for replicated leaves; default: the parameters' mesh.
     """
-    by_path = {}
-    for (path, leaf), sharding in zip(
-        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(param_shardings), strict=True
-    ):
-        by_path[tuple(str(k) for k in path)] = (_shape_key(leaf), sharding)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    shardings = treedef.flatten_up_to(param_shardings)
+    by_path = {_names(path): (tuple(leaf.shape), s) for (path, leaf), s in zip(flat, shardings, strict=True)}
+    if mesh is None:
+        if not shardings:
+            raise ValueError("state_shardings needs a mesh when there are no parameters")
+        mesh = shardings[0].mesh
     replicated = jax.NamedSharding(mesh, jax.P())
 
     def pick(path, leaf):
-        keys = tuple(str(k) for k in path)
-        shape = _shape_key(leaf)
-        for start in range(len(keys)):
-            hit = by_path.get(keys[start:])
-            if hit is not None and hit[0] == shape:
-                return hit[1]
+        names, shape = _names(path), tuple(getattr(leaf, "shape", ()))
+        for end in (len(names), len(names) - 1):
+            for start in range(end):
+                hit = by_path.get(names[start:end])
+                if hit is not None and hit[0] == shape:
+                    return hit[1]
+                if hit is not None and len(hit[0]) == len(shape):
+                    return jax.NamedSharding(mesh, _spec_like(shape, hit[1]))
         own = getattr(leaf, "sharding", None)
         if isinstance(own, jax.NamedSharding) and own.mesh.shape == mesh.shape:
             return own

@@ -6,7 +6,8 @@ import numpy as np
 import optax
 import pytest
 
-from optim import came, memory
+from optim import came
+from sharding import partition
 
 B1, B2, B3, EPS1, EPS2, D = 0.9, 0.999, 0.9999, 1e-30, 1e-16, 1.0
 
@@ -155,7 +156,7 @@ def test_sharded_state_follows_params_and_matches_unsharded():
     with jax.set_mesh(mesh):
         shard = {"w": jax.NamedSharding(mesh, jax.P(None, "fsdp", None)), "b": jax.NamedSharding(mesh, jax.P("fsdp"))}
         sp, sg = jax.device_put(params, shard), jax.device_put(grads, shard)
-        state_sh = memory.state_shardings(jax.eval_shape(tx.init, sp), sp, shard)
+        state_sh = partition.state_shardings(jax.eval_shape(tx.init, sp), sp, shard)
         state = jax.jit(tx.init, out_shardings=state_sh)(sp)
         updates, new_state = jax.jit(tx.update, out_shardings=(shard, state_sh))(sg, state, sp)
     s = new_state[0]

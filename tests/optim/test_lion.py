@@ -6,7 +6,8 @@ import numpy as np
 import optax
 import pytest
 
-from optim import labels, lion, memory
+from optim import labels, lion
+from sharding import partition
 
 
 def _params(seed=0):
@@ -115,7 +116,7 @@ def test_sharded_state_follows_params_and_matches_unsharded():
         shard = {"w": jax.NamedSharding(mesh, jax.P(None, "fsdp")), "b": jax.NamedSharding(mesh, jax.P())}
         sp = jax.device_put(params, shard)
         sg = jax.device_put(grads, shard)
-        state_sh = memory.state_shardings(jax.eval_shape(tx.init, sp), sp, shard)
+        state_sh = partition.state_shardings(jax.eval_shape(tx.init, sp), sp, shard)
         state = jax.jit(tx.init, out_shardings=state_sh)(sp)
         assert state[0].mu["w"].sharding.spec == jax.P(None, "fsdp")
         updates, new_state = jax.jit(tx.update, out_shardings=(shard, state_sh))(sg, state, sp)

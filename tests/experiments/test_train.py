@@ -1,7 +1,9 @@
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -179,3 +181,24 @@ def test_default_main_job_reaches_target_loss(tmp_path):
     assert summary["steps"] == default.get_config().steps
     assert summary["final_val_loss"] <= 2.5
     print(f"default job: val loss {summary['final_val_loss']:.3f}, {summary['tokens_per_second']:.0f} tokens/s")
+
+
+def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    args = [
+        sys.executable, "-m", "experiments.train", f"--workdir={tmp_path}", "--config.steps=100000",
+        "--config.batch_size=4", "--config.data.seq_len=16", "--config.log_every=1", "--config.eval_batches=1",
+    ]  # fmt: skip
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "checkpoint saved" in err
+    last_logged = read_metrics(metrics)[-1]["step"]
+    saved = ocp.CheckpointManager(tmp_path / "checkpoints").latest_step()
+    assert saved is not None and saved >= last_logged

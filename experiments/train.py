@@ -108,6 +108,8 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
         if config.grad_accum_steps < 1 or config.batch_size % config.grad_accum_steps:
             raise ValueError(f"batch_size={config.batch_size} must be a multiple of grad_accum_steps={config.grad_accum_steps}")
         cfg = model_config(config)
+        if config.optimizer.name in registry.NEEDS_ATTN_LOGITS:
+            cfg = dataclasses.replace(cfg, track_attn_logits=True)
         if config.data.seq_len > cfg.max_seq_len:
             raise ValueError(f"data.seq_len={config.data.seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
         if config.devices and jax.process_count() > 1:

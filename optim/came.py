@@ -40,7 +40,7 @@ from optim import labels
 
 
 class ScaleByCameState(NamedTuple):
-    """State of `scale_by_came`; factored fields are empty ``(0,)`` arrays on unfactored leaves and vice versa."""
+    """State of `scale_by_came`; factored fields are ``(1,)`` placeholders on unfactored leaves and vice versa (checkpoints cannot hold empty arrays)."""
 
     mu: optax.Updates  # m_t, EMA of the clipped update, shaped like the parameters
     v_row: optax.Updates  # r_t, (*batch, n, 1) EMA of row means of G^2 + eps1
@@ -95,13 +95,13 @@ def scale_by_came(
             return jnp.zeros(shape, jnp.float32)
 
         def row(p):
-            return zeros((*p.shape[:-1], 1) if _factored(p.shape, min_dim_size_to_factor) else (0,))
+            return zeros((*p.shape[:-1], 1) if _factored(p.shape, min_dim_size_to_factor) else (1,))
 
         def col(p):
-            return zeros((*p.shape[:-2], 1, p.shape[-1]) if _factored(p.shape, min_dim_size_to_factor) else (0,))
+            return zeros((*p.shape[:-2], 1, p.shape[-1]) if _factored(p.shape, min_dim_size_to_factor) else (1,))
 
         def full(p):
-            return zeros((0,) if _factored(p.shape, min_dim_size_to_factor) else p.shape)
+            return zeros((1,) if _factored(p.shape, min_dim_size_to_factor) else p.shape)
 
         return ScaleByCameState(
             mu=jax.tree.map(lambda p: zeros(p.shape), params),

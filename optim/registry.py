@@ -72,6 +72,9 @@ OPTIMIZERS: dict[str, Callable[..., Any]] = {
     "soap": soap,
 }
 
+# Optimizers whose update takes the model's per-head max attention logits (``attn_max_logits``).
+NEEDS_ATTN_LOGITS = frozenset({"muon_clip"})
+
 COMMON_KEYS = (
     "name",
     "learning_rate",

@@ -94,11 +94,11 @@ def test_state_layout_and_factoring_threshold():
     state = jax.eval_shape(came.scale_by_came().init, params)
     assert state.mu["big"].shape == (3, 128, 256)
     assert (state.v_row["big"].shape, state.v_col["big"].shape) == ((3, 128, 1), (3, 1, 256))
-    assert state.v["big"].shape == (0,)
+    assert state.v["big"].shape == (1,)
     assert (state.res_row["big"].shape, state.res_col["big"].shape) == ((3, 128, 1), (3, 1, 256))
     # A stack of 3 vectors is not factored at the default min_dim_size_to_factor=128.
     for k in ("norms", "bias"):
-        assert state.v[k].shape == params[k].shape and state.v_row[k].shape == (0,)
+        assert state.v[k].shape == params[k].shape and state.v_row[k].shape == (1,)
 
 
 def test_update_rms_is_clipped_and_zero_gradient_is_finite():

@@ -11,7 +11,9 @@ Registered optimizers are built exactly as training builds them (`optim.registry
 default optimizer config: cosine schedule, gradient clipping). Extra rows compare against other
 implementations at matching settings: ``optax_muon`` is ``optax.contrib.muon`` and ``muon@optax`` is
 our Muon with the same settings (EMA momentum without Nesterov, Jordan's Newton-Schulz, Jordan's
-shape scale, eps 1e-8). To add a row, add an entry to `EXTRA_ROWS` or register the optimizer.
+shape scale, eps 1e-8; ``ns_batching="auto"``, i.e. one Newton-Schulz call per leaf on CPU) and
+``muon@optax-batched`` the same with same-shape matrices batched into one call. To add a row, add
+an entry to `EXTRA_ROWS` or register the optimizer.
 
 Shampoo's cost depends on whether a step refreshes the inverse roots: ``shampoo`` is a step without
 a refresh (the registered default, first refresh at step 100), ``shampoo_refresh`` one that
@@ -35,7 +37,7 @@ import optax
 from absl import app, flags
 
 from experiments.configs import default
-from optim import labels, registry
+from optim import labels, memory, registry
 from optim.muon import muon
 
 TREES = {
@@ -45,10 +47,10 @@ TREES = {
 TOTAL_STEPS = 1000
 
 _OPTIMIZERS = flags.DEFINE_list(
-    "optimizers", ["adamw", "muon", "normuon", "muon_clip", "mars_muon", "muon@optax", "optax_muon"], "Rows to time."
+    "optimizers", ["adamw", "muon", "normuon", "muon_clip", "mars_muon", "muon@optax", "optax_muon"], "Rows to time; 'all': every registered optimizer."
 )
 _TREES = flags.DEFINE_list("trees", ["tiny", "small"], f"Parameter trees, from {sorted(TREES)}.")
-_REPEATS = flags.DEFINE_integer("repeats", 20, "Timed calls per row (median reported).")
+_REPEATS = flags.DEFINE_integer("repeats", 20, "Timed calls per row (median and minimum reported).")
 _OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
 
 
@@ -136,6 +138,17 @@ EXTRA_ROWS: dict[str, Row] = {
             adam_learning_rate=0.003,
         )
     ),
+    "muon@optax-batched": Row(
+        lambda tree: muon(
+            _SCHEDULE,
+            nesterov=False,
+            shape_scale="jordan",
+            ns_eps=1e-8,
+            weight_decay=0.1,
+            adam_learning_rate=0.003,
+            ns_batching="same_shape",
+        )
+    ),
 }
 
 
@@ -156,43 +169,61 @@ def compile_row(row: Row, tree: dict[str, int]) -> Callable[[], Any]:
     return lambda: jax.block_until_ready(step(params, grads, state))
 
 
-def time_rows(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median seconds per row; rows are timed round-robin so machine load affects all alike."""
+def state_bytes_per_param(row: Row, tree: dict[str, int]) -> float:
+    """Optimizer state bytes per parameter, from the abstract state (`optim.memory.state_bytes`)."""
+    params = jax.eval_shape(lambda: param_tree(**tree))
+    return memory.state_bytes(jax.eval_shape(row.make(tree).init, params)) / sum(p.size for p in jax.tree.leaves(params))
+
+
+def time_rows(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of every call per row; rows are timed round-robin so machine load affects all alike."""
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
             start = time.perf_counter()
             call()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def main(argv):
     del argv
-    results: dict[str, Any] = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "trees": {}}
+    results: dict[str, Any] = {
+        "device": str(jax.devices()[0].device_kind),
+        "backend": jax.default_backend(),
+        "trees": {},
+    }
+    names = [n for name in _OPTIMIZERS.value for n in (sorted(registry.OPTIMIZERS) if name == "all" else [name])]
     for tree_name in _TREES.value:
         tree = TREES[tree_name]
-        calls = {
-            name: compile_row(EXTRA_ROWS[name] if name in EXTRA_ROWS else registered(name), tree)
-            for name in _OPTIMIZERS.value
+        calls = {name: compile_row(EXTRA_ROWS[name] if name in EXTRA_ROWS else registered(name), tree) for name in names}
+        rows = {
+            name: {"ms": 1e3 * statistics.median(t), "min_ms": 1e3 * min(t)}
+            for name, t in time_rows(calls, _REPEATS.value).items()
         }
-        rows = {name: {"ms": 1e3 * seconds} for name, seconds in time_rows(calls, _REPEATS.value).items()}
         for name, (plain, refresh, every) in AMORTISED.items():
             if plain in rows and refresh in rows:
                 rows[name] = {"ms": ((every - 1) * rows[plain]["ms"] + rows[refresh]["ms"]) / every}
+        for name, r in rows.items():
+            source = AMORTISED[name][0] if name in AMORTISED else name
+            r["state_bytes_per_param"] = state_bytes_per_param(EXTRA_ROWS.get(source) or registered(source), tree)
         base = rows.get("adamw", {}).get("ms")
         for name, r in rows.items():
             r["vs_adamw"] = r["ms"] / base if base else None
-        if "muon@optax" in rows and "optax_muon" in rows:
-            rows["muon@optax"]["vs_optax_muon"] = rows["muon@optax"]["ms"] / rows["optax_muon"]["ms"]
+        for name in ("muon@optax", "muon@optax-batched"):
+            if name in rows and "optax_muon" in rows:
+                rows[name]["vs_optax_muon"] = rows[name]["ms"] / rows["optax_muon"]["ms"]
+                rows[name]["vs_optax_muon_min"] = rows[name]["min_ms"] / rows["optax_muon"]["min_ms"]
         results["trees"][tree_name] = rows
 
-        print(f"\n{tree_name} ({results['backend']}: {results['device']}), median of {_REPEATS.value}")
-        print(f"{'optimizer':<14}{'ms/step':>10}{'x AdamW':>10}{'x optax':>10}")
+        print(f"\n{tree_name} ({results['backend']}: {results['device']}), median and min of {_REPEATS.value}")
+        print(f"{'optimizer':<22}{'ms/step':>10}{'min ms':>10}{'x AdamW':>10}{'x optax':>10}{'(min)':>8}{'B/param':>9}")
         for name, r in rows.items():
             vs_adamw = f"{r['vs_adamw']:.2f}" if r["vs_adamw"] else "-"
             vs_optax = f"{r['vs_optax_muon']:.2f}" if "vs_optax_muon" in r else ""
-            print(f"{name:<14}{r['ms']:>10.2f}{vs_adamw:>10}{vs_optax:>10}")
+            vs_optax_min = f"{r['vs_optax_muon_min']:.2f}" if "vs_optax_muon_min" in r else ""
+            min_ms = f"{r['min_ms']:.2f}" if "min_ms" in r else "-"
+            print(f"{name:<22}{r['ms']:>10.2f}{min_ms:>10}{vs_adamw:>10}{vs_optax:>10}{vs_optax_min:>8}{r['state_bytes_per_param']:>9.2f}")
     if _OUT.value:
         with open(_OUT.value, "w") as f:
             json.dump(results, f, indent=2)

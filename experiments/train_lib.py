@@ -21,6 +21,7 @@ import optax
 
 from lm import model as model_lib
 from lm.loss import cross_entropy
+from optim import blocking
 from sharding import partition
 from sharding import rules as rules_lib
 
@@ -43,7 +44,8 @@ def make_shardings(
 ) -> Shardings:
     params = partition.named_shardings(model_def.logical_specs, mesh, rules)
     partition.check_divisible(model_def.abstract_params, params)
-    abstract_opt = jax.eval_shape(tx.init, model_def.abstract_params)
+    # Optimizers that stack blocks (Shampoo, SOAP) spread the stacks over all devices.
+    abstract_opt = blocking.annotate_block_shardings(jax.eval_shape(tx.init, model_def.abstract_params), mesh)
     opt = partition.state_shardings(abstract_opt, model_def.abstract_params, params, mesh)
     replicated = jax.NamedSharding(mesh, jax.P())
     state = {"params": params, "opt_state": opt, "step": replicated, "bad_streak": replicated, "skipped": replicated}

@@ -15,9 +15,10 @@ regions: full x full, full x ragged, ragged x full, ragged x ragged).
 Factor matrices of all parameters are *stacked*: every ``(b, b)`` matrix of one group (same ``b``,
 and whatever else the optimizer keys on, e.g. Shampoo's root exponent) lives in one
 ``(n_blocks, b, b)`` array. ``n_blocks`` is padded to a multiple of the ambient mesh's device count
-and the array is constrained to be sharded along its first axis over all mesh axes, so under `jit`
-GSPMD splits batched eigendecompositions / Newton iterations across devices and no device holds
-all statistics (the distributed Shampoo design, arXiv:2002.09018 Sec. 5, arXiv:2309.06497 Sec. 4).
+(of all devices without a mesh) and the array is constrained to be sharded along its first axis over
+all mesh axes, so under `jit` GSPMD splits batched eigendecompositions / Newton iterations across
+devices and no device holds all statistics (the distributed Shampoo designs of arXiv:2002.09018
+and arXiv:2309.06497).
 """
 
 from __future__ import annotations
@@ -204,7 +205,8 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-def _mesh_axes() -> tuple[tuple[str, ...], int]:
+def mesh_axes() -> tuple[tuple[str, ...], int]:
+    """The ambient mesh's axis names and device count (``(), 1`` without a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return (), 1
@@ -217,7 +219,7 @@ def padded_count(n: int) -> int:
     Without a mesh the count is `jax.device_count()`, so ``jax.eval_shape(tx.init, ...)`` outside
     ``jax.set_mesh`` gives the same shapes as inside it when the mesh spans every device.
     """
-    axes, size = _mesh_axes()
+    axes, size = mesh_axes()
     if not axes:
         size = jax.device_count()
     return -(-n // size) * size
@@ -225,7 +227,7 @@ def padded_count(n: int) -> int:
 
 def constrain_blocks(x: jax.Array) -> jax.Array:
     """Shards the leading (block) axis of ``x`` over every axis of the ambient mesh; no-op without one."""
-    axes, size = _mesh_axes()
+    axes, size = mesh_axes()
     if not axes or x.shape[0] % size:
         return x
     return jax.lax.with_sharding_constraint(x, jax.P(axes))
@@ -324,6 +326,33 @@ def apply_factor(blocks: jax.Array, mats: jax.Array, axis: int, *, transpose: bo
     x, back = _along(blocks, axis)
     spec = "mji,mjk->mik" if transpose else "mij,mjk->mik"
     return back(jnp.einsum(spec, mats, x, precision=HIGHEST))
+
+
+def apply_factors(
+    regions: Sequence[jax.Array], mats: Sequence[Sequence[jax.Array | None]], *, transpose: bool = False
+) -> list[jax.Array]:
+    """`apply_factor` along every dim that has a matrix, for each region of one parameter."""
+    out = []
+    for rb, region_mats in zip(regions, mats, strict=True):
+        for axis, m in enumerate(region_mats):
+            if m is not None:
+                rb = apply_factor(rb, m, axis, transpose=transpose)
+        out.append(rb)
+    return out
+
+
+def factor_statistics(
+    layout: StackLayout, blocks: Sequence[Sequence[jax.Array] | None], n_blocks: dict[str, int]
+) -> BlockStacks:
+    """`factor_statistic` of every (leaf, region, preconditioned dim), stacked like the state (zero padding)."""
+    outer = [
+        [
+            [None if slot is None else factor_statistic(rb, axis) for axis, slot in enumerate(region_slots)]
+            for rb, region_slots in zip(leaf_blocks or (), leaf_slots, strict=True)
+        ]
+        for leaf_blocks, leaf_slots in zip(blocks, layout.slots, strict=True)
+    ]
+    return stack(layout, outer, n_blocks, zeros_fill)
 
 
 def layout_tree(

@@ -29,8 +29,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optim import muon as muon_lib
 from optim import newton_schulz as ns
+from optim.muon import (
+    DTYPES,
+    MOMENTUM_FORMS,
+    SHAPE_SCALES,
+    check_choice,
+    check_matrices,
+    momentum_direction,
+    orthogonalize_and_scale,
+    with_adam,
+)
 
 
 class MarsMuonState(NamedTuple):
@@ -53,7 +62,7 @@ def scale_by_mars_muon(
     ns_eps: float = 1e-7,
     shape_scale: str = "moonlight",
     mu_dtype: str = "float32",
-    batch_same_shape: bool = True,
+    ns_batching: str = "auto",
     ns_sharding: str = "as_is",
     dimension_numbers: ns.AxesSpec = None,
 ) -> optax.GradientTransformation:
@@ -64,15 +73,16 @@ def scale_by_mars_muon(
       gamma: strength of the gradient correction (0 gives Muon with clipped gradients).
       clip_c: divide ``c_t`` by its Frobenius norm when that exceeds 1.
     """
-    muon_lib.check_choice("momentum_form", momentum_form, muon_lib.MOMENTUM_FORMS)
-    muon_lib.check_choice("shape_scale", shape_scale, muon_lib.SHAPE_SCALES)
-    muon_lib.check_choice("ns_dtype", ns_dtype, muon_lib.DTYPES)
-    muon_lib.check_choice("mu_dtype", mu_dtype, muon_lib.DTYPES)
-    muon_lib.check_choice("ns_sharding", ns_sharding, ns.SHARDING_MODES)
+    check_choice("momentum_form", momentum_form, MOMENTUM_FORMS)
+    check_choice("shape_scale", shape_scale, SHAPE_SCALES)
+    check_choice("ns_dtype", ns_dtype, DTYPES)
+    check_choice("mu_dtype", mu_dtype, DTYPES)
+    check_choice("ns_sharding", ns_sharding, ns.SHARDING_MODES)
+    check_choice("ns_batching", ns_batching, ns.BATCHING_MODES)
     ns.resolve(ns_coeffs)
 
     def init_fn(params):
-        muon_lib.check_matrices(params, dimension_numbers, "mars_muon")
+        check_matrices(params, dimension_numbers, "mars_muon")
         return MarsMuonState(
             mu=jax.tree.map(lambda p: jnp.zeros(p.shape, mu_dtype), params),
             prev_grad=jax.tree.map(lambda p: jnp.zeros(p.shape, mu_dtype), params),
@@ -92,19 +102,19 @@ def scale_by_mars_muon(
         grads, treedef = jax.tree.flatten(updates)
         axes = treedef.flatten_up_to(ns.matrix_axes_tree(updates, dimension_numbers))
         pairs = [
-            muon_lib.momentum_direction(corrected(g, prev, ax), m, beta, momentum_form, nesterov)
+            momentum_direction(corrected(g, prev, ax), m, beta, momentum_form, nesterov)
             for g, prev, m, ax in zip(
                 grads, treedef.flatten_up_to(state.prev_grad), treedef.flatten_up_to(state.mu), axes, strict=True
             )
         ]
-        ortho = muon_lib.orthogonalize_and_scale(
+        ortho = orthogonalize_and_scale(
             treedef.unflatten([d for d, _ in pairs]),
             dimension_numbers,
             coeffs=ns_coeffs,
             steps=ns_steps,
             eps=ns_eps,
             dtype=ns_dtype,
-            batch_same_shape=batch_same_shape,
+            batching=ns_batching,
             sharding=ns_sharding,
             kind=shape_scale,
         )
@@ -136,7 +146,7 @@ def mars_muon(
     adam_b2: float = 0.95,
     adam_eps: float = 1e-8,
     mu_dtype: str = "float32",
-    batch_same_shape: bool = True,
+    ns_batching: str = "auto",
     ns_sharding: str = "as_is",
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
     param_labels: Callable[[Any], Any] | Any | None = None,
@@ -155,11 +165,11 @@ def mars_muon(
         ns_eps=ns_eps,
         shape_scale=shape_scale,
         mu_dtype=mu_dtype,
-        batch_same_shape=batch_same_shape,
+        ns_batching=ns_batching,
         ns_sharding=ns_sharding,
         dimension_numbers=dimension_numbers,
     )
-    return muon_lib.with_adam(
+    return with_adam(
         direction,
         learning_rate,
         weight_decay=weight_decay,

@@ -2,8 +2,8 @@
 
 For a batch ``A`` of shape ``(n, b, b)`` and an integer ``p`` both methods return
 ``X ~= (A + r I)^(-1/p)`` with the ridge ``r = ridge_epsilon * max(lambda_max(A), 1e-16)``
-(relative to the largest eigenvalue, as in distributed Shampoo, arXiv:2002.09018 Sec. 5.4) and a
-per-matrix error, so a caller can reject bad roots with `accepted`:
+(relative to the largest eigenvalue, as in distributed Shampoo, arXiv:2002.09018; ``"newton"``
+estimates it by power iteration) and a per-matrix error, so a caller can reject bad roots with `accepted`:
 
 - ``"eigh"``: ``A = V diag(lambda) V^T``, ``X = V diag((max(lambda, 0) + r)^(-1/p)) V^T``.
   Error: the relative backward error of the decomposition, ``max|V diag(lambda) V^T - A| / lambda_max``.
@@ -20,8 +20,13 @@ Every matmul runs at ``Precision.HIGHEST`` and in float32 at least.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+
+from optim import blocking
 
 HIGHEST = jax.lax.Precision.HIGHEST
 METHODS = ("eigh", "newton")
@@ -62,10 +67,29 @@ def max_eigenvalue(mats: jax.Array, num_iters: int = 32) -> jax.Array:
     return jnp.einsum("...i,...ij,...j->...", v, mats, v, precision=HIGHEST)
 
 
+def lapack_map(fn: Callable[[jax.Array], Any], mats: jax.Array) -> Any:
+    """``fn(mats)`` for a LAPACK-backed batched ``fn`` (eigh, qr) on a ``(n, b, b)`` block stack.
+
+    On CPU the stack is walked one matrix per device at a time (`lax.map` over the local blocks):
+    jaxlib's batched LAPACK kernels split a batch over XLA's intra-op thread pool and block until
+    it is done, which deadlocks when several such calls (other groups, other devices) hold every
+    pool thread (jax 0.10). Other platforms run ``fn`` batched.
+    """
+
+    def per_matrix(x):
+        _, size = blocking.mesh_axes()
+        n = x.shape[0]
+        k = size if n % size == 0 else 1
+        out = jax.lax.map(fn, jnp.swapaxes(x.reshape(k, n // k, *x.shape[1:]), 0, 1))
+        return jax.tree.map(lambda o: jnp.swapaxes(o, 0, 1).reshape(n, *o.shape[2:]), out)
+
+    return jax.lax.platform_dependent(mats, cpu=per_matrix, default=fn)
+
+
 def inverse_pth_root_eigh(mats: jax.Array, p: int, ridge_epsilon: float = 1e-6) -> tuple[jax.Array, jax.Array]:
     """``(A + r I)^(-1/p)`` by symmetric eigendecomposition; returns (roots, errors)."""
     mats = 0.5 * (mats + jnp.swapaxes(mats, -1, -2))
-    lam, vecs = jnp.linalg.eigh(mats)
+    lam, vecs = lapack_map(jnp.linalg.eigh, mats)
     top = jnp.maximum(lam[..., -1], _FLOOR)
     damped = jnp.maximum(lam, 0.0) + (ridge_epsilon * top)[..., None]
     roots = _mm(vecs * (damped ** (-1.0 / p))[..., None, :], jnp.swapaxes(vecs, -1, -2))

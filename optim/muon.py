@@ -78,7 +78,9 @@ def check_matrices(params: Any, axes: ns.AxesSpec, family: str) -> None:
                 "label it 'adam' (param_labels) or use the family's full optimizer, which does so by default"
             )
         if not jnp.issubdtype(p.dtype, jnp.floating):
-            raise ValueError(f"{family} needs floating-point parameters, got {where} of dtype {p.dtype}; label it 'adam'")
+            raise ValueError(
+                f"{family} needs floating-point parameters, got {where} of dtype {p.dtype}; label it 'adam'"
+            )
         ns.split_axes(p.shape, ax)
 
 
@@ -97,7 +99,7 @@ def momentum_direction(
     return direction, mu
 
 
-def shape_scale(shape: tuple[int, ...], axes: ns.MatrixAxes, kind: str) -> float:
+def shape_factor(shape: tuple[int, ...], axes: ns.MatrixAxes, kind: str) -> float:
     """The factor ``s(W)`` of the module docstring for a leaf of ``shape``."""
     fan_in, fan_out = ns.fans(shape, axes)
     if kind == "jordan":
@@ -116,7 +118,7 @@ def scale_by_muon(
     ns_eps: float = 1e-7,
     shape_scale: str = "moonlight",
     mu_dtype: str = "float32",
-    batch_same_shape: bool = True,
+    ns_batching: str = "auto",
     ns_sharding: str = "as_is",
     dimension_numbers: ns.AxesSpec = None,
 ) -> optax.GradientTransformation:
@@ -132,7 +134,8 @@ def scale_by_muon(
       ns_eps: added to the Frobenius norm before the iteration.
       shape_scale: ``"jordan"`` or ``"moonlight"``.
       mu_dtype: storage dtype of the momentum.
-      batch_same_shape: orthogonalise same-shape matrices in one batched call.
+      ns_batching: ``"same_shape"`` (one Newton-Schulz call per group of equal-shape matrices),
+        ``"none"`` (one per leaf) or ``"auto"`` (``"none"`` on CPU, else ``"same_shape"``).
       ns_sharding: ``"as_is"``, ``"replicated"`` or ``"owner"``; see `newton_schulz.orthogonalize`.
       dimension_numbers: a `MatrixAxes` for every leaf, a callable mapping the updates to a tree of
         them, or None for ``(*batch, fan_in, fan_out)``.
@@ -142,6 +145,7 @@ def scale_by_muon(
     check_choice("ns_dtype", ns_dtype, DTYPES)
     check_choice("mu_dtype", mu_dtype, DTYPES)
     check_choice("ns_sharding", ns_sharding, ns.SHARDING_MODES)
+    check_choice("ns_batching", ns_batching, ns.BATCHING_MODES)
     ns.resolve(ns_coeffs)
 
     def init_fn(params):
@@ -162,7 +166,7 @@ def scale_by_muon(
             steps=ns_steps,
             eps=ns_eps,
             dtype=ns_dtype,
-            batch_same_shape=batch_same_shape,
+            batching=ns_batching,
             sharding=ns_sharding,
             kind=shape_scale,
         )
@@ -177,7 +181,7 @@ def orthogonalize_and_scale(tree: Any, axes: ns.AxesSpec, *, kind: str, **ns_kwa
     """``s(W) NewtonSchulz(X)`` for every leaf ``X`` of ``tree``."""
     ortho = ns.orthogonalize(tree, axes, **ns_kwargs)
     axes_tree = ns.matrix_axes_tree(tree, axes)
-    return jax.tree.map(lambda o, ax: o * shape_scale(o.shape, ax, kind), ortho, axes_tree)
+    return jax.tree.map(lambda o, ax: o * shape_factor(o.shape, ax, kind), ortho, axes_tree)
 
 
 def with_adam(
@@ -202,7 +206,10 @@ def with_adam(
     """
     if adam_learning_rate is None:
         if callable(learning_rate):
-            adam_learning_rate = lambda count: adam_lr_ratio * learning_rate(count)  # noqa: E731
+
+            def adam_learning_rate(count):
+                return adam_lr_ratio * learning_rate(count)
+
         else:
             adam_learning_rate = adam_lr_ratio * learning_rate
     matrix = optax.chain(
@@ -236,7 +243,7 @@ def muon(
     adam_b2: float = 0.95,
     adam_eps: float = 1e-8,
     mu_dtype: str = "float32",
-    batch_same_shape: bool = True,
+    ns_batching: str = "auto",
     ns_sharding: str = "as_is",
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
     param_labels: Callable[[Any], Any] | Any | None = None,
@@ -264,7 +271,7 @@ def muon(
         ns_eps=ns_eps,
         shape_scale=shape_scale,
         mu_dtype=mu_dtype,
-        batch_same_shape=batch_same_shape,
+        ns_batching=ns_batching,
         ns_sharding=ns_sharding,
         dimension_numbers=dimension_numbers,
     )

@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import optax
 
 from optim import labels
-from optim import muon as muon_lib
 from optim import newton_schulz as ns
+from optim.muon import muon
 
 Q_NAME, K_NAME = "q_proj", "k_proj"
 
@@ -51,6 +51,11 @@ class QKClipState(NamedTuple):
     """State of `scale_by_qk_clip`."""
 
     num_clipped: jax.Array  # int32: query heads whose max logit exceeded tau at the last step
+
+
+def _per_column(per_head: jax.Array, head_dim: int) -> jax.Array:
+    """``(*layers, heads)`` factors as ``(*layers, 1, heads * head_dim)`` kernel multipliers."""
+    return jnp.repeat(per_head, head_dim, axis=-1)[..., None, :]
 
 
 def _layer_index(path: tuple[str, ...]) -> int | None:
@@ -120,15 +125,10 @@ def qk_clip_scales(params: Any, attn_max_logits: jax.Array, tau: jax.typing.Arra
                 f"{name}: q kernel {q.shape} and k kernel {k.shape} do not split into {n_heads} query heads "
                 "and a divisor of that many key heads of equal width"
             )
-        n_kv = k.shape[-1] // head_dim
-
-        def columns(per_head):
-            return jnp.repeat(per_head, head_dim, axis=-1)[..., None, :]
-
-        if n_kv == n_heads:
-            scales[found["q"]] = scales[found["k"]] = columns(jnp.sqrt(g))
+        if k.shape[-1] // head_dim == n_heads:
+            scales[found["q"]] = scales[found["k"]] = _per_column(jnp.sqrt(g), head_dim)
         else:
-            scales[found["q"]] = columns(g)
+            scales[found["q"]] = _per_column(g, head_dim)
     return treedef.unflatten(scales), jnp.sum(logits > tau).astype(jnp.int32)
 
 
@@ -184,14 +184,14 @@ def muon_clip(
     adam_b2: float = 0.95,
     adam_eps: float = 1e-8,
     mu_dtype: str = "float32",
-    batch_same_shape: bool = True,
+    ns_batching: str = "auto",
     ns_sharding: str = "as_is",
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
     param_labels: Callable[[Any], Any] | Any | None = None,
     dimension_numbers: ns.AxesSpec = None,
 ) -> optax.GradientTransformationExtraArgs:
     """MuonClip: `optim.muon.muon` (same arguments) followed by QK-clip at ``tau`` (Kimi K2: 100)."""
-    inner = muon_lib.muon(
+    inner = muon(
         learning_rate,
         beta=beta,
         momentum_form=momentum_form,
@@ -207,7 +207,7 @@ def muon_clip(
         adam_b2=adam_b2,
         adam_eps=adam_eps,
         mu_dtype=mu_dtype,
-        batch_same_shape=batch_same_shape,
+        ns_batching=ns_batching,
         ns_sharding=ns_sharding,
         adam_learning_rate=adam_learning_rate,
         param_labels=param_labels,

@@ -59,8 +59,8 @@ later rows converge to the classical (15/8, -10/8, 3/8) polynomial). Note that o
 *last* ``steps`` rows instead. ``steps=0`` means the preset's own count (a user table: its length).
 
 `newton_schulz` works on one array of matrices ``(..., m, n)``. `orthogonalize` works on a pytree:
-it brings every leaf to that form via `MatrixAxes`, batches same-shape matrices into one call and
-optionally changes their layout on the device mesh first (``sharding=``; see `orthogonalize`).
+it brings every leaf to that form via `MatrixAxes`, can batch same-shape matrices into one call
+(``batching=``) and can change their layout on the device mesh first (``sharding=``).
 """
 
 from __future__ import annotations
@@ -118,7 +118,9 @@ def resolve(coeffs: Coeffs) -> NSPreset:
     """The `NSPreset` for a preset name or a user table of ``(a, b, c)`` rows."""
     if isinstance(coeffs, str):
         if coeffs not in PRESETS:
-            raise ValueError(f"unknown Newton-Schulz preset {coeffs!r}; use one of {', '.join(PRESETS)} or a table of (a, b, c) rows")
+            raise ValueError(
+                f"unknown Newton-Schulz preset {coeffs!r}; use one of {', '.join(PRESETS)} or a table of (a, b, c) rows"
+            )
         return PRESETS[coeffs]
     table = np.asarray(coeffs, dtype=np.float64)
     if table.ndim != 2 or table.shape[0] < 1 or table.shape[1] != 3:
@@ -245,6 +247,7 @@ def fans(shape: Sequence[int], axes: MatrixAxes) -> tuple[int, int]:
 
 
 SHARDING_MODES = ("as_is", "replicated", "owner")
+BATCHING_MODES = ("auto", "same_shape", "none")
 
 
 def _place(stack: jax.Array, sharding: str) -> jax.Array:
@@ -269,15 +272,21 @@ def orthogonalize(
     steps: Steps = 0,
     eps: float = 1e-7,
     dtype: str = "float32",
-    batch_same_shape: bool = True,
+    batching: str = "auto",
     sharding: str = "as_is",
 ) -> Any:
     """`newton_schulz` applied to every leaf of ``tree``, each seen as a batch of matrices.
 
     Each leaf is transposed and reshaped to ``(batch, fan_in, fan_out)`` from its `MatrixAxes`,
-    then turned wide (the smaller side is the one contracted). With ``batch_same_shape`` all
-    matrices of equal oriented shape, across leaves, are concatenated into one stack and
-    orthogonalised by one call (one set of batched matmuls instead of one per leaf).
+    then turned wide (the smaller side is the one contracted). Leading axes of a leaf (stacked
+    layers, experts) are always one batched call.
+
+    Batching (``batching=``): ``"same_shape"`` concatenates all matrices of equal oriented shape,
+    across leaves, into one stack orthogonalised by one call (15 batched matmuls per group instead
+    of per leaf), which pays where small matmuls are launch-bound (GPU, TPU). ``"none"`` runs one
+    call per leaf and saves the concatenation copies, which is faster on CPU (measured 4-7% on the
+    `small` tree, neutral to slightly negative on `tiny`). ``"auto"``: ``"none"`` when the default
+    backend is CPU, else ``"same_shape"``.
 
     Sharding (``sharding=``, under the mesh set with `jax.set_mesh`; ignored without one). Each step
     computes ``A = X X^T`` (contracting the long side ``n``), ``A A`` and ``(bA + cA^2) X``
@@ -303,6 +312,10 @@ def orthogonalize(
     """
     if sharding not in SHARDING_MODES:
         raise ValueError(f"Newton-Schulz sharding must be one of {', '.join(SHARDING_MODES)}, got {sharding!r}")
+    if batching not in BATCHING_MODES:
+        raise ValueError(f"Newton-Schulz batching must be one of {', '.join(BATCHING_MODES)}, got {batching!r}")
+    if batching == "auto":
+        batching = "none" if jax.default_backend() == "cpu" else "same_shape"
     leaves, treedef = jax.tree.flatten(tree)
     axes_leaves = treedef.flatten_up_to(matrix_axes_tree(tree, axes))
 
@@ -321,7 +334,7 @@ def orthogonalize(
 
     groups: dict[tuple[Any, ...], list[int]] = {}
     for i, m in enumerate(flat):
-        key = (m.shape[1:], m.dtype) if batch_same_shape else (i,)
+        key = (m.shape[1:], m.dtype) if batching == "same_shape" else (i,)
         groups.setdefault(key, []).append(i)
 
     out: list[jax.Array] = [None] * len(flat)  # type: ignore[list-item]

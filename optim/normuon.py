@@ -33,8 +33,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optim import muon as muon_lib
 from optim import newton_schulz as ns
+from optim.muon import (
+    DTYPES,
+    MOMENTUM_FORMS,
+    SHAPE_SCALES,
+    check_choice,
+    check_matrices,
+    momentum_direction,
+    shape_factor,
+    with_adam,
+)
 
 
 class NorMuonState(NamedTuple):
@@ -62,7 +71,7 @@ def scale_by_normuon(
     ns_eps: float = 1e-7,
     shape_scale: str = "moonlight",
     mu_dtype: str = "float32",
-    batch_same_shape: bool = True,
+    ns_batching: str = "auto",
     ns_sharding: str = "as_is",
     dimension_numbers: ns.AxesSpec = None,
 ) -> optax.GradientTransformation:
@@ -73,15 +82,16 @@ def scale_by_normuon(
       beta2: decay of the per-neuron second moment.
       eps: added to ``sqrt(v_t)`` and to ``||P_t||_F``.
     """
-    muon_lib.check_choice("momentum_form", momentum_form, muon_lib.MOMENTUM_FORMS)
-    muon_lib.check_choice("shape_scale", shape_scale, muon_lib.SHAPE_SCALES)
-    muon_lib.check_choice("ns_dtype", ns_dtype, muon_lib.DTYPES)
-    muon_lib.check_choice("mu_dtype", mu_dtype, muon_lib.DTYPES)
-    muon_lib.check_choice("ns_sharding", ns_sharding, ns.SHARDING_MODES)
+    check_choice("momentum_form", momentum_form, MOMENTUM_FORMS)
+    check_choice("shape_scale", shape_scale, SHAPE_SCALES)
+    check_choice("ns_dtype", ns_dtype, DTYPES)
+    check_choice("mu_dtype", mu_dtype, DTYPES)
+    check_choice("ns_sharding", ns_sharding, ns.SHARDING_MODES)
+    check_choice("ns_batching", ns_batching, ns.BATCHING_MODES)
     ns.resolve(ns_coeffs)
 
     def init_fn(params):
-        muon_lib.check_matrices(params, dimension_numbers, "normuon")
+        check_matrices(params, dimension_numbers, "normuon")
         axes = ns.matrix_axes_tree(params, dimension_numbers)
         return NorMuonState(
             mu=jax.tree.map(lambda p: jnp.zeros(p.shape, mu_dtype), params),
@@ -95,14 +105,14 @@ def scale_by_normuon(
         matrix = fan_in + fan_out
         o_norm = jnp.sqrt(jnp.sum(jnp.square(o), axis=matrix, keepdims=True))
         p_norm = jnp.sqrt(jnp.sum(jnp.square(p), axis=matrix, keepdims=True))
-        p = p * (o_norm / (p_norm + eps)) * muon_lib.shape_scale(o.shape, ax, shape_scale)
+        p = p * (o_norm / (p_norm + eps)) * shape_factor(o.shape, ax, shape_scale)
         return p, nu
 
     def update_fn(updates, state, params=None):
         del params
         grads, treedef = jax.tree.flatten(updates)
         pairs = [
-            muon_lib.momentum_direction(g, m, beta, momentum_form, nesterov)
+            momentum_direction(g, m, beta, momentum_form, nesterov)
             for g, m in zip(grads, treedef.flatten_up_to(state.mu), strict=True)
         ]
         ortho = ns.orthogonalize(
@@ -112,7 +122,7 @@ def scale_by_normuon(
             steps=ns_steps,
             eps=ns_eps,
             dtype=ns_dtype,
-            batch_same_shape=batch_same_shape,
+            batching=ns_batching,
             sharding=ns_sharding,
         )
         axes = treedef.flatten_up_to(ns.matrix_axes_tree(updates, dimension_numbers))
@@ -148,7 +158,7 @@ def normuon(
     adam_b2: float = 0.95,
     adam_eps: float = 1e-8,
     mu_dtype: str = "float32",
-    batch_same_shape: bool = True,
+    ns_batching: str = "auto",
     ns_sharding: str = "as_is",
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
     param_labels: Callable[[Any], Any] | Any | None = None,
@@ -167,11 +177,11 @@ def normuon(
         ns_eps=ns_eps,
         shape_scale=shape_scale,
         mu_dtype=mu_dtype,
-        batch_same_shape=batch_same_shape,
+        ns_batching=ns_batching,
         ns_sharding=ns_sharding,
         dimension_numbers=dimension_numbers,
     )
-    return muon_lib.with_adam(
+    return with_adam(
         direction,
         learning_rate,
         weight_decay=weight_decay,

@@ -80,6 +80,15 @@ def static_int(name: str, value: Any) -> int:
         ) from None
 
 
+def _group_key(p: int, b: int) -> str:
+    """Name of the stack of ``(b, b)`` factors whose roots use exponent ``-1/p``."""
+    return f"p{p}_b{b}"
+
+
+def _exponent_of(key: str) -> int:
+    return int(key[1 : key.index("_")])
+
+
 def _graft(kind: str, g: jax.Array, nu: jax.Array | None, t: jax.Array, beta2: Any, eps: Any):
     """(graft direction A_t, new v_t) for one leaf, float32."""
     if kind in ("sgd", "none"):
@@ -176,7 +185,7 @@ def scale_by_shampoo(
 
     def layouts(tree: Any) -> tuple[list[jax.Array], Any, list, blocking.StackLayout]:
         leaves, treedef, tensors = blocking.layout_tree(tree, make_layout)
-        stack = blocking.stack_layout(tensors, lambda b, t: f"p{exponent(t)}_b{b}")
+        stack = blocking.stack_layout(tensors, lambda b, t: _group_key(exponent(t), b))
         return leaves, treedef, tensors, stack
 
     def init_fn(params):
@@ -204,7 +213,7 @@ def scale_by_shampoo(
     def refresh_roots(stack: blocking.StackLayout, stats, preconds):
         new, failures = blocking.BlockStacks(), jnp.zeros([], jnp.int32)
         for key, _, n in stack.groups:
-            p = int(key[1 : key.index("_")])
+            p = _exponent_of(key)
             roots, errors = matrix_roots.inverse_pth_root(
                 stats[key], p, method=root_method, ridge_epsilon=matrix_eps, newton_iters=newton_iters
             )
@@ -225,14 +234,7 @@ def scale_by_shampoo(
         grafts = [_graft(graft_type, g, nu, t, graft_beta2, graft_eps) for g, nu in zip(g32, nus, strict=True)]
 
         blocks = [None if lay is None else lay.to_blocks(g) for g, lay in zip(g32, tensors, strict=True)]
-        outer = [
-            [
-                [None if s is None else blocking.factor_statistic(rb, i) for i, s in enumerate(region_slots)]
-                for rb, region_slots in zip(leaf_blocks or (), leaf_slots, strict=True)
-            ]
-            for leaf_blocks, leaf_slots in zip(blocks, stack.slots, strict=True)
-        ]
-        outer = blocking.stack(stack, outer, {k: v.shape[0] for k, v in state.stats.items()}, blocking.zeros_fill)
+        outer = blocking.factor_statistics(stack, blocks, {k: v.shape[0] for k, v in state.stats.items()})
         w2 = jnp.where(beta2 == 1.0, 1.0, 1.0 - beta2)
         stats = blocking.BlockStacks(
             {k: blocking.constrain_blocks(beta2 * state.stats[k] + w2 * outer[k]) for k in state.stats}
@@ -253,12 +255,7 @@ def scale_by_shampoo(
             if lay is None:
                 directions.append(graft_dir)
                 continue
-            pre = []
-            for rb, region_mats in zip(leaf_blocks, leaf_mats, strict=True):
-                for i, m in enumerate(region_mats):
-                    if m is not None:
-                        rb = blocking.apply_factor(rb, m, i)
-                pre.append(rb)
+            pre = blocking.apply_factors(leaf_blocks, leaf_mats)
             if graft_type == "none":
                 shampoo_dir = lay.from_blocks(pre)
             elif graft_per_block:

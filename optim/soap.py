@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optim import blocking
+from optim import blocking, matrix_roots
 from optim.muon import with_adam
 from optim.shampoo import static_int
 
@@ -60,13 +60,7 @@ class SoapState(NamedTuple):
 
 def _rotate(layout: blocking.TensorLayout, x: jax.Array, mats: list, *, into: bool) -> jax.Array:
     """``Q_L^T X Q_R`` (``into``, projection) or ``Q_L X Q_R^T`` (back) on every block of ``x``."""
-    out = []
-    for rb, region_mats in zip(layout.to_blocks(x), mats, strict=True):
-        for i, q in enumerate(region_mats):
-            if q is not None:
-                rb = blocking.apply_factor(rb, q, i, transpose=into)
-        out.append(rb)
-    return layout.from_blocks(out)
+    return layout.from_blocks(blocking.apply_factors(layout.to_blocks(x), mats, transpose=into))
 
 
 def _permute(layout: blocking.TensorLayout, x: jax.Array, orders: list) -> jax.Array:
@@ -84,7 +78,7 @@ def _permute(layout: blocking.TensorLayout, x: jax.Array, orders: list) -> jax.A
 
 def eigenbasis(stats: jax.Array) -> jax.Array:
     """Eigenvectors of each symmetric matrix, columns by decreasing eigenvalue."""
-    _, vecs = jnp.linalg.eigh(stats)
+    _, vecs = matrix_roots.lapack_map(jnp.linalg.eigh, stats)
     return vecs[..., ::-1]
 
 
@@ -93,7 +87,7 @@ def power_qr(stats: jax.Array, bases: jax.Array) -> tuple[jax.Array, jax.Array]:
     estimate = jnp.einsum("nij,nik,nkj->nj", bases, stats, bases, precision=blocking.HIGHEST)
     order = jnp.argsort(-estimate, axis=-1)
     bases = jnp.take_along_axis(bases, order[:, None, :], axis=2)
-    q, _ = jnp.linalg.qr(jnp.matmul(stats, bases, precision=blocking.HIGHEST))
+    q, _ = matrix_roots.lapack_map(jnp.linalg.qr, jnp.matmul(stats, bases, precision=blocking.HIGHEST))
     return q, order
 
 
@@ -171,7 +165,7 @@ def scale_by_soap(
             return x if lay is None else _rotate(lay, x, mats, into=into)
 
         mu, nu, direction = [], [], []
-        leaves = zip(g32, treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu), tensors, old_mats)
+        leaves = zip(g32, treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu), tensors, old_mats, strict=True)
         for g, m, v, lay, mats in leaves:
             g_rot = rotate(g, lay, mats, True)
             m = b1 * m + (1 - b1) * g_rot
@@ -181,14 +175,8 @@ def scale_by_soap(
             nu.append(v)
             direction.append(jnp.where(first, 0.0, d * (jnp.sqrt(1 - b2**s) / (1 - b1**s))))
 
-        outer = [
-            [
-                [None if slot is None else blocking.factor_statistic(rb, i) for i, slot in enumerate(region_slots)]
-                for rb, region_slots in zip(lay.to_blocks(g) if lay else (), leaf_slots, strict=True)
-            ]
-            for g, lay, leaf_slots in zip(g32, tensors, stack.slots, strict=True)
-        ]
-        outer = blocking.stack(stack, outer, {k: v.shape[0] for k, v in state.stats.items()}, blocking.zeros_fill)
+        blocks = [None if lay is None else lay.to_blocks(g) for g, lay in zip(g32, tensors, strict=True)]
+        outer = blocking.factor_statistics(stack, blocks, {k: v.shape[0] for k, v in state.stats.items()})
         beta_s = jnp.where(shampoo_beta < 0, b2, shampoo_beta)
         stats = blocking.BlockStacks(
             {k: blocking.constrain_blocks(beta_s * state.stats[k] + (1 - beta_s) * outer[k]) for k in state.stats}

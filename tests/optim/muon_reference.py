@@ -101,8 +101,9 @@ def muon_direction(*, beta, form, nesterov, coeffs, steps, scale, eps=1e-7):
 
 
 def is_matrix(path, leaf):
-    names = {str(getattr(k, "key", k)) for k in path}
-    return leaf.ndim >= 2 and not names & {"embed", "embedding", "lm_head"}
+    """Hidden matrices: two or more axes, not a (stacked) norm scale or bias, not a vocabulary table."""
+    names = [str(getattr(k, "key", k)) for k in path]
+    return leaf.ndim >= 2 and names[-1] not in ("scale", "bias") and not set(names) & {"embed", "embedding", "lm_head"}
 
 
 class AdamW:
@@ -124,7 +125,10 @@ class AdamW:
 def model_tree(seed, *, layers=2, d=8, heads=2, kv_heads=1, head_dim=4, mlp=12, vocab=11, untied=False, scale=1.0):
     """A miniature of the LM's parameter tree (float64), scan-stacked layers."""
     rng = np.random.default_rng(seed)
-    r = lambda *shape: scale * rng.standard_normal(shape)  # noqa: E731
+
+    def r(*shape):
+        return scale * rng.standard_normal(shape)
+
     tree = {
         "embed": {"embedding": r(vocab, d)},
         "blocks": {
@@ -244,7 +248,8 @@ def check_sharded_matches_single_device(tx, params, grads, extra=None, state_fie
         step = jax.jit(step_fn(tx, extra), in_shardings=(p_shard, s_shard, p_shard), out_shardings=(p_shard, s_shard))
         new_params, new_state = step(jax.device_put(params, p_shard), state, jax.device_put(grads, p_shard))
     assert_trees_close(new_params, expected)
-    by_path = dict(zip(map(str, (p for p, _ in jax.tree_util.tree_leaves_with_path(params))), jax.tree.leaves(p_shard)))
+    paths = [str(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+    by_path = dict(zip(paths, jax.tree.leaves(p_shard), strict=True))
     partitioned = new_state if hasattr(new_state, "inner_states") else new_state[0]  # muon_clip: a chain
     inner = partitioned.inner_states["matrix"].inner_state[0]
     for field in state_fields:

@@ -1,5 +1,7 @@
 """Inverse p-th roots (optim/matrix_roots.py) against float64 NumPy, and failure detection."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +23,7 @@ def reference_root(a, p, ridge):
 
 
 @pytest.mark.parametrize("method", ["eigh", "newton"])
-@pytest.mark.parametrize("p", [2, 4, 6])
+@pytest.mark.parametrize("p", [2, 4])
 def test_root_matches_float64_reference(method, p):
     rng = np.random.default_rng(p)
     mats = spd_batch(rng, 3, 12, cond=1e3)
@@ -44,12 +46,12 @@ def test_ridge_is_relative_to_the_largest_eigenvalue(method):
     np.testing.assert_allclose(np.asarray(roots[0]), expected, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("method", ["eigh", "newton"])
-def test_nan_input_is_rejected(method):
+def test_nan_input_is_rejected():
     mats = np.tile(np.eye(4, dtype=np.float32), (2, 1, 1))
     mats[1, 0, 1] = np.nan
-    roots, errors = matrix_roots.inverse_pth_root(jnp.asarray(mats), 4, method=method)
-    np.testing.assert_array_equal(np.asarray(matrix_roots.accepted(roots, errors, 0.1)), [True, False])
+    for method in ("eigh", "newton"):
+        roots, errors = jax.jit(functools.partial(matrix_roots.inverse_pth_root, p=4, method=method))(jnp.asarray(mats))
+        np.testing.assert_array_equal(np.asarray(matrix_roots.accepted(roots, errors, 0.1)), [True, False])
 
 
 def test_unconverged_newton_is_rejected():

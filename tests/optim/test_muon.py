@@ -18,21 +18,34 @@ from experiments import train, train_lib
 from experiments.configs import default
 from lm import config as model_config
 from lm import model as model_lib
-from optim import muon as muon_lib
 from optim import newton_schulz as ns
 from optim import registry
+from optim.muon import muon, scale_by_muon
 from sharding import rules as rules_lib
 
 grads_sequence, run_jax, assert_trees_close = ref.grads_sequence, ref.run_jax, ref.assert_trees_close
 
 
 # Together the cases cover every momentum form, Nesterov on/off, every preset, both shape scales, a
-# user table cut to fewer steps than rows and a preset table run past its last row.
+# user table cut to fewer steps than rows, a preset table run past its last row, and both batchings.
 CASES = [
     dict(momentum_form="ema", nesterov=True, ns_coeffs="jordan", ns_steps=0, shape_scale="moonlight"),
     dict(momentum_form="sum", nesterov=False, ns_coeffs="polar_express", ns_steps=9, shape_scale="jordan"),
-    dict(momentum_form="ema", nesterov=False, ns_coeffs="turbo", ns_steps=0, shape_scale="moonlight"),
-    dict(momentum_form="sum", nesterov=True, ns_coeffs=((3.0, -3.2, 1.2), (2.0, -1.5, 0.5), (1.9, -1.3, 0.4)), ns_steps=2, shape_scale="jordan"),
+    dict(
+        momentum_form="ema",
+        nesterov=False,
+        ns_coeffs="turbo",
+        ns_steps=0,
+        shape_scale="moonlight",
+        ns_batching="same_shape",
+    ),
+    dict(
+        momentum_form="sum",
+        nesterov=True,
+        ns_coeffs=((3.0, -3.2, 1.2), (2.0, -1.5, 0.5), (1.9, -1.3, 0.4)),
+        ns_steps=2,
+        shape_scale="jordan",
+    ),
 ]
 
 
@@ -56,7 +69,7 @@ def test_matches_numpy_reference_step_by_step(case):
         adam_lr=adam_lr,
         wd=wd,
     )
-    tx = muon_lib.muon(lr, beta=0.9, weight_decay=wd, adam_lr_ratio=adam_lr / lr, **case)
+    tx = muon(lr, beta=0.9, weight_decay=wd, adam_lr_ratio=adam_lr / lr, **case)
     assert_trees_close(run_jax(tx, params, grads_seq), expected)
 
 
@@ -64,7 +77,7 @@ def test_adam_group_follows_the_schedule_and_tied_embedding_is_not_orthogonalise
     params = ref.f32(ref.model_tree(1, scale=0.1))
     grads_seq = grads_sequence(params, n=3)
     schedule = optax.linear_schedule(0.02, 0.002, 3)
-    tx = muon_lib.muon(schedule, adam_lr_ratio=0.5, weight_decay=0.0)
+    tx = muon(schedule, adam_lr_ratio=0.5, weight_decay=0.0)
     got = run_jax(tx, params, grads_seq)
     adam = ref.AdamW()
     emb = params["embed"]["embedding"]
@@ -82,13 +95,16 @@ def test_agrees_with_optax_contrib_muon(shape_scale, consistent_rms):
     adam_weight_decay on every Adam leaf; here those leaves are 1-D, which our AdamW never decays.
     """
     rng = np.random.default_rng(0)
-    params = ref.f32({"w": rng.standard_normal((12, 20)), "stack": rng.standard_normal((3, 16, 8)), "b": rng.standard_normal(20)})
+    params = ref.f32(
+        {"w": rng.standard_normal((12, 20)), "stack": rng.standard_normal((3, 16, 8)), "b": rng.standard_normal(20)}
+    )
     grads_seq = grads_sequence(params)
     lr, adam_lr = 0.03, 0.01
-    ours = muon_lib.muon(
-        lr, nesterov=False, shape_scale=shape_scale, ns_eps=1e-8, weight_decay=0.1, adam_learning_rate=adam_lr
-    )
-    dims = lambda p: jax.tree.map(lambda x: optax.contrib.MuonDimensionNumbers(-2, -1) if x.ndim >= 2 else None, p)  # noqa: E731
+    ours = muon(lr, nesterov=False, shape_scale=shape_scale, ns_eps=1e-8, weight_decay=0.1, adam_learning_rate=adam_lr)
+
+    def dims(p):
+        return jax.tree.map(lambda x: optax.contrib.MuonDimensionNumbers(-2, -1) if x.ndim >= 2 else None, p)
+
     theirs = optax.contrib.muon(
         lr,
         eps=1e-8,
@@ -163,9 +179,15 @@ def test_turbo_at_4_steps_matches_jordan_at_5(spectrum):
     errors = {"turbo": [], "jordan": []}
     for trial in range(3):
         m, n = (64, 96) if trial % 2 else (96, 64)
-        x = rng.standard_normal((m, n)) if spectrum == "gaussian" else svd_matrix(rng, m, n, np.geomspace(1, 1e-2, min(m, n)))
+        x = (
+            rng.standard_normal((m, n))
+            if spectrum == "gaussian"
+            else svd_matrix(rng, m, n, np.geomspace(1, 1e-2, min(m, n)))
+        )
         for preset, steps in (("turbo", 4), ("jordan", 5)):
-            out = np.asarray(jax.jit(ns.newton_schulz, static_argnums=(1, 2))(jnp.float32(x), preset, steps), np.float64)
+            out = np.asarray(
+                jax.jit(ns.newton_schulz, static_argnums=(1, 2))(jnp.float32(x), preset, steps), np.float64
+            )
             errors[preset].append(polar_error(x, out))
     assert max(errors["turbo"]) <= max(errors["jordan"]), errors
 
@@ -202,10 +224,14 @@ def count_dots(fn, *args):
 
 def test_same_shape_matrices_share_one_newton_schulz_call():
     tree = jax.tree.map(jnp.float32, ref.model_tree(2))
-    matrices = {"q": tree["blocks"]["attn"]["q_proj"]["kernel"], "o": tree["blocks"]["attn"]["o_proj"]["kernel"],
-                "gate": tree["blocks"]["mlp"]["gate_proj"]["kernel"], "down": tree["blocks"]["mlp"]["down_proj"]["kernel"]}
-    batched = functools.partial(ns.orthogonalize, batch_same_shape=True)
-    separate = functools.partial(ns.orthogonalize, batch_same_shape=False)
+    matrices = {
+        "q": tree["blocks"]["attn"]["q_proj"]["kernel"],
+        "o": tree["blocks"]["attn"]["o_proj"]["kernel"],
+        "gate": tree["blocks"]["mlp"]["gate_proj"]["kernel"],
+        "down": tree["blocks"]["mlp"]["down_proj"]["kernel"],
+    }
+    batched = functools.partial(ns.orthogonalize, batching="same_shape")
+    separate = functools.partial(ns.orthogonalize, batching="none")
     per_call = 3 * 5  # three matmuls per step, five steps
     assert count_dots(batched, matrices) == 2 * per_call  # {q, o} are 8x8, {gate, down^T} are 8x12
     assert count_dots(separate, matrices) == 4 * per_call
@@ -215,8 +241,8 @@ def test_same_shape_matrices_share_one_newton_schulz_call():
 def test_works_under_inject_hyperparams_with_traced_ns_steps():
     params = ref.f32(ref.model_tree(3, scale=0.1))
     grads_seq = grads_sequence(params, n=3)
-    plain = run_jax(muon_lib.muon(0.02, ns_coeffs="polar_express", ns_steps=6), params, grads_seq)
-    injected = optax.inject_hyperparams(muon_lib.muon)(learning_rate=0.02, ns_coeffs="polar_express", ns_steps=6)
+    plain = run_jax(muon(0.02, ns_coeffs="polar_express", ns_steps=6), params, grads_seq)
+    injected = optax.inject_hyperparams(muon)(learning_rate=0.02, ns_coeffs="polar_express", ns_steps=6)
     assert_trees_close(run_jax(injected, params, grads_seq), plain, rtol=1e-6)
     state = injected.init(jax.tree.map(jnp.float32, params))
     assert set(state.hyperparams) >= {"learning_rate", "beta", "ns_steps", "weight_decay"}
@@ -226,7 +252,8 @@ def test_works_under_inject_hyperparams_with_traced_ns_steps():
 def test_sharded_on_8_devices_matches_single_device(ns_sharding):
     params = jax.tree.map(jnp.float32, ref.model_tree(4, d=16, heads=2, head_dim=8, mlp=24, scale=0.1))
     grads = jax.tree.map(jnp.float32, ref.model_tree(5, d=16, heads=2, head_dim=8, mlp=24))
-    ref.check_sharded_matches_single_device(muon_lib.muon(0.02, ns_sharding=ns_sharding), params, grads)
+    tx = muon(0.02, ns_sharding=ns_sharding, ns_batching="same_shape")
+    ref.check_sharded_matches_single_device(tx, params, grads)
 
 
 @pytest.mark.parametrize(
@@ -249,17 +276,26 @@ def test_ns_sharding_communicates_as_documented(layout, ns_sharding, expected):
         assert len(re.findall(rf" {op}(-start)?\(", hlo)) == count, op
 
 
+def test_momentum_dtype_and_update_dtype():
+    params = {"w": jnp.zeros((4, 6), jnp.bfloat16)}
+    tx = scale_by_muon(mu_dtype="bfloat16")
+    state = tx.init(params)
+    assert state.mu["w"].dtype == jnp.bfloat16
+    updates, state = tx.update({"w": jnp.ones((4, 6), jnp.bfloat16)}, state)
+    assert updates["w"].dtype == jnp.bfloat16 and state.mu["w"].dtype == jnp.bfloat16
+
+
 def test_errors_name_the_fix():
     with pytest.raises(ValueError, match="unknown Newton-Schulz preset"):
-        muon_lib.muon(0.01, ns_coeffs="fast")
+        muon(0.01, ns_coeffs="fast")
     with pytest.raises(ValueError, match=r"shape \(n, 3\)"):
-        muon_lib.muon(0.01, ns_coeffs=((1.0, 2.0),))
+        muon(0.01, ns_coeffs=((1.0, 2.0),))
     with pytest.raises(ValueError, match="momentum_form"):
-        muon_lib.muon(0.01, momentum_form="heavy")
+        muon(0.01, momentum_form="heavy")
     with pytest.raises(ValueError, match="label it 'adam'"):
-        muon_lib.scale_by_muon().init({"bias": jnp.zeros(4)})
+        scale_by_muon().init({"bias": jnp.zeros(4)})
     with pytest.raises(ValueError, match="label it 'adam'"):
-        muon_lib.muon(0.01, param_labels=lambda p: jax.tree.map(lambda _: "matrix", p)).init({"bias": jnp.zeros(4)})
+        muon(0.01, param_labels=lambda p: jax.tree.map(lambda _: "matrix", p)).init({"bias": jnp.zeros(4)})
     with pytest.raises(ValueError, match="steps must be >= 1"):
         ns.newton_schulz(jnp.ones((4, 4)), steps=-1)
 
@@ -269,7 +305,12 @@ def test_state_of_every_family_is_sharded_like_the_tiny_model():
     family optimizer takes its parameter's sharding (abstract: no compilation)."""
     model_def = model_lib.define(model_config.from_preset("tiny"))
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
-    for name, fields in [("muon", ("mu",)), ("normuon", ("mu",)), ("mars_muon", ("mu", "prev_grad")), ("muon_clip", ("mu",))]:
+    for name, fields in [
+        ("muon", ("mu",)),
+        ("normuon", ("mu",)),
+        ("mars_muon", ("mu", "prev_grad")),
+        ("muon_clip", ("mu",)),
+    ]:
         tx = registry.build(default.optimizer_config(name), 100)
         shardings = train_lib.make_shardings(model_def, tx, mesh, rules_lib.make_rules("fsdp"))
         kernel = shardings.params["blocks"]["mlp"]["up_proj"]["kernel"]
@@ -277,7 +318,9 @@ def test_state_of_every_family_is_sharded_like_the_tiny_model():
         state = shardings.state["opt_state"]
         found = [
             leaf
-            for path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, jax.NamedSharding))
+            for path, leaf in jax.tree_util.tree_leaves_with_path(
+                state, is_leaf=lambda x: isinstance(x, jax.NamedSharding)
+            )
             if any(getattr(k, "name", None) in fields for k in path) and "up_proj" in str(path)
         ]
         assert found and all(sh == kernel for sh in found), (name, found)
@@ -295,11 +338,11 @@ def test_muon_reaches_adamw_loss_in_fewer_steps(tmp_path):
     """`tiny` LM, seq_len 64, batch 16, seed 0, cosine schedule with 20 warmup steps; final
     validation loss (4 batches). Learning rates tuned on this setup:
 
-    AdamW, 150 steps: lr 1.5e-3: 2.280, 3e-3: 2.177, 6e-3: 2.185, 1.2e-2: 2.312, 2.4e-2: 2.593.
-    Muon (Moonlight scale, one lr for both groups), 100 steps: lr 3e-3: 2.381, 6e-3: 2.284,
-    1.2e-2: 2.190, 2.4e-2: 2.155, 3.6e-2: 2.220, 4.8e-2: 2.276; at 2.4e-2, 120 steps: 2.088.
+    AdamW, 150 steps: lr 1.5e-3: 2.280, 3e-3: 2.18, 6e-3: 2.17, 1.2e-2: 2.31, 2.4e-2: 2.59.
+    Muon (Moonlight scale, one lr for both groups), 100 steps: lr 1.2e-2: 2.189, 2.4e-2: 2.155,
+    3.6e-2: 2.207, 4.8e-2: 2.278; at 2.4e-2, 120 steps: 2.09. Repeated runs differ by up to ~0.01.
 
     (The issue asks for AdamW's 300-step loss; 150 steps keeps each run under ~35 s of CPU.)
     """
-    target = lm_val_loss(tmp_path, "adamw", 3e-3, 150)
+    target = lm_val_loss(tmp_path, "adamw", 6e-3, 150)
     assert lm_val_loss(tmp_path, "muon", 2.4e-2, 120) < target

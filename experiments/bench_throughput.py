@@ -1,0 +1,186 @@
+r"""Training-step throughput (tokens/s) and model FLOPs utilisation for presets x batch shapes x dtypes x meshes.
+
+    python -m experiments.bench_throughput --presets=tiny,small --batch_shapes=8x128,32x128 \
+        --dtypes=float32,bfloat16 --mesh=data:-1 --mesh=fsdp:-1 --json_out=/tmp/throughput.json
+    # compare meshes on one host by splitting its CPU into 8 devices:
+    python -m experiments.bench_throughput --cpu_devices=8 --mesh=data:8 --mesh=fsdp:8 --mesh=data:2,fsdp:4
+
+Each case is the real training step of `experiments.train` (forward, backward, optimizer update,
+non-finite check), jitted with the run's shardings, on random tokens (no input pipeline). The first
+``--warmup`` steps (compilation included) are not timed; then ``--repeats`` times, ``--steps``
+consecutive steps are timed to the last result. Reported: the median tokens/s over the repeats with
+the slowest and fastest, and MFU = median tokens/s x `lm.loss.flops_per_token` / (measured matmul
+FLOP/s of one device, `experiments.hardware.matmul_flops_per_device`, x devices in the mesh). The
+denominator is measured in fp32 on CPU and bf16 elsewhere, for every dtype. Fake CPU devices
+(``--cpu_devices``) share the host's cores, so their MFU is understated by up to the device count;
+compare meshes there by tokens/s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from absl import app, flags, logging
+
+from experiments import hardware, train, train_lib
+from experiments.configs import default
+from lm.loss import flops_per_token
+from sharding import mesh as mesh_lib
+from sharding import partition
+
+
+def parse_batch_shape(text: str) -> tuple[int, int]:
+    """``"8x128"`` -> ``(8, 128)``: sequences per step and tokens per sequence."""
+    batch, sep, seq = text.strip().partition("x")
+    if not sep or not batch.isdigit() or not seq.isdigit() or int(batch) < 1 or int(seq) < 1:
+        raise train.UsageError(f"batch shape {text!r} is not BATCHxSEQ_LEN, e.g. 8x128")
+    return int(batch), int(seq)
+
+
+def case_config(preset: str, batch: int, seq_len: int, dtype: str, mesh: str, optimizer: str, rules: str) -> ml_collections.ConfigDict:
+    """The training config of one case; a mesh with no -1 runs on the first devices it needs."""
+    config = default.get_config()
+    config.model.preset = preset
+    config.model.dtype = dtype
+    config.batch_size = batch
+    config.data.seq_len = seq_len
+    config.mesh = mesh
+    sizes = [n for _, n in mesh_lib.parse_mesh_spec(mesh)]
+    config.devices = 0 if -1 in sizes else math.prod(sizes)  # a smaller mesh takes the first devices
+    config.rules = rules
+    config.optimizer.name = optimizer
+    return config
+
+
+def benchmark(config: ml_collections.ConfigDict, *, warmup: int, repeats: int, steps: int, seed: int = 0) -> dict[str, Any]:
+    """Times the training step of ``config``; see the module docstring."""
+    spec = train.build_run(config)
+    shardings = spec.shardings
+    tokens_per_step = config.batch_size * config.data.seq_len
+    rows = np.random.default_rng(seed).integers(0, spec.cfg.vocab_size, (config.batch_size, config.data.seq_len + 1), dtype=np.int32)
+    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
+        state = train_lib.init_state(spec.model_def, spec.tx, seed, shardings)
+        step = train_lib.jit_train_step(train_lib.make_train_step(spec.model_def, spec.tx), shardings)
+        batch = train_lib.global_batch(rows, shardings)
+        start = time.perf_counter()
+        for _ in range(warmup):
+            state, _ = step(state, batch)
+        jax.block_until_ready(state)
+        warmup_seconds = time.perf_counter() - start
+        rates = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(steps):
+                state, _ = step(state, batch)
+            jax.block_until_ready(state)
+            rates.append(steps * tokens_per_step / (time.perf_counter() - start))
+    median = statistics.median(rates)
+    peak = hardware.matmul_flops_per_device() * spec.mesh.size
+    fpt = flops_per_token(spec.cfg, config.data.seq_len)
+    return {
+        "preset": config.model.preset,
+        "batch_size": config.batch_size,
+        "seq_len": config.data.seq_len,
+        "dtype": config.model.dtype,
+        "mesh": dict(spec.mesh.shape),
+        "rules": config.rules,
+        "optimizer": config.optimizer.name,
+        "devices": spec.mesh.size,
+        "num_params": spec.cfg.num_params(),
+        "tokens_per_second": median,
+        "tokens_per_second_min": min(rates),
+        "tokens_per_second_max": max(rates),
+        "tokens_per_second_repeats": rates,
+        "step_seconds": tokens_per_step / median,
+        "mfu": median * fpt / peak,
+        "flops_per_token": fpt,
+        "peak_flops": peak,
+        "warmup_seconds": warmup_seconds,
+    }
+
+
+def format_table(cases: list[dict[str, Any]]) -> str:
+    """A markdown table, one row per case."""
+    lines = [
+        "| preset | batch x seq | dtype | mesh | tokens/s median (min-max) | step ms | MFU | warm-up s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cases:
+        mesh = ",".join(f"{k}:{v}" for k, v in c["mesh"].items())
+        lines.append(
+            f"| {c['preset']} | {c['batch_size']}x{c['seq_len']} | {c['dtype']} | {mesh} "
+            f"| {c['tokens_per_second']:,.0f} ({c['tokens_per_second_min']:,.0f}-{c['tokens_per_second_max']:,.0f}) "
+            f"| {1e3 * c['step_seconds']:.1f} | {c['mfu']:.1%} | {c['warmup_seconds']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    del argv  # checked by train.parse_flags
+    f = flags.FLAGS
+    if not f.verbose:
+        logging.set_verbosity(logging.WARNING)
+    if f.cpu_devices:
+        jax.config.update("jax_num_cpu_devices", f.cpu_devices)
+    for name in ("warmup", "repeats", "steps"):
+        if f[name].value < 1:
+            train.usage_exit(f"--{name}={f[name].value} must be >= 1")
+    try:
+        shapes = [parse_batch_shape(s) for s in f.batch_shapes]
+        configs = [
+            case_config(preset, b, t, dtype, mesh, f.optimizer, f.rules)
+            for preset in f.presets
+            for b, t in shapes
+            for dtype in f.dtypes
+            for mesh in f.mesh
+        ]
+        for config in configs:  # every bad case is reported before anything runs
+            train.build_run(config)
+    except (train.UsageError, ValueError) as e:  # ValueError: a malformed --mesh
+        if f.verbose:
+            raise
+        train.usage_exit(str(e))
+    cases = []
+    for i, config in enumerate(configs, 1):
+        print(
+            f"[{i}/{len(configs)}] {config.model.preset} {config.batch_size}x{config.data.seq_len} {config.model.dtype} "
+            f"mesh {config.mesh or 'data:-1'}",
+            file=sys.stderr,
+            flush=True,
+        )
+        cases.append(benchmark(config, warmup=f.warmup, repeats=f.repeats, steps=f.steps))
+    device = jax.devices()[0]
+    print(f"{device.platform}: {device.device_kind}, {len(jax.devices())} devices; median of {f.repeats} x {f.steps} steps")
+    print(format_table(cases))
+    if f.json_out:
+        result = {"backend": device.platform, "device": device.device_kind, "num_devices": len(jax.devices()), "cases": cases}
+        with open(f.json_out, "w") as out:
+            json.dump(result, out, indent=1)
+
+
+def define_flags() -> None:
+    flags.DEFINE_list("presets", ["tiny"], "Model presets (lm/config.py).")
+    flags.DEFINE_list("batch_shapes", ["8x128", "32x128"], "BATCHxSEQ_LEN shapes (global batch).")
+    flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Compute dtypes.")
+    flags.DEFINE_multi_string("mesh", [""], "Mesh spec, repeatable (e.g. --mesh=data:8 --mesh=fsdp:8); empty: all devices on data.")
+    flags.DEFINE_string("rules", "fsdp", "Logical-to-mesh rule preset: dp | fsdp | tp | sp.")
+    flags.DEFINE_string("optimizer", "adamw", "Registered optimizer used in the step.")
+    flags.DEFINE_integer("warmup", 2, "Untimed steps first (compilation included).")
+    flags.DEFINE_integer("repeats", 5, "Timed repeats (median, min and max reported).")
+    flags.DEFINE_integer("steps", 3, "Steps per timed repeat.")
+    flags.DEFINE_integer("cpu_devices", 0, "Split the CPU into this many devices (CPU backend only); 0: leave as is.")
+    flags.DEFINE_string("json_out", None, "Also write every case as JSON here.")
+    flags.DEFINE_bool("verbose", False, "Show tracebacks for bad input, and library logs.")
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main, flags_parser=train.parse_flags)

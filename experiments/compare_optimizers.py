@@ -1,0 +1,437 @@
+r"""Compares optimizers fairly: same model, data and token budget, each with its own tuned learning rate.
+
+    python -m experiments.compare_optimizers --workdir=runs/compare_quick --quick
+    python -m experiments.compare_optimizers --workdir=runs/compare \
+        --config.compare.optimizers=adamw,muon,soap --config.steps=4000
+
+The protocol follows "Fantastic Pretraining Optimizers and Where to Find Them" (Wen et al.,
+arXiv:2509.02046) and AlgoPerf (Dahl et al., arXiv:2306.07179):
+
+1. every optimizer runs its own grid (``compare.grid.<name>``: learning rate, optionally weight decay
+   and warmup) with seed 0, and its best setting is the one with the lowest *final* validation loss;
+2. the best setting runs again with seeds ``1 .. compare.seeds - 1``; the table reports the mean and
+   standard deviation of the final validation loss over the seeds;
+3. the speedup over the baseline (AdamW) is tokens the baseline needs to reach its own final loss /
+   tokens the optimizer needs to reach it, on the seed-averaged validation curves
+   (`experiments.speedup`); the same in wall-clock time, where a run's seconds are its tokens over
+   its median training throughput (compilation and evaluation excluded). An optimizer that never
+   reaches the target gets no speedup, only a bound ("<1.00x (not reached)");
+4. per optimizer, at its best setting: state bytes per parameter (``jax.eval_shape`` of ``init``, no
+   allocation) and the time of one jitted ``update`` + ``apply_updates`` on the model's parameters,
+   relative to the baseline's (median of round-robin calls).
+
+Each run is an ordinary ``experiments.train`` run in ``<workdir>/runs/<name>``. Re-running on the same
+``--workdir`` skips finished runs (their ``summary.json`` exists) and resumes an interrupted one from
+its checkpoint. A run that diverges (``NonFiniteError``) counts as infinite loss and is not retried.
+Writes ``results.md`` (the tables), ``results.json`` (every run and curve) and ``curves.png``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import ml_collections
+import numpy as np
+import optax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from experiments import metrics_io, speedup, train
+from lm import model as model_lib
+from optim import memory, registry
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+CONFIGS = Path(__file__).parent / "configs"
+FULL_CONFIG = str(CONFIGS / "compare.py")
+QUICK_CONFIG = str(CONFIGS / "compare_quick.py")
+GRID_KEYS = {"learning_rate": "lr", "weight_decay": "wd", "warmup_steps": "warmup"}
+DIVERGED = "diverged.json"
+
+
+class Interrupted(Exception):
+    """A run was stopped by a signal; its checkpoint lets a re-run resume it."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
+def parse_grid(config: ml_collections.ConfigDict) -> dict[str, list[dict[str, float]]]:
+    """Optimizer name -> the settings of its grid (dicts of optimizer config keys), from ``config.compare``."""
+    block = config.compare
+    names = [n.strip() for n in block.optimizers.split(",") if n.strip()]
+    unknown = [n for n in names if n not in registry.OPTIMIZERS]
+    if unknown:
+        raise train.UsageError(
+            f"unknown optimizer {', '.join(map(repr, unknown))} in compare.optimizers; registered: {', '.join(sorted(registry.OPTIMIZERS))}"
+        )
+    if len(set(names)) != len(names) or not names:
+        raise train.UsageError(f"compare.optimizers={block.optimizers!r} must list distinct optimizer names")
+    if block.baseline not in names:
+        raise train.UsageError(f"compare.baseline={block.baseline!r} must be one of compare.optimizers ({', '.join(names)})")
+    if block.seeds < 1:
+        raise train.UsageError(f"compare.seeds={block.seeds} must be >= 1")
+    grid = {}
+    for name in names:
+        axes = {}
+        for key, text in block.grid[name].items():
+            if key not in GRID_KEYS:
+                raise train.UsageError(f"compare.grid.{name}.{key}: the grid keys are {', '.join(GRID_KEYS)}")
+            cast = int if key == "warmup_steps" else float
+            try:
+                values = [cast(v) for v in text.split(",") if v.strip()]
+            except ValueError:
+                raise train.UsageError(f"compare.grid.{name}.{key}={text!r} is not a comma-separated list of numbers") from None
+            if values:
+                axes[key] = values
+        if "learning_rate" not in axes:
+            raise train.UsageError(f"compare.grid.{name}.learning_rate is empty; give values, e.g. 1e-3,3e-3")
+        grid[name] = [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())]
+    return grid
+
+
+def run_name(optimizer: str, setting: dict[str, float], seed: int) -> str:
+    """The run's folder name, e.g. ``adamw-lr0.003-seed0``."""
+    return "-".join([optimizer, *(f"{GRID_KEYS[k]}{v:g}" for k, v in setting.items()), f"seed{seed}"])
+
+
+def run_config(config: ml_collections.ConfigDict, optimizer: str, setting: dict[str, float], seed: int) -> ml_collections.ConfigDict:
+    """The training config of one run: ``config`` with the optimizer, its setting and the seed."""
+    out = copy.deepcopy(config)
+    with out.unlocked():
+        del out["compare"]
+    out.optimizer.name = optimizer
+    for key, value in setting.items():
+        out.optimizer[key] = value
+    out.seed = seed
+    return out
+
+
+def _record(config: ml_collections.ConfigDict, rundir: Path, optimizer: str, setting: dict, seed: int) -> dict:
+    """What the comparison keeps of a finished or diverged run."""
+    tokens_per_step = config.batch_size * config.data.seq_len
+    metrics = metrics_io.read_metrics(rundir / "metrics.jsonl") if (rundir / "metrics.jsonl").exists() else []
+    diverged = (rundir / DIVERGED).exists()
+    summary = {} if diverged else json.loads((rundir / "summary.json").read_text())
+    tps = summary.get("tokens_per_second")
+    curve = [
+        {
+            "step": r["step"],
+            "tokens": r["step"] * tokens_per_step,
+            "seconds": r["step"] * tokens_per_step / tps if tps else None,
+            "val_loss": r["val_loss"],
+        }
+        for r in metrics
+        if "val_loss" in r
+    ]
+    return {
+        "name": rundir.name,
+        "optimizer": optimizer,
+        "setting": setting,
+        "seed": seed,
+        "status": "diverged" if diverged else "done",
+        "final_val_loss": summary.get("final_val_loss"),
+        "tokens_per_second": tps,
+        "curve": curve,
+        "workdir": str(rundir),
+    }
+
+
+def _final(record: dict) -> float:
+    return record["final_val_loss"] if record["status"] == "done" and math.isfinite(record["final_val_loss"]) else math.inf
+
+
+class Runner:
+    """Runs (or skips, when already finished) the comparison's runs, one line of progress each."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: Path, total: int, log=print):
+        self.config, self.workdir, self.total, self.log = config, workdir, total, log
+        self.done = 0
+
+    def __call__(self, optimizer: str, setting: dict[str, float], seed: int) -> dict:
+        config = run_config(self.config, optimizer, setting, seed)
+        rundir = self.workdir / "runs" / run_name(optimizer, setting, seed)
+        self.done += 1
+        head = f"[{self.done}/{self.total}] {rundir.name}"
+        _check_same_config(config, rundir)
+        if (rundir / "summary.json").exists() or (rundir / DIVERGED).exists():
+            record = _record(config, rundir, optimizer, setting, seed)
+            self.log(f"{head}: finished earlier ({_describe(record)}), skipped")
+            return record
+        self.log(f"{head}: training {config.steps} steps in {rundir}")
+        start = time.perf_counter()
+        try:
+            summary = train.run(config, rundir)
+        except train.NonFiniteError as e:
+            (rundir / DIVERGED).write_text(json.dumps({"error": str(e)}))
+            summary = {}
+        if summary.get("interrupted"):
+            message = f"{rundir.name} stopped after step {summary['steps']}; rerun the same command to resume it"
+            raise Interrupted(message, summary["signal"])
+        record = _record(config, rundir, optimizer, setting, seed)
+        self.log(f"{head}: {_describe(record)} in {time.perf_counter() - start:.0f} s")
+        return record
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        out.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
+def _check_same_config(config: ml_collections.ConfigDict, rundir: Path) -> None:
+    """A run folder from an earlier invocation must hold the run this config asks for.
+
+    The blocks of other optimizer families (``optimizer.<other>.*``) do not take part in the run and
+    are not compared.
+    """
+    path = rundir / "config.json"
+    if not path.exists():
+        return
+    old, new = _flatten(json.loads(path.read_text())), _flatten(json.loads(config.to_json_best_effort()))
+
+    def used(key: str) -> bool:
+        parts = key.split(".")
+        return not (parts[0] == "optimizer" and len(parts) > 2 and parts[1] != config.optimizer.name)
+
+    differ = sorted(k for k in old.keys() | new.keys() if used(k) and old.get(k) != new.get(k))
+    if differ:
+        raise train.UsageError(
+            f"{rundir} holds a run with other settings ({', '.join(f'{k}: {old.get(k)} -> {new.get(k)}' for k in differ[:3])}); "
+            "use a fresh --workdir, or the settings it was started with"
+        )
+
+
+def _describe(record: dict) -> str:
+    return "diverged" if record["status"] == "diverged" else f"final val loss {record['final_val_loss']:.4f}"
+
+
+def _random_like(abstract: Any, seed: int) -> Any:
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda p: jnp.asarray(0.02 * rng.standard_normal(p.shape), p.dtype), abstract)
+
+
+def optimizer_costs(configs: dict[str, ml_collections.ConfigDict], repeats: int) -> dict[str, dict[str, float]]:
+    """State bytes per parameter and median seconds of one jitted update, per optimizer config.
+
+    Each optimizer is built as training builds it (`train.build_run`) on the model's parameters
+    (random values, one device); extra update arguments the model supplies in training (e.g.
+    ``attn_max_logits``) are passed as zeros of their shapes. Calls are timed round-robin, so load
+    from other processes affects every optimizer alike.
+    """
+    calls, costs, arrays = {}, {}, {}
+    for name, config in configs.items():
+        spec = train.build_run(config)
+        abstract = spec.model_def.abstract_params
+        n_params = sum(math.prod(p.shape) for p in jax.tree.leaves(abstract))
+        costs[name] = {"state_bytes_per_param": memory.state_bytes(jax.eval_shape(spec.tx.init, abstract)) / n_params}
+        if spec.cfg not in arrays:
+            arrays[spec.cfg] = tuple(_random_like(abstract, seed) for seed in (0, 1))
+        params, grads = arrays[spec.cfg]
+        tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+        aux = jax.eval_shape(lambda p, t, d=spec.model_def: model_lib.apply(d, p, t, return_aux=True)[1], abstract, tokens)
+        extra = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux)
+        tx = optax.with_extra_args_support(spec.tx)
+
+        @jax.jit
+        def step(params, grads, state, tx=tx, extra=extra):
+            updates, state = tx.update(grads, state, params, **extra)
+            return optax.apply_updates(params, updates), state
+
+        calls[name] = functools.partial(step, params, grads, jax.jit(tx.init)(params))
+        jax.block_until_ready(calls[name]())  # compile
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(call())
+            times[name].append(time.perf_counter() - start)
+    for name, t in times.items():
+        costs[name]["update_seconds"] = statistics.median(t)
+    return costs
+
+
+def compare(config: ml_collections.ConfigDict, workdir: str | Path, *, log=print) -> dict:
+    """Runs the comparison described by ``config`` into ``workdir``; returns (and writes) the results."""
+    workdir = Path(workdir)
+    grid = parse_grid(config)
+    for name, settings in grid.items():  # bad settings fail here, before any training
+        train.build_run(run_config(config, name, settings[0], 0))
+    seeds = config.compare.seeds
+    runner = Runner(config, workdir, sum(map(len, grid.values())) + (seeds - 1) * len(grid), log)
+    runs = {name: [runner(name, setting, 0) for setting in settings] for name, settings in grid.items()}
+    best = {name: min(records, key=_final) for name, records in runs.items()}
+    for name, record in best.items():
+        if math.isfinite(_final(record)):
+            runs[name] += [runner(name, record["setting"], seed) for seed in range(1, seeds)]
+        else:
+            runner.done += seeds - 1
+            log(f"{name}: every setting diverged; no seeds to add")
+    log("timing one update per optimizer")
+    costs = optimizer_costs(
+        {name: run_config(config, name, record["setting"], 0) for name, record in best.items()}, config.compare.update_timing_repeats
+    )
+    results = summarize(config, runs, best, costs)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "results.json").write_text(json.dumps(results, indent=1))
+    (workdir / "results.md").write_text(markdown(results))
+    plot_curves(results, workdir / "curves.png")
+    return results
+
+
+def summarize(config: ml_collections.ConfigDict, runs: dict[str, list[dict]], best: dict[str, dict], costs: dict) -> dict:
+    """Per-optimizer rows (best setting, seeds' mean and spread, speedups, costs) and every run."""
+    baseline = config.compare.baseline
+    rows = []
+    for name, records in runs.items():
+        seeds = [r for r in records if r["setting"] == best[name]["setting"] and r["status"] == "done"]
+        finals = [r["final_val_loss"] for r in seeds]
+        row = {
+            "optimizer": name,
+            "best_setting": best[name]["setting"],
+            "seeds": [r["seed"] for r in seeds],
+            "final_val_loss_mean": statistics.fmean(finals) if finals else None,
+            "final_val_loss_std": statistics.stdev(finals) if len(finals) > 1 else 0.0 if finals else None,
+            "tokens_curve": speedup.mean_curve([[(p["tokens"], p["val_loss"]) for p in r["curve"]] for r in seeds]) if seeds else [],
+            "seconds_curve": speedup.mean_curve([[(p["seconds"], p["val_loss"]) for p in r["curve"]] for r in seeds]) if seeds else [],
+            **costs[name],
+        }
+        rows.append(row)
+    base = next(r for r in rows if r["optimizer"] == baseline)
+    for row in rows:
+        row["update_vs_baseline"] = row["update_seconds"] / base["update_seconds"]
+        for axis in ("tokens", "seconds"):
+            if base[f"{axis}_curve"] and row[f"{axis}_curve"]:
+                s = speedup.speedup(base[f"{axis}_curve"], row[f"{axis}_curve"])
+                row[f"speedup_{axis}"] = {"value": s.value, "upper_bound": s.upper_bound, "text": str(s), "target": s.target}
+            else:
+                row[f"speedup_{axis}"] = None
+    return {
+        "baseline": baseline,
+        "model": config.model.preset,
+        "steps": config.steps,
+        "tokens_per_run": config.steps * config.batch_size * config.data.seq_len,
+        "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind,
+        "optimizers": rows,
+        "runs": [r for records in runs.values() for r in records],
+        "config": json.loads(config.to_json_best_effort()),
+    }
+
+
+def _setting_text(setting: dict[str, float]) -> str:
+    return ", ".join(f"{GRID_KEYS[k]} {v:g}" for k, v in setting.items())
+
+
+def markdown(results: dict) -> str:
+    """The results table, then every grid run's final loss (seed 0; the best setting marked *)."""
+    base = results["baseline"]
+    header = (
+        "| optimizer | best setting | final val loss (mean ± std) | seeds | speedup (tokens) | speedup (time) "
+        f"| state bytes / param | update time (x {base}) |"
+    )
+    lines = [
+        (
+            f"`{results['model']}`, {results['steps']} steps, {results['tokens_per_run']:,} tokens per run; "
+            f"speedups over {base} at its final validation loss."
+        ),
+        "",
+        header,
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["optimizers"]:
+        if row["final_val_loss_mean"] is None:
+            loss = "diverged"
+        else:
+            loss = f"{row['final_val_loss_mean']:.4f}" + (f" ± {row['final_val_loss_std']:.4f}" if len(row["seeds"]) > 1 else "")
+        tokens = row["speedup_tokens"]["text"] if row["speedup_tokens"] else "-"
+        seconds = row["speedup_seconds"]["text"] if row["speedup_seconds"] else "-"
+        lines.append(
+            f"| {row['optimizer']} | {_setting_text(row['best_setting'])} | {loss} | {len(row['seeds'])} | {tokens} | {seconds} "
+            f"| {row['state_bytes_per_param']:.2f} | {row['update_vs_baseline']:.2f} ({1e3 * row['update_seconds']:.1f} ms) |"
+        )
+    lines += ["", "| run (seed 0) | final val loss |", "|---|---|"]
+    best = {row["optimizer"]: row["best_setting"] for row in results["optimizers"]}
+    for run in results["runs"]:
+        if run["seed"] == 0:
+            mark = " *" if run["setting"] == best[run["optimizer"]] else ""
+            lines.append(f"| {run['name']}{mark} | {_describe(run).removeprefix('final val loss ')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(results: dict, path: str | Path) -> None:
+    """Seed-averaged validation loss of each optimizer's best setting vs tokens and vs seconds."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
+    for ax, axis, label in zip(axes, ("tokens", "seconds"), ("tokens", "seconds (tokens / median throughput)")):
+        for row in results["optimizers"]:
+            curve = row[f"{axis}_curve"]
+            if curve:
+                ax.plot(*zip(*curve), "o-", markersize=3, label=f"{row['optimizer']} ({_setting_text(row['best_setting'])})")
+        base = next(r for r in results["optimizers"] if r["optimizer"] == results["baseline"])
+        if base["tokens_curve"]:
+            ax.axhline(base["tokens_curve"][-1][1], color="gray", linestyle=":", linewidth=1, label=f"target ({results['baseline']} final)")
+        ax.set_xlabel(label)
+        ax.set_ylabel("validation loss (nats / byte)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{results['model']}, {results['steps']} steps, best setting per optimizer, mean over seeds")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def define_flags(argv: list[str]) -> flags.FlagHolder:
+    """Flags; ``--quick`` makes `compare_quick.py` the default config (``--config.*`` still apply)."""
+    flags.DEFINE_string("workdir", None, "Output folder; re-running on it skips finished runs. Default: a fresh folder under ./runs/.")
+    flags.DEFINE_bool("quick", False, f"The reduced comparison of {QUICK_CONFIG} (a few minutes on 2 CPU cores).")
+    flags.DEFINE_bool("verbose", False, "Show tracebacks for bad input, and library logs.")
+    default = QUICK_CONFIG if any(a in ("--quick", "--quick=true", "--quick=True") for a in argv[1:]) else FULL_CONFIG
+    try:
+        return config_flags.DEFINE_config_file("config", default, "Config file (ml_collections).", lock_config=True)
+    except (AttributeError, KeyError) as e:  # config_flags applies --config.* overrides right here
+        detail = str(e.args[0] if e.args else e).replace("\\'", "'").replace("\\n", "\n").strip("'\"")
+        key, _, hint = detail.partition("\n")
+        hint = f" ({hint.strip()})" if hint.strip() else ""
+        train.usage_exit(f"unknown config key {key.strip(chr(39))!r}{hint}; the keys are listed in {default}")
+
+
+def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
+    del argv  # checked by train.parse_flags
+    if not flags.FLAGS.verbose:
+        logging.set_verbosity(logging.WARNING)
+    if flags.FLAGS.quick and flags.FLAGS["config"].present:
+        train.usage_exit("--quick selects the config; give either --quick or --config=FILE")
+    config = config_flag.value
+    workdir = flags.FLAGS.workdir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-compare-{config.model.preset}"
+    try:
+        results = compare(config, workdir, log=functools.partial(print, flush=True))
+    except train.UsageError as e:
+        if flags.FLAGS.verbose:
+            raise
+        train.usage_exit(str(e))
+    except Interrupted as e:
+        print(f"interrupted: {e}", file=sys.stderr)
+        sys.exit(128 + e.signum)
+    print()
+    print(markdown(results))
+    print(f"wrote {workdir}/results.md, results.json, curves.png")
+
+
+if __name__ == "__main__":
+    config_holder = define_flags(sys.argv)
+    app.run(functools.partial(main, config_holder), flags_parser=train.parse_flags)

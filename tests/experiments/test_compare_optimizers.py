@@ -1,0 +1,179 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments import compare_optimizers, train
+from experiments.configs import compare_quick
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS, EVAL_EVERY, BATCH, SEQ = 40, 10, 8, 32
+
+# Synthetic validation curves (evaluations at steps 10..40) per (optimizer, learning rate); a seed
+# adds 0.01 * seed. AdamW at 1e-2 is better mid-run but worse at the end; Lion reaches AdamW's final
+# loss in half the steps at half the throughput; SGD never reaches it; SGD at lr 10 diverges.
+CURVES = {
+    ("adamw", 1e-3): [3.0, 2.5, 2.2, 2.0],
+    ("adamw", 1e-2): [2.4, 2.2, 2.1, 2.05],
+    ("lion", 1e-4): [2.8, 2.0, 1.9, 1.8],
+    ("sgd", 0.1): [3.5, 3.0, 2.8, 2.6],
+}
+THROUGHPUT = {"adamw": 1000.0, "lion": 500.0, "sgd": 2000.0}
+
+
+class FakeTrain:
+    """Stands in for `train.run`: writes the files a finished run leaves, from `CURVES`."""
+
+    def __init__(self, interrupt: str | None = None):
+        self.calls: list[str] = []
+        self.interrupt = interrupt
+
+    def __call__(self, config, workdir):
+        workdir = Path(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.calls.append(workdir.name)
+        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+        if workdir.name == self.interrupt:
+            return {"interrupted": True, "steps": 5, "signal": 15}
+        name, lr = config.optimizer.name, config.optimizer.learning_rate
+        if (name, lr) not in CURVES:
+            raise train.NonFiniteError("5 consecutive steps had a non-finite loss")
+        vals = [v + 0.01 * config.seed for v in CURVES[name, lr]]
+        steps = range(EVAL_EVERY, STEPS + 1, EVAL_EVERY)
+        records = [{"step": s, "loss": v, "val_loss": v} for s, v in zip(steps, vals, strict=True)]
+        (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        summary = {"final_val_loss": vals[-1], "tokens_per_second": THROUGHPUT[name]}
+        (workdir / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+
+def _config():
+    config = compare_quick.get_config()
+    config.steps, config.eval_every, config.batch_size, config.data.seq_len = STEPS, EVAL_EVERY, BATCH, SEQ
+    config.compare.optimizers = "adamw,lion,sgd"
+    config.compare.grid.adamw.learning_rate = "1e-3,1e-2"
+    config.compare.grid.lion.learning_rate = "1e-4"
+    config.compare.grid.sgd.learning_rate = "0.1,10"
+    config.compare.seeds = 2
+    config.compare.update_timing_repeats = 2
+    return config
+
+
+def test_protocol_picks_by_final_loss_adds_seeds_and_measures_speedups(tmp_path, monkeypatch):
+    first = FakeTrain(interrupt="lion-lr0.0001-seed1")
+    monkeypatch.setattr(train, "run", first)
+    with pytest.raises(compare_optimizers.Interrupted, match="lion-lr0.0001-seed1 stopped after step 5; rerun"):
+        compare_optimizers.compare(_config(), tmp_path, log=lambda line: None)
+    grid = ["adamw-lr0.001-seed0", "adamw-lr0.01-seed0", "lion-lr0.0001-seed0", "sgd-lr0.1-seed0", "sgd-lr10-seed0"]
+    assert first.calls == [*grid, "adamw-lr0.001-seed1", "lion-lr0.0001-seed1"]
+
+    second = FakeTrain()
+    monkeypatch.setattr(train, "run", second)
+    lines = []
+    results = compare_optimizers.compare(_config(), tmp_path, log=lines.append)
+    assert second.calls == ["lion-lr0.0001-seed1", "sgd-lr0.1-seed1"]  # finished and diverged runs are skipped
+    assert lines[0] == "[1/8] adamw-lr0.001-seed0: finished earlier (final val loss 2.0000), skipped"
+    assert "[8/8] sgd-lr0.1-seed1: final val loss 2.6100" in lines[-2]
+
+    rows = {row["optimizer"]: row for row in results["optimizers"]}
+    assert rows["adamw"]["best_setting"] == {"learning_rate": 1e-3}  # final loss decides, not mid-run
+    assert rows["adamw"]["seeds"] == [0, 1]
+    assert rows["adamw"]["final_val_loss_mean"] == pytest.approx(2.005)
+    assert rows["adamw"]["final_val_loss_std"] == pytest.approx(0.01 / 2**0.5)
+    assert rows["adamw"]["speedup_tokens"]["text"] == "1.00x"
+    assert rows["lion"]["speedup_tokens"]["value"] == pytest.approx(2.0)
+    assert rows["lion"]["speedup_seconds"]["value"] == pytest.approx(1.0)  # twice as fast per token, half the throughput
+    assert rows["sgd"]["best_setting"] == {"learning_rate": 0.1}
+    assert rows["sgd"]["speedup_tokens"]["text"] == "<1.00x (not reached)"
+    assert rows["adamw"]["state_bytes_per_param"] == pytest.approx(8.0, abs=0.01)  # two fp32 moments
+    assert rows["lion"]["state_bytes_per_param"] == pytest.approx(4.0, abs=0.01)  # one momentum
+    assert rows["adamw"]["update_vs_baseline"] == 1.0 and rows["lion"]["update_seconds"] > 0
+
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    statuses = {run["name"]: run["status"] for run in on_disk["runs"]}
+    assert len(statuses) == 8 and statuses["sgd-lr10-seed0"] == "diverged"
+    table = (tmp_path / "results.md").read_text()
+    assert "| lion | lr 0.0001 | 1.8050 ± 0.0071 | 2 | 2.00x | 1.00x | 4.00 |" in table
+    assert "| sgd-lr10-seed0 | diverged |" in table and "| adamw-lr0.001-seed0 * | 2.0000 |" in table
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+    third = FakeTrain()
+    monkeypatch.setattr(train, "run", third)
+    costs = {r["optimizer"]: {k: r[k] for k in ("state_bytes_per_param", "update_seconds")} for r in results["optimizers"]}
+    monkeypatch.setattr(compare_optimizers, "optimizer_costs", lambda configs, repeats: costs)
+    again = compare_optimizers.compare(_config(), tmp_path, log=lambda line: None)
+    assert third.calls == []
+    assert [r["speedup_tokens"] for r in again["optimizers"]] == [r["speedup_tokens"] for r in results["optimizers"]]
+
+    other_family = _config()
+    other_family.optimizer.muon.beta = 0.5  # no run here uses Muon: its block does not count
+    assert compare_optimizers.compare(other_family, tmp_path, log=lambda line: None)["runs"] == again["runs"]
+    assert third.calls == []
+    changed = _config()
+    changed.steps = 80
+    with pytest.raises(train.UsageError, match=r"adamw-lr0.001-seed0 holds a run with other settings \(steps: 40 -> 80\)"):
+        compare_optimizers.compare(changed, tmp_path, log=lambda line: None)
+
+
+def test_bad_grids_are_usage_errors():
+    config = _config()
+    config.compare.grid.lion.learning_rate = ""
+    with pytest.raises(train.UsageError, match="compare.grid.lion.learning_rate is empty"):
+        compare_optimizers.parse_grid(config)
+    config.compare.grid.lion.learning_rate = "1e-4,fast"
+    with pytest.raises(train.UsageError, match="not a comma-separated list"):
+        compare_optimizers.parse_grid(config)
+    config.compare.grid.lion.learning_rate = "1e-4"
+    config.compare.grid.lion.weight_decay = "0.1,1.0"
+    assert compare_optimizers.parse_grid(config)["lion"] == [
+        {"learning_rate": 1e-4, "weight_decay": 0.1},
+        {"learning_rate": 1e-4, "weight_decay": 1.0},
+    ]
+    config.compare.baseline = "sgd_typo"
+    with pytest.raises(train.UsageError, match="compare.baseline='sgd_typo' must be one of"):
+        compare_optimizers.parse_grid(config)
+
+
+def _cli(tmp_path, *args):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "experiments.compare_optimizers", f"--workdir={tmp_path}", "--quick", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+
+
+def test_quick_cli_end_to_end(tmp_path):
+    """Two real training runs of the smallest comparison; the outputs parse."""
+    small = [
+        "--config.steps=6",
+        "--config.eval_every=3",
+        "--config.log_every=3",
+        "--config.batch_size=4",
+        "--config.data.seq_len=32",
+        "--config.eval_batches=1",
+        "--config.optimizer.warmup_steps=1",
+        "--config.compare.optimizers=adamw,sgd",
+        "--config.compare.grid.adamw.learning_rate=3e-3",
+        "--config.compare.grid.sgd.learning_rate=0.3",
+        "--config.compare.seeds=1",
+        "--config.compare.update_timing_repeats=2",
+    ]
+    result = _cli(tmp_path, *small)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[1/2] adamw-lr0.003-seed0: training 6 steps" in result.stdout
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["optimizer"] for r in results["optimizers"]] == ["adamw", "sgd"]
+    assert [len(r["curve"]) for r in results["runs"]] == [2, 2]
+    assert results["tokens_per_run"] == 6 * 4 * 32
+    for row in results["optimizers"]:
+        assert row["final_val_loss_mean"] > 0 and row["speedup_tokens"]["text"].endswith(("x", "(not reached)"))
+    assert "| sgd | lr 0.3 |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "curves.png").is_file()
+    assert (tmp_path / "runs" / "sgd-lr0.3-seed0" / "summary.json").is_file()
+
+    unknown = _cli(tmp_path, "--config.compare.optimizers=adamw,adamx")
+    assert unknown.returncode == 2
+    assert unknown.stderr.strip().splitlines() == [
+        f"error: unknown optimizer 'adamx' in compare.optimizers; registered: {', '.join(sorted(compare_optimizers.registry.OPTIMIZERS))}"
+    ]

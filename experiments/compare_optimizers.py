@@ -46,7 +46,6 @@ import ml_collections
 import numpy as np
 import optax
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from experiments import metrics_io, speedup, train
 from lm import model as model_lib
@@ -401,13 +400,7 @@ def define_flags(argv: list[str]) -> flags.FlagHolder:
     flags.DEFINE_bool("quick", False, f"The reduced comparison of {QUICK_CONFIG} (a few minutes on 2 CPU cores).")
     flags.DEFINE_bool("verbose", False, "Show tracebacks for bad input, and library logs.")
     default = QUICK_CONFIG if any(a in ("--quick", "--quick=true", "--quick=True") for a in argv[1:]) else FULL_CONFIG
-    try:
-        return config_flags.DEFINE_config_file("config", default, "Config file (ml_collections).", lock_config=True)
-    except (AttributeError, KeyError) as e:  # config_flags applies --config.* overrides right here
-        detail = str(e.args[0] if e.args else e).replace("\\'", "'").replace("\\n", "\n").strip("'\"")
-        key, _, hint = detail.partition("\n")
-        hint = f" ({hint.strip()})" if hint.strip() else ""
-        train.usage_exit(f"unknown config key {key.strip(chr(39))!r}{hint}; the keys are listed in {default}")
+    return train.define_config_flag(default)
 
 
 def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:

@@ -377,13 +377,18 @@ def define_flags() -> flags.FlagHolder:
     flags.DEFINE_integer("process_id", None, "Multi-process: rank of this process.")
     flags.DEFINE_integer("stop_after", None, "Stop as if preempted after this step (checkpoint, exit 143).")
     flags.DEFINE_bool("distributed_auto", False, "Multi-process with values detected by JAX (TPU VM, SLURM).")
+    return define_config_flag(DEFAULT_CONFIG)
+
+
+def define_config_flag(default: str) -> flags.FlagHolder:
+    """``--config`` with ``--config.<key>`` overrides; an unknown key exits with code 2."""
     try:
-        return config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file (ml_collections).", lock_config=True)
+        return config_flags.DEFINE_config_file("config", default, "Config file (ml_collections).", lock_config=True)
     except (AttributeError, KeyError) as e:  # config_flags applies --config.* overrides right here
         detail = str(e.args[0] if e.args else e).replace("\\'", "'").replace("\\n", "\n").strip("'\"")
         key, _, hint = detail.partition("\n")
         hint = f" ({hint.strip()})" if hint.strip() else ""
-        usage_exit(f"unknown config key {key.strip(chr(39))!r}{hint}; the keys are listed in {DEFAULT_CONFIG}")
+        usage_exit(f"unknown config key {key.strip(chr(39))!r}{hint}; the keys are listed in {default}")
 
 
 if __name__ == "__main__":

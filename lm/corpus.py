@@ -42,7 +42,11 @@ def list_documents(root: Path, *, python_only: bool) -> list[Path]:
     if root.is_file():
         return [root]
     if python_only:
-        files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file()]
+        files = []
+        for folder, subfolders, names in os.walk(root):
+            subfolders[:] = [d for d in subfolders if d != "site-packages"]  # never walk installed packages
+            files += [Path(folder) / n for n in names if n.endswith(".py")]
+        files = [p for p in files if "site-packages" not in p.parts and p.is_file()]
     else:
         files = [
             p

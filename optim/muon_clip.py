@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optim import cautious as cautious_lib
 from optim import labels
 from optim import newton_schulz as ns
 from optim.muon import muon
@@ -189,8 +190,13 @@ def muon_clip(
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
     param_labels: Callable[[Any], Any] | Any | None = None,
     dimension_numbers: ns.AxesSpec = None,
+    cautious: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
-    """MuonClip: `optim.muon.muon` (same arguments) followed by QK-clip at ``tau`` (Kimi K2: 100)."""
+    """MuonClip: `optim.muon.muon` (same arguments) followed by QK-clip at ``tau`` (Kimi K2: 100).
+
+    ``cautious=True`` masks Muon's update with `optim.cautious.cautious` *before* the clip, so the
+    QK-clip rescale (which need not agree in sign with the gradient) is never masked.
+    """
     inner = muon(
         learning_rate,
         beta=beta,
@@ -213,4 +219,4 @@ def muon_clip(
         param_labels=param_labels,
         dimension_numbers=dimension_numbers,
     )
-    return optax.chain(inner, scale_by_qk_clip(tau))
+    return optax.chain(cautious_lib.cautious(inner) if cautious else inner, scale_by_qk_clip(tau))

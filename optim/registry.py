@@ -8,7 +8,9 @@ defaults (`family_defaults`), so adding an optimizer is one line in `OPTIMIZERS`
 in the config by themselves.
 
 Every registered function has the signature ``fn(learning_rate, *, weight_decay=..., **family)``
-and returns an `optax.GradientTransformation` (or ``...ExtraArgs``).
+and returns an `optax.GradientTransformation` (or ``...ExtraArgs``). A function that also takes
+``cautious`` gets the common key as a keyword and applies the mask itself (MuonClip masks Muon's
+update but not its QK-clip rescale); every other optimizer is wrapped whole.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ COMMON_KEYS = (
 )
 
 _CONFIGURABLE = (bool, int, float, str)
+# Common keys passed to an optimizer that takes them as keywords (rather than applied around it).
+ROUTED_KEYS = ("weight_decay", "cautious")
 
 
 def family_defaults(name: str) -> dict[str, Any]:
@@ -96,7 +100,7 @@ def family_defaults(name: str) -> dict[str, Any]:
     fn = _lookup(name)
     out = {}
     for param in inspect.signature(fn).parameters.values():
-        if param.name in ("learning_rate", "weight_decay") or param.kind is not param.KEYWORD_ONLY:
+        if param.name in ("learning_rate", *ROUTED_KEYS) or param.kind is not param.KEYWORD_ONLY:
             continue
         if isinstance(param.default, _CONFIGURABLE):
             out[param.name] = param.default
@@ -120,7 +124,8 @@ def build(config: Mapping[str, Any], total_steps: int) -> optax.GradientTransfor
     The result is ``chain(clip_by_global_norm, <name>(schedule, ...))``; no clipping when
     ``grad_clip_norm`` is 0 or None. ``state_bits`` 8 or 4 wraps the optimizer in
     `optim.quantize_state.quantize_state` (0: fp32 state); ``cautious=True`` then wraps it in
-    `optim.cautious.cautious` (its whole update, weight decay included). The clip stays outside both:
+    `optim.cautious.cautious` (its whole update, weight decay included), or is passed to optimizers
+    that take a ``cautious`` keyword. The clip stays outside both:
     it scales the gradient by one positive factor, so the cautious sign mask is unchanged by it.
     """
     fn = _lookup(config["name"])
@@ -129,6 +134,9 @@ def build(config: Mapping[str, Any], total_steps: int) -> optax.GradientTransfor
     weight_decay = config.get("weight_decay")  # None: the optimizer's own default
     if weight_decay is not None and "weight_decay" in inspect.signature(fn).parameters:
         family["weight_decay"] = float(weight_decay)
+    cautious_inside = bool(config.get("cautious")) and "cautious" in inspect.signature(fn).parameters
+    if cautious_inside:  # the optimizer masks only the part of its update that should be masked
+        family["cautious"] = True
     try:
         tx = fn(schedule, **family)
     except TypeError as e:
@@ -138,7 +146,7 @@ def build(config: Mapping[str, Any], total_steps: int) -> optax.GradientTransfor
         raise ValueError(f"optimizer.state_bits={state_bits}: use 0 (fp32 state), 8 or 4")
     if state_bits:
         tx = quantize_state(tx, bits=state_bits)
-    if config.get("cautious"):
+    if config.get("cautious") and not cautious_inside:
         tx = cautious(tx)
     clip = config.get("grad_clip_norm")
     if clip:

@@ -199,3 +199,27 @@ def test_sharded_lm_run_feeds_the_models_logits_to_the_clip(tmp_path):
     config.eval_every, config.eval_batches, config.checkpoint_every = 3, 1, 3
     summary = train.run(config, tmp_path)
     assert summary["steps"] == 3 and np.isfinite(summary["final_train_loss"])
+
+
+def test_cautious_masks_muons_update_but_not_the_clip():
+    """``optimizer.cautious`` with muon_clip: cautious Muon first, then QK-clip lands on tau exactly."""
+    params = toy_attention(scale=3.0)
+    grads = jax.tree.map(lambda p: jnp.float32(np.random.default_rng(1).standard_normal(p.shape)), params)
+    logits = jnp.float32([[150.0, 50.0, 120.0, 80.0], [90.0, 300.0, 101.0, 10.0]])
+    config = default.optimizer_config("muon_clip", learning_rate=0.01)
+    config.warmup_steps, config.grad_clip_norm, config.cautious = 0, 0.0, True
+    built = registry.build(config, total_steps=10)
+    updates, _ = jax.jit(built.update)(grads, built.init(params), params, attn_max_logits=logits)
+    got = optax.apply_updates(params, updates)
+
+    from optim.cautious import cautious
+
+    schedule = registry.learning_rate_fn(config, 10)
+    inner = cautious(muon(schedule, weight_decay=0.1))
+    masked, _ = inner.update(grads, inner.init(params), params)
+    want = np_qk_clip(optax.apply_updates(params, masked), np.asarray(logits), 100.0)
+    for path in (("q_proj",), ("k_proj",)):
+        np.testing.assert_allclose(
+            got["blocks"]["attn"][path[0]]["kernel"], want["blocks"]["attn"][path[0]]["kernel"], rtol=2e-5, atol=1e-6
+        )
+    assert "cautious" not in config.muon_clip  # the common key, not a family key

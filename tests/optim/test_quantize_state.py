@@ -220,6 +220,7 @@ def _lm_config(state_bits):
     config.log_every = 100
     config.checkpoint_every = 1000
     config.optimizer.state_bits = state_bits
+    config.devices = 1  # one device: 8 fake CPU devices would only add collectives to time
     return config
 
 
@@ -233,3 +234,21 @@ def test_tiny_lm_300_steps_matches_fp32_adamw(bits, tolerance, fp32_adamw_loss, 
     """Validation loss after 300 steps of the `tiny` LM (seq 64, batch 16) within 1% (8-bit) / 2% (4-bit) of fp32."""
     loss = train.run(_lm_config(bits), tmp_path)["final_val_loss"]
     assert abs(loss - fp32_adamw_loss) <= tolerance * fp32_adamw_loss
+
+
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_kronecker_factors_stay_fp32_while_moments_are_quantized(name):
+    """Shampoo's / SOAP's (n, b, b) statistics, roots and bases are not parameter-shaped: never quantized."""
+    from optim import blocking, shampoo, soap
+
+    params = {"w": jnp.ones((128, 96)), "v": jnp.ones((64, 128))}
+    inner = shampoo.scale_by_shampoo(block_size=64) if name == "shampoo" else soap.scale_by_soap()
+    tx = quantize_state(inner, 8)
+    state = tx.init(params)
+    is_stack = lambda x: isinstance(x, blocking.BlockStacks)  # noqa: E731
+    stacks = [n for n in jax.tree.leaves(state.inner, is_leaf=is_stack) if is_stack(n)]
+    assert stacks and all(v.dtype == jnp.float32 and v.ndim == 3 for s in stacks for v in s.values())
+    moments = [n for n in jax.tree.leaves(state.inner, is_leaf=qz.is_quantized) if qz.is_quantized(n)]
+    assert len(moments) == 4  # momentum + graft second moment (shampoo) / mu + nu (soap), per parameter
+    updates, state = jax.jit(tx.update)(jax.tree.map(lambda p: 0.1 * p, params), state, params)
+    assert all(np.isfinite(u).all() for u in jax.tree.leaves(updates))

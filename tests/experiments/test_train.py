@@ -34,6 +34,7 @@ def small_config(**overrides):
     config.log_every = 1
     config.checkpoint_every = 5
     config.optimizer.warmup_steps = 2
+    config.devices = 1  # sharded runs are tested in tests/sharding; 8 fake devices only add time here
     for key, value in overrides.items():
         target = config
         *path, last = key.split(".")
@@ -132,10 +133,10 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
         ({"model.preset": "huge"}, "unknown model preset 'huge'"),
         ({"model.n_heads": 3}, "multiple of model.n_kv_heads"),
         ({"data.path": "/no/such/corpus"}, "does not exist"),
-        ({"mesh": "data:3"}, "divisors of 8"),
-        ({"batch_size": 12}, "batch_size divisible by 8"),
+        ({"mesh": "data:3", "devices": 0}, "divisors of 8"),
+        ({"batch_size": 12, "devices": 0}, "batch_size divisible by 8"),
         ({"optimizer.schedule": "step"}, "one of constant, cosine"),
-        ({"mesh": "tensor:8", "rules": "tp", "model.mlp_dim": 100}, "does not split over mesh axes \\('tensor',\\)"),
+        ({"mesh": "tensor:8", "devices": 0, "rules": "tp", "model.mlp_dim": 100}, "does not split over mesh axes \\('tensor',\\)"),
         ({"devices": 9}, "only 8 devices"),
     ],
 )

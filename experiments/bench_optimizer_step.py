@@ -15,16 +15,28 @@ shape scale, eps 1e-8; ``ns_batching="auto"``, i.e. one Newton-Schulz call per l
 ``muon@optax-batched`` the same with same-shape matrices batched into one call. To add a row, add
 an entry to `EXTRA_ROWS` or register the optimizer.
 
-Shampoo's cost depends on whether a step refreshes the inverse roots: ``shampoo`` is a step without
-a refresh (the registered default, first refresh at step 100), ``shampoo_refresh`` one that
-recomputes every root; with both timed, ``shampoo@10`` and ``shampoo@100`` are the amortised costs
-``((k - 1) shampoo + shampoo_refresh) / k`` for ``precondition_every = k``:
+Shampoo's and SOAP's cost depends on whether a step refreshes the preconditioner (inverse roots,
+eigenbases): the rows ``shampoo`` and ``soap`` are steps that do not refresh it (the registered
+settings, with the refresh interval set beyond the timed steps), ``shampoo_refresh`` and
+``soap_refresh`` steps that refresh every factor; ``<name>@k`` is the amortised cost
+``((k - 1) <name> + <name>_refresh) / k`` of refreshing every ``k`` steps:
 
-    python -m experiments.bench_optimizer_step --optimizers=adamw,shampoo,shampoo_refresh --trees=small
+    python -m experiments.bench_optimizer_step --optimizers=adamw,shampoo,shampoo_refresh,soap,soap_refresh \
+        --trees=small
+
+With ``--train_batch=BATCHxSEQ_LEN`` every row is instead the whole training step of the model
+preset named by ``--trees`` (forward, backward, clipping, update: `experiments.bench_throughput`'s
+step on random tokens, state carried from step to step), which is what the published overheads of
+distributed Shampoo (arXiv:2002.09018) compare. Only registered rows (and their ``_refresh``
+variants) can run this way:
+
+    python -m experiments.bench_optimizer_step --optimizers=adamw,shampoo,shampoo_refresh,soap,soap_refresh \
+        --trees=small --train_batch=64x256 --repeats=3
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -33,9 +45,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
 from absl import app, flags
 
+from experiments import bench_throughput, train
 from experiments.configs import default
 from optim import labels, memory, registry
 from optim.muon import muon
@@ -52,6 +66,9 @@ _OPTIMIZERS = flags.DEFINE_list(
 _TREES = flags.DEFINE_list("trees", ["tiny", "small"], f"Parameter trees, from {sorted(TREES)}.")
 _REPEATS = flags.DEFINE_integer("repeats", 20, "Timed calls per row (median and minimum reported).")
 _OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
+_TRAIN_BATCH = flags.DEFINE_string(
+    "train_batch", "", "BATCHxSEQ_LEN: time whole training steps of the preset named by --trees at this batch; empty: updates only."
+)
 
 
 def param_tree(d, layers, heads, kv_heads, head_dim, mlp, vocab, seed=0) -> dict[str, Any]:
@@ -87,9 +104,30 @@ class Row(NamedTuple):
     extra_args: Callable[[dict[str, int]], dict[str, Any]] = lambda tree: {}
 
 
+# Rows whose preconditioner refresh is timed apart: optimizer -> its refresh-interval key.
+REFRESH_INTERVAL = {"shampoo": "precondition_every", "soap": "precondition_frequency"}
+NEVER = 10**6  # a refresh interval beyond any timed step
+AMORTISED = {f"{name}@{k}": (name, f"{name}_refresh", k) for name in REFRESH_INTERVAL for k in (10, 100)}
+
+
+def row_config(name: str) -> ml_collections.ConfigDict | None:
+    """The optimizer config of a registered row (see the module docstring); None for other rows."""
+    base = name.removesuffix("_refresh")
+    if base not in registry.OPTIMIZERS or (base != name and base not in REFRESH_INTERVAL):
+        return None
+    config = default.optimizer_config(base)
+    if base in REFRESH_INTERVAL:
+        config[base][REFRESH_INTERVAL[base]] = 1 if base != name else NEVER
+        if base == "shampoo":  # roots from the first step on, so a refresh row refreshes every step
+            config.shampoo.start_preconditioning_step = 1
+    return config
+
+
 def registered(name: str) -> Row:
+    config = row_config(name)
+
     def make(tree):
-        return registry.build(default.optimizer_config(name), TOTAL_STEPS)
+        return registry.build(config, TOTAL_STEPS)
 
     if name == "muon_clip":
         return Row(make, lambda tree: {"attn_max_logits": jnp.full((tree["layers"], tree["heads"]), 50.0)})
@@ -103,19 +141,8 @@ def _optax_dims(params):
     )
 
 
-def _shampoo_refreshing(tree: dict[str, int]) -> optax.GradientTransformation:
-    """Registered Shampoo recomputing every inverse root at every step."""
-    config = default.optimizer_config("shampoo")
-    config.shampoo.precondition_every = 1
-    config.shampoo.start_preconditioning_step = 1
-    return registry.build(config, TOTAL_STEPS)
-
-
-AMORTISED = {"shampoo@10": ("shampoo", "shampoo_refresh", 10), "shampoo@100": ("shampoo", "shampoo_refresh", 100)}
-
 _SCHEDULE = optax.cosine_decay_schedule(0.02, TOTAL_STEPS)
 EXTRA_ROWS: dict[str, Row] = {
-    "shampoo_refresh": Row(_shampoo_refreshing),
     "optax_muon": Row(
         lambda tree: optax.contrib.muon(
             _SCHEDULE,
@@ -158,14 +185,14 @@ def compile_row(row: Row, tree: dict[str, int]) -> Callable[[], Any]:
     grads = param_tree(**tree, seed=1)
     tx = row.make(tree)
     extra = row.extra_args(tree)
-    state = tx.init(params)
 
     @jax.jit
     def step(params, grads, state):
         updates, state = tx.update(grads, state, params, **extra)
         return optax.apply_updates(params, updates), state
 
-    jax.block_until_ready(step(params, grads, state))
+    # Time the second step: the first of SOAP only initialises its bases.
+    _, state = jax.block_until_ready(step(params, grads, tx.init(params)))
     return lambda: jax.block_until_ready(step(params, grads, state))
 
 
@@ -186,17 +213,55 @@ def time_rows(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, li
     return times
 
 
+def row_names(requested: list[str], *, train_step: bool) -> list[str]:
+    """The rows to time (``all``: every registered optimizer); a bad name exits with a usage error."""
+    names = [n for name in requested for n in (sorted(registry.OPTIMIZERS) if name == "all" else [name])]
+    for name in names:
+        if row_config(name) is not None or (name in EXTRA_ROWS and not train_step):
+            continue
+        known = [*registry.OPTIMIZERS, *(f"{n}_refresh" for n in REFRESH_INTERVAL)]
+        if train_step:
+            train.usage_exit(f"row {name!r} cannot run as a training step; --train_batch takes {', '.join(known)}")
+        amortised = f" ({name} is computed from its plain and _refresh rows)" if name in AMORTISED else ""
+        train.usage_exit(f"unknown row {name!r}{amortised}; rows: {', '.join([*known, *EXTRA_ROWS])}")
+    return names
+
+
+def train_step_calls(names: list[str], preset: str, batch: int, seq_len: int) -> dict[str, Callable[[], Any]]:
+    """Per row, a callable taking one more training step of ``preset`` with that row's optimizer."""
+    calls = {}
+    for name in names:
+        config = bench_throughput.case_config(preset, batch, seq_len, "float32", "", "adamw", "fsdp")
+        config.optimizer = row_config(name)
+        run = bench_throughput.compile_train_steps(config).run
+        run(1)  # compilation, and the first step (SOAP's basis initialisation, Shampoo's first roots)
+        calls[name] = functools.partial(run, 1)
+    return calls
+
+
 def main(argv):
     del argv
+    train_step = bool(_TRAIN_BATCH.value)
+    try:
+        batch, seq_len = bench_throughput.parse_batch_shape(_TRAIN_BATCH.value) if train_step else (0, 0)
+    except train.UsageError as e:
+        train.usage_exit(str(e))
+    unknown = sorted(set(_TREES.value) - set(TREES))
+    if unknown:
+        train.usage_exit(f"unknown tree {unknown[0]!r}; --trees takes {', '.join(TREES)}")
+    names = row_names(_OPTIMIZERS.value, train_step=train_step)
     results: dict[str, Any] = {
         "device": str(jax.devices()[0].device_kind),
         "backend": jax.default_backend(),
+        "mode": f"train step {batch}x{seq_len}" if train_step else "update",
         "trees": {},
     }
-    names = [n for name in _OPTIMIZERS.value for n in (sorted(registry.OPTIMIZERS) if name == "all" else [name])]
     for tree_name in _TREES.value:
         tree = TREES[tree_name]
-        calls = {name: compile_row(EXTRA_ROWS[name] if name in EXTRA_ROWS else registered(name), tree) for name in names}
+        if train_step:
+            calls = train_step_calls(names, tree_name, batch, seq_len)
+        else:
+            calls = {name: compile_row(EXTRA_ROWS.get(name) or registered(name), tree) for name in names}
         rows = {
             name: {"ms": 1e3 * statistics.median(t), "min_ms": 1e3 * min(t)}
             for name, t in time_rows(calls, _REPEATS.value).items()
@@ -208,7 +273,7 @@ def main(argv):
             source = AMORTISED[name][0] if name in AMORTISED else name
             r["state_bytes_per_param"] = state_bytes_per_param(EXTRA_ROWS.get(source) or registered(source), tree)
         base = rows.get("adamw", {}).get("ms")
-        for name, r in rows.items():
+        for r in rows.values():
             r["vs_adamw"] = r["ms"] / base if base else None
         for name in ("muon@optax", "muon@optax-batched"):
             if name in rows and "optax_muon" in rows:
@@ -216,7 +281,8 @@ def main(argv):
                 rows[name]["vs_optax_muon_min"] = rows[name]["min_ms"] / rows["optax_muon"]["min_ms"]
         results["trees"][tree_name] = rows
 
-        print(f"\n{tree_name} ({results['backend']}: {results['device']}), median and min of {_REPEATS.value}")
+        what = f"whole training step, batch {batch}x{seq_len}" if train_step else "update + apply_updates"
+        print(f"\n{tree_name}, {what} ({results['backend']}: {results['device']}), median and min of {_REPEATS.value}")
         print(f"{'optimizer':<22}{'ms/step':>10}{'min ms':>10}{'x AdamW':>10}{'x optax':>10}{'(min)':>8}{'B/param':>9}")
         for name, r in rows.items():
             vs_adamw = f"{r['vs_adamw']:.2f}" if r["vs_adamw"] else "-"

@@ -24,3 +24,58 @@ def test_tiny_tree_end_to_end(tmp_path):
     assert rows["sgd"]["state_bytes_per_param"] == pytest.approx(4.0, abs=1e-3)
     assert rows["lion"]["state_bytes_per_param"] == pytest.approx(4.0, abs=1e-3)
     assert "B/param" in result.stdout
+
+
+def _bench(tmp_path, *flags):
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "experiments.bench_optimizer_step", *flags, f"--out={out}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+    return result, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_refresh_rows_give_amortised_costs(tmp_path):
+    result, data = _bench(tmp_path, "--optimizers=adamw,soap,soap_refresh", "--trees=tiny", "--repeats=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = data["trees"]["tiny"]
+    assert data["mode"] == "update"
+    for k in (10, 100):
+        want = ((k - 1) * rows["soap"]["ms"] + rows["soap_refresh"]["ms"]) / k
+        assert rows[f"soap@{k}"]["ms"] == pytest.approx(want)
+        assert rows[f"soap@{k}"]["vs_adamw"] == pytest.approx(want / rows["adamw"]["ms"])
+
+
+def test_whole_training_steps(tmp_path):
+    flags = ["--optimizers=shampoo,shampoo_refresh", "--trees=tiny", "--train_batch=4x16", "--repeats=1"]
+    result, data = _bench(tmp_path, *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert data["mode"] == "train step 4x16"
+    rows = data["trees"]["tiny"]
+    assert set(rows) == {"shampoo", "shampoo_refresh", "shampoo@10", "shampoo@100"}
+    assert all(r["ms"] > 0 and r["vs_adamw"] is None for r in rows.values())
+    assert "whole training step, batch 4x16" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "names, train_step, message",
+    [
+        (["adamz"], False, "unknown row 'adamz'"),
+        (["shampoo@10"], False, "computed from its plain and _refresh rows"),
+        (["adamw_refresh"], False, "unknown row 'adamw_refresh'"),
+        (["optax_muon"], True, "cannot run as a training step"),
+    ],
+)
+def test_bad_rows_exit_2_naming_the_fix(names, train_step, message, capsys):
+    from experiments import bench_optimizer_step
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench_optimizer_step.row_names(names, train_step=train_step)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_row_names_expand_all_and_keep_refresh_rows():
+    from experiments import bench_optimizer_step
+    from optim import registry
+
+    names = bench_optimizer_step.row_names(["all", "soap_refresh", "optax_muon"], train_step=False)
+    assert names == [*sorted(registry.OPTIMIZERS), "soap_refresh", "optax_muon"]

@@ -142,6 +142,21 @@ def _optax_dims(params):
 
 
 _SCHEDULE = optax.cosine_decay_schedule(0.02, TOTAL_STEPS)
+
+
+def _muon_at_optax_settings(ns_batching: str) -> optax.GradientTransformation:
+    """Our Muon with ``optax.contrib.muon``'s settings (module docstring)."""
+    return muon(
+        _SCHEDULE,
+        nesterov=False,
+        shape_scale="jordan",
+        ns_eps=1e-8,
+        weight_decay=0.1,
+        adam_learning_rate=0.003,
+        ns_batching=ns_batching,
+    )
+
+
 EXTRA_ROWS: dict[str, Row] = {
     "optax_muon": Row(
         lambda tree: optax.contrib.muon(
@@ -155,27 +170,8 @@ EXTRA_ROWS: dict[str, Row] = {
             muon_weight_dimension_numbers=_optax_dims,
         )
     ),
-    "muon@optax": Row(
-        lambda tree: muon(
-            _SCHEDULE,
-            nesterov=False,
-            shape_scale="jordan",
-            ns_eps=1e-8,
-            weight_decay=0.1,
-            adam_learning_rate=0.003,
-        )
-    ),
-    "muon@optax-batched": Row(
-        lambda tree: muon(
-            _SCHEDULE,
-            nesterov=False,
-            shape_scale="jordan",
-            ns_eps=1e-8,
-            weight_decay=0.1,
-            adam_learning_rate=0.003,
-            ns_batching="same_shape",
-        )
-    ),
+    "muon@optax": Row(lambda tree: _muon_at_optax_settings("auto")),
+    "muon@optax-batched": Row(lambda tree: _muon_at_optax_settings("same_shape")),
 }
 
 

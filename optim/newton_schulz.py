@@ -112,6 +112,7 @@ PRESETS: dict[str, NSPreset] = {
 
 Coeffs = str | Sequence[Sequence[float]]
 Steps = int | jax.Array
+DTYPES = ("auto", "float32", "bfloat16")
 
 
 def resolve(coeffs: Coeffs) -> NSPreset:
@@ -129,14 +130,29 @@ def resolve(coeffs: Coeffs) -> NSPreset:
     return NSPreset(rows, len(rows), "frobenius", 1.0)
 
 
-def _gram(x: jax.Array, precision) -> jax.Array:
-    return jnp.einsum("...ik,...jk->...ij", x, x, precision=precision)
+def _matmul(a: jax.Array, b: jax.Array, dtype: str, spec: str = "...ij,...jk->...ik") -> jax.Array:
+    """``a @ b`` with both inputs rounded to ``dtype`` and the product accumulated and returned in float32."""
+    precision = jax.lax.Precision.HIGHEST if dtype == "float32" else None
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), precision=precision, preferred_element_type=jnp.float32)
 
 
-def _step(x: jax.Array, gram: jax.Array, row, precision) -> jax.Array:
+def _gram(x: jax.Array, dtype: str) -> jax.Array:
+    return _matmul(x, x, dtype, "...ik,...jk->...ij")
+
+
+def _step(x: jax.Array, gram: jax.Array, row, dtype: str) -> jax.Array:
+    """One iteration in float32 (coefficients never rounded); the new iterate is rounded to ``dtype`` once."""
     a, b, c = row
-    poly = b * gram + c * jnp.matmul(gram, gram, precision=precision)
-    return a * x + jnp.matmul(poly, x, precision=precision)
+    poly = b * gram + c * _matmul(gram, gram, dtype)
+    return (a * x.astype(jnp.float32) + _matmul(poly, x, dtype)).astype(dtype)
+
+
+def _resolve_dtype(dtype: str) -> str:
+    if dtype not in DTYPES:
+        raise ValueError(f"Newton-Schulz dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype == "auto":
+        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return dtype
 
 
 def newton_schulz(
@@ -155,43 +171,43 @@ def newton_schulz(
       steps: iterations; 0 means the preset's own count. A traced integer is allowed (the loop then
         becomes a `jax.lax.fori_loop`), which is what `optax.inject_hyperparams` passes.
       eps: added to the Frobenius norm (and the floor of the AOL row sums).
-      dtype: ``"float32"`` (matmuls at highest precision) or ``"bfloat16"`` (bf16 iterations, as
-        in Jordan's reference). The norm is always taken in float32.
+      dtype: ``"float32"`` (matmuls at highest precision), ``"bfloat16"`` (matmul inputs in bf16, as
+        in Jordan's reference, but the coefficients, the accumulation and the polynomial stay
+        float32 and the iterate is rounded once per step), or ``"auto"``: float32 on CPU, bfloat16
+        on accelerators. The norm is always taken in float32.
 
     Returns:
       The orthogonalised matrices, shape and dtype of ``x``.
     """
     if x.ndim < 2:
         raise ValueError(f"Newton-Schulz needs matrices (..., m, n), got shape {x.shape}")
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"Newton-Schulz dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    dtype = _resolve_dtype(dtype)
     preset = resolve(coeffs)
-    precision = jax.lax.Precision.HIGHEST if dtype == "float32" else None
     wide = x.shape[-2] <= x.shape[-1]
     y = x.astype(jnp.float32) if wide else jnp.swapaxes(x, -1, -2).astype(jnp.float32)
     norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True))
-    y = (y / (norm * preset.safety + eps)).astype(dtype)
-    gram = _gram(y, precision)
+    y = y / (norm * preset.safety + eps)
+    gram = _gram(y, dtype)
     if preset.precondition == "aol":
         scale = jax.lax.rsqrt(jnp.maximum(jnp.sum(jnp.abs(gram), axis=-1), eps))
         y = y * scale[..., :, None]
         gram = gram * scale[..., :, None] * scale[..., None, :]
     table = preset.table
-    y = _step(y, gram, table[0], precision)
+    y = _step(y, gram, table[0], dtype)
 
     if isinstance(steps, (int, np.integer)):
         steps = int(steps) or preset.steps
         if steps < 1:
             raise ValueError(f"Newton-Schulz steps must be >= 1 (or 0 for the preset's count), got {steps}")
         for i in range(1, steps):
-            y = _step(y, _gram(y, precision), table[min(i, len(table) - 1)], precision)
+            y = _step(y, _gram(y, dtype), table[min(i, len(table) - 1)], dtype)
     else:
         rows = jnp.asarray(table, dtype=jnp.float32)
         steps = jnp.where(steps > 0, steps, preset.steps)
 
         def body(i, y):
-            row = rows[jnp.minimum(i, len(table) - 1)].astype(y.dtype)
-            return _step(y, _gram(y, precision), (row[0], row[1], row[2]), precision)
+            row = rows[jnp.minimum(i, len(table) - 1)]
+            return _step(y, _gram(y, dtype), (row[0], row[1], row[2]), dtype)
 
         y = jax.lax.fori_loop(1, steps, body, y)
 

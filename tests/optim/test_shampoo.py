@@ -139,7 +139,12 @@ def test_graft_norms_equal_the_graft_optimizer(graft, optax_graft):
 
 def test_blocks_equal_independent_single_block_shampoos():
     """An 8x8 matrix in four 4x4 blocks, and a 10x6 one with ragged edge blocks, equal independent
-    single-block Shampoos on the pieces."""
+    single-block Shampoos on the pieces.
+
+    Preconditioning starts at step 3, once every block's statistics have full rank (a 4x2 block's
+    4x4 left factor has rank 2 after one gradient). Earlier, the ridge-sized eigenvalues of a
+    rank-deficient factor set the inverse root, and float32 eigensolvers on differently batched
+    stacks resolve those to different digits (about 1e-3 relative in the update)."""
     rng = np.random.default_rng(3)
     shapes = {"square": (8, 8), "ragged": (10, 6)}
     grads = [{k: rng.normal(size=s) for k, s in shapes.items()} for _ in range(4)]
@@ -147,7 +152,7 @@ def test_blocks_equal_independent_single_block_shampoos():
         "beta1": 0.9,
         "beta2": 0.99,
         "precondition_every": 2,
-        "start_preconditioning_step": 1,
+        "start_preconditioning_step": 3,
         "graft_per_block": True,
         "merge_dims": False,
     }

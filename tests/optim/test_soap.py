@@ -126,8 +126,12 @@ def test_stacked_layers_are_independent_matrices():
 
 
 def test_sharded_statistics_are_distributed_and_results_match():
+    """Square blocks, so the first gradient alone gives full-rank statistics: SOAP's initial eigenbasis
+    is then unique up to signs (which cancel). With a 16x8 gradient the 16x16 statistic has rank 8,
+    half of its eigenbasis is arbitrary, and single-device and sharded eigendecompositions may pick
+    different bases, and so different (equally valid) updates."""
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
-    params = {"a": jnp.zeros((16, 8)), "b": jnp.zeros((2, 8, 16)), "scale": jnp.zeros((8,))}
+    params = {"a": jnp.zeros((16, 16)), "b": jnp.zeros((2, 16, 16)), "scale": jnp.zeros((8,))}
     specs = {"a": jax.P("fsdp", None), "b": jax.P(None, None, "fsdp"), "scale": jax.P()}
     rng = np.random.default_rng(3)
     grads_seq = [jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params) for _ in range(3)]

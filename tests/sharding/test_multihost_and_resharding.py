@@ -86,4 +86,8 @@ def test_two_process_run_checkpoints_resumes_and_matches_one_process(tmp_path):
     reference = read_metrics(tmp_path / "single" / "metrics.jsonl")
     assert [r["step"] for r in multi] == list(range(1, 9))
     assert [r["loss"] for r in multi] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
-    assert [r.get("val_loss") for r in multi] == pytest.approx([r.get("val_loss") for r in reference], rel=1e-5)
+    # Validation runs at steps 4 and 8 only (pytest >= 9.2's approx rejects None among expected values).
+    evaluated = [(r["step"], r["val_loss"]) for r in multi if "val_loss" in r]
+    expected = [(r["step"], r["val_loss"]) for r in reference if "val_loss" in r]
+    assert [s for s, _ in evaluated] == [s for s, _ in expected] == [4, 8]
+    assert [v for _, v in evaluated] == pytest.approx([v for _, v in expected], rel=1e-5)

@@ -11,12 +11,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels_pallas.attention import reference
 from lm.config import ModelConfig
 from lm.layers import RMSNorm, linear, rotary_embedding, split_heads
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, track_max_logits: bool = False):
-    """Causal softmax attention, logits and softmax in float32.
+    """Causal softmax attention, logits and softmax in float32 (`kernels_pallas.attention.reference`).
 
     Args:
       q: ``(batch, seq, n_heads, head_dim)``; k, v: ``(batch, seq, n_kv_heads, head_dim)``.
@@ -27,16 +28,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, track_max_logits: bool =
       ``(out, max_logits)``: out ``(batch, seq, n_heads, head_dim)`` in q's dtype; max_logits is
       None unless tracked.
     """
-    b, s, h, d = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, s, kv, h // kv, d)
-    logits = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32) * (d**-0.5)
-    causal = jnp.tril(jnp.ones((s, s), dtype=bool))
-    logits = jnp.where(causal, logits, -jnp.inf)
-    max_logits = jnp.max(logits, axis=(0, 3, 4)).reshape(h) if track_max_logits else None
-    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgst,btkd->bskgd", weights, v)
-    return out.reshape(b, s, h, d), max_logits
+    if track_max_logits:
+        return reference.attention(q, k, v, causal=True, return_max_logits=True)
+    return reference.attention(q, k, v, causal=True), None
 
 
 class Attention(nnx.Module):

@@ -106,6 +106,5 @@ def test_pallas_refuses_a_sharded_sequence():
     cfg = config_lib.from_preset("tiny", attention="pallas")
     model_def = model_lib.define(cfg)
     mesh = mesh_lib.make_mesh("data:2,seq:2,tensor:2")
-    with jax.set_mesh(mesh), partition.use_rules(rules_lib.make_rules("sp")):
-        with pytest.raises(ValueError, match="needs logical axis 'seq' whole"):
-            jax.eval_shape(lambda p: model_lib.apply(model_def, p, jnp.zeros((4, 16), jnp.int32)), model_def.abstract_params)
+    with jax.set_mesh(mesh), partition.use_rules(rules_lib.make_rules("sp")), pytest.raises(ValueError, match="'seq' whole"):
+        jax.eval_shape(lambda p: model_lib.apply(model_def, p, jnp.zeros((4, 16), jnp.int32)), model_def.abstract_params)

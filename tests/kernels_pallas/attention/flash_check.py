@@ -68,7 +68,7 @@ def _with_grads(attention, x: dict):
 def compare(case: Case, **kernel_kwargs) -> None:
     """Kernel vs reference: output, per-head max logits, and the three gradients."""
     x = inputs(case)
-    kw = dict(causal=case.causal, sm_scale=case.sm_scale, segment_ids=x["segment_ids"], return_max_logits=True)
+    kw = {"causal": case.causal, "sm_scale": case.sm_scale, "segment_ids": x["segment_ids"], "return_max_logits": True}
     kernel = jax.jit(lambda x: _with_grads(
         lambda q, k, v: api.flash_attention(q, k, v, block_sizes=case.block_sizes, **kw, **kernel_kwargs), x
     ))(x)

@@ -73,11 +73,11 @@ def test_tpu_block_sizes_must_fit_the_vector_tiles():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(), "do not compile for CPU: pass interpret=True"),
-        (dict(interpret=True, block_sizes=BlockSizes(block_q=48)), "block_q=48 must be a power of two"),
-        (dict(interpret=True, segment_ids=jnp.zeros((2, 8))), "segment_ids must be integers"),
-        (dict(interpret=True, segment_ids=jnp.zeros((2, 9), jnp.int32)), r"expected \(batch, seq\) = \(2, 8\)"),
-        (dict(interpret=True, backend="cuda"), "no flash attention backend 'cuda'"),
+        ({}, "do not compile for CPU: pass interpret=True"),
+        ({"interpret": True, "block_sizes": BlockSizes(block_q=48)}, "block_q=48 must be a power of two"),
+        ({"interpret": True, "segment_ids": jnp.zeros((2, 8))}, "segment_ids must be integers"),
+        ({"interpret": True, "segment_ids": jnp.zeros((2, 9), jnp.int32)}, r"expected \(batch, seq\) = \(2, 8\)"),
+        ({"interpret": True, "backend": "cuda"}, "no flash attention backend 'cuda'"),
     ],
 )
 def test_bad_calls_say_what_to_do(kwargs, message):

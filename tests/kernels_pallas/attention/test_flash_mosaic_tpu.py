@@ -8,9 +8,8 @@ short sequences span several, including block-sparse causal skipping.
 
 import flash_check
 import pytest
-from jax.experimental.pallas import tpu as pltpu
-
 from flash_check import Case
+from jax.experimental.pallas import tpu as pltpu
 
 CASES = [
     Case(seq=27, batch=1, blocks=(8, 16)),  # ragged, causal (tiles above the diagonal skipped), GQA 2

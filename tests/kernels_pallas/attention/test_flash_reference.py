@@ -10,7 +10,7 @@ from kernels_pallas.attention import reference
 
 def numpy_attention(q, k, v, *, causal, sm_scale, segment_ids):
     """Per batch row and query head, straight from the formula (float64)."""
-    b, t, h, d = q.shape
+    b, t, h, _ = q.shape
     group = h // k.shape[2]
     out = np.zeros((b, t, h, v.shape[-1]))
     max_logits = np.full(h, -np.inf)

@@ -6,7 +6,6 @@ does), so a tile a kernel forgets to write fails the comparison.
 
 import flash_check
 import pytest
-
 from flash_check import Case
 
 CASES = [

@@ -8,6 +8,7 @@ from absl import app
 from experiments import bench_kernels
 
 
+@pytest.mark.usefixtures("fast_xla_compile")
 def test_tiny_cpu_run_times_checks_and_tabulates():
     rows = bench_kernels.bench([(1, 40, 2, 32)], ["pallas", "cudnn", "xla"], ["fwd", "fwd_bwd"], dtype="float32", warmup=0, iters=2)
     by = {(r["implementation"], r["mode"]): r for r in rows}

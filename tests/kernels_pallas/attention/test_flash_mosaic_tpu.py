@@ -11,6 +11,8 @@ import pytest
 from flash_check import Case
 from jax.experimental.pallas import tpu as pltpu
 
+pytestmark = pytest.mark.usefixtures("fast_xla_compile")
+
 CASES = [
     Case(seq=27, batch=1, blocks=(8, 16)),  # ragged, causal (tiles above the diagonal skipped), GQA 2
     Case(seq=21, batch=1, kv_heads=1, v_head_dim=16, causal=False, segments=True, dtype="bfloat16", blocks=(16, 8)),  # GQA 4

@@ -8,6 +8,8 @@ import flash_check
 import pytest
 from flash_check import Case
 
+pytestmark = pytest.mark.usefixtures("fast_xla_compile")
+
 CASES = [
     Case(seq=37),  # ragged: three 16-row tiles, the last one 5 rows long; GQA 2; causal
     Case(seq=1, heads=2, kv_heads=2),  # one token; one query head per kv head

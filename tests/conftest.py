@@ -4,6 +4,9 @@ Compiled executables go to a persistent compilation cache that lives for one pyt
 shared by its processes (pytest-xdist workers, subprocesses that tests start): many tests train the
 same `tiny` model and would otherwise spend much of their time recompiling identical programs. The
 cache starts empty in every session, so nothing carries over between runs.
+
+On a GPU box, ``SPMDLAB_TEST_PLATFORMS=cuda,cpu python -m pytest -n 0 tests/kernels_pallas`` runs the
+kernel tests compiled on the GPU instead of in interpret mode (the other tests expect CPU devices).
 """
 
 import atexit
@@ -28,7 +31,7 @@ jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_platforms", os.environ.get("SPMDLAB_TEST_PLATFORMS", "cpu"))
 
 
 @pytest.fixture(scope="module")

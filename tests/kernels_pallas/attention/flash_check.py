@@ -4,7 +4,9 @@ Tolerances, against `reference.attention` evaluated in float32 on the same (roun
 float32 inputs agree to 2e-5 (absolute and relative; only summation order differs), bfloat16 inputs
 to 3e-2 (bf16's 8-bit mantissa: outputs and gradients are rounded to bf16, and the probabilities
 are rounded to bf16 before the P V and dS K products, as in the bf16 reference). The max logits
-are float32 in both, from the same float32 logits: 2e-5 for either input dtype.
+are float32 in both, from the same float32 logits: 2e-5 for either input dtype. Compiled on a GPU
+(``INTERPRET`` false), float32 matmuls run in TF32 in the kernel and in XLA alike (JAX's default
+precision), so float32 is held to 5e-3 there and the max logits to 1e-2; not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import numpy as np
 from kernels_pallas.attention import api, reference
 from kernels_pallas.attention.base import BlockSizes
 
-TOLERANCE = {"float32": 2e-5, "bfloat16": 3e-2}
-MAX_LOGITS_TOLERANCE = 2e-5
+INTERPRET = jax.default_backend() == "cpu"  # see tests/conftest.py to run the kernels compiled on a GPU
+TOLERANCE = {"float32": 2e-5 if INTERPRET else 5e-3, "bfloat16": 3e-2}
+MAX_LOGITS_TOLERANCE = 2e-5 if INTERPRET else 1e-2
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,7 +74,6 @@ def test_tpu_block_sizes_must_fit_the_vector_tiles():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({}, "do not compile for CPU: pass interpret=True"),
         ({"interpret": True, "block_sizes": BlockSizes(block_q=48)}, "block_q=48 must be a power of two"),
         ({"interpret": True, "segment_ids": jnp.zeros((2, 8))}, "segment_ids must be integers"),
         ({"interpret": True, "segment_ids": jnp.zeros((2, 9), jnp.int32)}, r"expected \(batch, seq\) = \(2, 8\)"),
@@ -85,6 +84,13 @@ def test_bad_calls_say_what_to_do(kwargs, message):
     q = jnp.zeros((2, 8, 4, 16))
     with pytest.raises(ValueError, match=message):
         flash_attention(q, q[:, :, :2], q[:, :, :2], **kwargs)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU-only refusal")
+def test_cpu_without_interpret_mode_is_refused():
+    q = jnp.zeros((2, 8, 4, 16))
+    with pytest.raises(ValueError, match="do not compile for CPU: pass interpret=True"):
+        flash_attention(q, q, q)
 
 
 def test_mixed_dtypes_are_refused():

@@ -1,7 +1,8 @@
 """The Triton (GPU) flash-attention kernels in Pallas interpret mode on CPU, forward and backward.
 
 The interpreter fills every kernel output with NaN before the run (test_flash_api checks that it
-does), so a tile a kernel forgets to write fails the comparison.
+does), so a tile a kernel forgets to write fails the comparison. With a GPU as JAX's default
+backend (tests/conftest.py) the same cases run compiled.
 """
 
 import flash_check
@@ -23,4 +24,4 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=repr)
 def test_matches_reference_forward_and_backward(case):
-    flash_check.compare(case, interpret=True, backend="triton")
+    flash_check.compare(case, interpret=flash_check.INTERPRET, backend="triton")

@@ -13,8 +13,8 @@ arXiv:2305.13245). `attend` runs the implementation that ``model.attention`` nam
   TPU, interpret mode on CPU: correct but slow, for tests); max logits from the kernel's row maxima.
   Under a mesh it runs per shard (`sharding.partition.logical_shard_map`): batch and heads may be
   sharded, the sequence may not.
-- ``auto``: XLA on CPU, Pallas on TPU; on GPU cuDNN where it supports the call, else Pallas, logged
-  once per reason.
+- ``auto``: XLA on CPU, Pallas on TPU; on GPU cuDNN where it supports the call, else Pallas; XLA
+  wherever the sequence is sharded. Each reason for leaving the first choice is logged once.
 """
 
 from __future__ import annotations
@@ -51,10 +51,21 @@ def cudnn_unsupported(q: jax.Array, k: jax.Array, v: jax.Array, *, track_max_log
     return None
 
 
-def choose(implementation: str, platform: str, q: jax.Array, k: jax.Array, v: jax.Array, *, track_max_logits: bool):
-    """``(implementation to run, reason auto fell back from cuDNN or None)``."""
+def choose(
+    implementation: str,
+    platform: str,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    track_max_logits: bool,
+    sequence_sharded: bool = False,
+):
+    """``(implementation to run, why auto left the platform's first choice, or None)``."""
     if implementation != "auto":
         return implementation, None
+    if sequence_sharded and platform != "cpu":
+        return "xla", "the sequence is sharded (context parallelism) and the fused kernels need whole sequences"
     if platform == "tpu":
         return "pallas", None
     if platform not in _GPU_PLATFORMS:
@@ -99,10 +110,14 @@ def attend(
       None unless tracked.
     """
     platform = flash_api.platform()
-    chosen, reason = choose(implementation, platform, q, k, v, track_max_logits=track_max_logits)
+    mesh = jax.sharding.get_abstract_mesh()
+    sequence_sharded = any(mesh.shape[a] > 1 for a in partition.logical_mesh_axes("seq"))
+    chosen, reason = choose(
+        implementation, platform, q, k, v, track_max_logits=track_max_logits, sequence_sharded=sequence_sharded
+    )
     if reason is not None and reason not in _LOGGED:
         _LOGGED.add(reason)
-        _log.info("model.attention=auto: Pallas flash attention instead of cuDNN: %s", reason)
+        _log.info("model.attention=auto chose %s: %s", chosen, reason)
     if chosen == "pallas":
         return _pallas(q, k, v, track_max_logits=track_max_logits, platform=platform)
     if chosen == "cudnn":

@@ -1,8 +1,8 @@
 """`flash_attention`: the public entry point, one `custom_vjp` over every backend's kernels.
 
 The backend follows the platform of the mesh in context (`jax.set_mesh`), else of
-`jax.default_backend()`: ``triton`` on GPUs, ``mosaic_tpu`` on TPUs. CPUs run either in interpret
-mode only (``interpret=True``), which is how the tests check them. The math, the recurrences and the
+`jax.default_backend()`: ``triton`` on GPUs, ``mosaic_tpu`` on TPUs. On a CPU either backend runs in
+interpret mode only (``interpret=True``), which is how the tests check them. The math, the recurrences and the
 masking are in `base`; the definition of correct is `reference.attention`.
 """
 

@@ -50,6 +50,12 @@ def test_auto_picks_per_platform_and_says_why_it_leaves_cudnn(platform, dtype, h
     assert attention_lib.choose("xla", platform, *_qkv(dtype, head_dim, v_head_dim), track_max_logits=track) == ("xla", None)
 
 
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_auto_keeps_xla_for_a_sharded_sequence(platform):
+    chosen, why = attention_lib.choose("auto", platform, *_qkv(), track_max_logits=False, sequence_sharded=True)
+    assert chosen == "xla" and "sequence is sharded" in why
+
+
 def test_auto_logs_each_fallback_once(monkeypatch, caplog):
     """A GPU seen from CPU: the fp32 call falls back to Pallas (traced, not run) and says so once."""
     monkeypatch.setattr(flash_api, "platform", lambda: "gpu")
@@ -60,7 +66,7 @@ def test_auto_logs_each_fallback_once(monkeypatch, caplog):
             out, _ = jax.eval_shape(lambda q, k, v: attention_lib.attend(q, k, v, implementation="auto"), q, k, v)
     assert out.shape == q.shape
     assert [r.getMessage() for r in caplog.records] == [
-        "model.attention=auto: Pallas flash attention instead of cuDNN: cuDNN flash attention takes bf16/fp16, not float32"
+        "model.attention=auto chose pallas: cuDNN flash attention takes bf16/fp16, not float32"
     ]
 
 

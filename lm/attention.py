@@ -1,25 +1,107 @@
-"""Causal grouped-query self-attention.
+"""Causal grouped-query self-attention, and the one function that picks how attention is computed.
 
-`attend` is the one place attention math happens; a Pallas kernel plugs in there when a backend
-has one. Query head ``h`` reads kv head ``h // (n_heads // n_kv_heads)`` (GQA, Ainslie et al.,
-arXiv:2305.13245).
+Query head ``h`` reads kv head ``h // (n_heads // n_kv_heads)`` (GQA, Ainslie et al.,
+arXiv:2305.13245). `attend` runs the implementation that ``model.attention`` names:
+
+- ``xla``: `kernels_pallas.attention.reference`, the definition of correct (materialises the
+  ``(batch, heads, T, T)`` float32 logits).
+- ``cudnn``: `jax.nn.dot_product_attention(..., implementation="cudnn")` (GPU; bf16/fp16, head_dim
+  <= 128 and a multiple of 8, equal q/v head dims). cuDNN does not report row statistics, so with
+  ``track_attn_logits`` the per-head max logits come from `reference.max_logits`, a second
+  pass over query blocks (one more ``Q K^T``, no ``T x T`` buffer, no gradient).
+- ``pallas``: `kernels_pallas.attention.flash_attention` (FlashAttention-2; Triton on GPU, Mosaic on
+  TPU, interpret mode on CPU: correct but slow, for tests); max logits from the kernel's row maxima.
+  Under a mesh it runs per shard (`sharding.partition.logical_shard_map`): batch and heads may be
+  sharded, the sequence may not.
+- ``auto``: XLA on CPU, Pallas on TPU; on GPU cuDNN where it supports the call, else Pallas; XLA
+  wherever the sequence is sharded. Each reason for leaving the first choice is logged once.
 """
 
 from __future__ import annotations
+
+import logging
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels_pallas.attention import api as flash_api
+from kernels_pallas.attention import reference
 from lm.config import ModelConfig
 from lm.layers import RMSNorm, linear, rotary_embedding, split_heads
+from sharding import partition
+
+_log = logging.getLogger(__name__)
+_LOGGED: set[str] = set()
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+_Q = ("batch", "seq", "heads", "head_dim")
+_KV = ("batch", "seq", "kv_heads", "head_dim")
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, track_max_logits: bool = False):
-    """Causal softmax attention, logits and softmax in float32.
+def cudnn_unsupported(q: jax.Array, k: jax.Array, v: jax.Array, *, track_max_logits: bool) -> str | None:
+    """Why cuDNN's fused attention cannot serve this call (None when it can), as `auto` sees it."""
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"cuDNN flash attention takes bf16/fp16, not {q.dtype}"
+    if q.shape[-1] > 128 or q.shape[-1] % 8:
+        return f"cuDNN flash attention takes head_dim <= 128 and a multiple of 8, not {q.shape[-1]}"
+    if v.shape[-1] != q.shape[-1]:
+        return f"cuDNN flash attention takes equal q/v head dims, not {q.shape[-1]}/{v.shape[-1]}"
+    if track_max_logits:
+        return "cuDNN does not report the max logits that track_attn_logits needs"
+    return None
+
+
+def choose(
+    implementation: str,
+    platform: str,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    track_max_logits: bool,
+    sequence_sharded: bool = False,
+):
+    """``(implementation to run, why auto left the platform's first choice, or None)``."""
+    if implementation != "auto":
+        return implementation, None
+    if sequence_sharded and platform != "cpu":
+        return "xla", "the sequence is sharded (context parallelism) and the fused kernels need whole sequences"
+    if platform == "tpu":
+        return "pallas", None
+    if platform not in _GPU_PLATFORMS:
+        return "xla", None
+    reason = "ROCm has no cuDNN" if platform == "rocm" else cudnn_unsupported(q, k, v, track_max_logits=track_max_logits)
+    return ("cudnn", None) if reason is None else ("pallas", reason)
+
+
+def _pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, track_max_logits: bool, platform: str):
+    if partition.logical_mesh_axes("heads") != partition.logical_mesh_axes("kv_heads"):
+        raise ValueError(
+            "model.attention=pallas needs heads and kv_heads sharded alike (query head h reads kv head h // group "
+            "on each shard); give both logical axes the same rule"
+        )
+
+    def kernel(q, k, v):
+        out = flash_api.flash_attention(q, k, v, causal=True, return_max_logits=track_max_logits, interpret=platform == "cpu")
+        if not track_max_logits:
+            return out
+        out, max_logits = out
+        batch_axes = partition.logical_mesh_axes("batch")
+        return out, jax.lax.pmax(jax.lax.stop_gradient(max_logits), batch_axes) if batch_axes else max_logits
+
+    out_logical = (_Q, ("heads",)) if track_max_logits else _Q
+    result = partition.logical_shard_map(kernel, [_Q, _KV, _KV], out_logical, whole=("seq",))(q, k, v)
+    return result if track_max_logits else (result, None)
+
+
+def attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "xla", track_max_logits: bool = False
+):
+    """Causal softmax attention, logits and softmax statistics in float32.
 
     Args:
       q: ``(batch, seq, n_heads, head_dim)``; k, v: ``(batch, seq, n_kv_heads, head_dim)``.
+      implementation: ``auto``, ``xla``, ``cudnn`` or ``pallas`` (see the module docstring).
       track_max_logits: also return the maximum pre-softmax logit of each query head over the
         batch and the causal (query, key) pairs, shape ``(n_heads,)``.
 
@@ -27,16 +109,25 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, track_max_logits: bool =
       ``(out, max_logits)``: out ``(batch, seq, n_heads, head_dim)`` in q's dtype; max_logits is
       None unless tracked.
     """
-    b, s, h, d = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, s, kv, h // kv, d)
-    logits = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32) * (d**-0.5)
-    causal = jnp.tril(jnp.ones((s, s), dtype=bool))
-    logits = jnp.where(causal, logits, -jnp.inf)
-    max_logits = jnp.max(logits, axis=(0, 3, 4)).reshape(h) if track_max_logits else None
-    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgst,btkd->bskgd", weights, v)
-    return out.reshape(b, s, h, d), max_logits
+    platform = flash_api.platform()
+    mesh = jax.sharding.get_abstract_mesh()
+    sequence_sharded = any(mesh.shape[a] > 1 for a in partition.logical_mesh_axes("seq"))
+    chosen, reason = choose(
+        implementation, platform, q, k, v, track_max_logits=track_max_logits, sequence_sharded=sequence_sharded
+    )
+    if reason is not None and reason not in _LOGGED:
+        _LOGGED.add(reason)
+        _log.info("model.attention=auto chose %s: %s", chosen, reason)
+    if chosen == "pallas":
+        return _pallas(q, k, v, track_max_logits=track_max_logits, platform=platform)
+    if chosen == "cudnn":
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        return out, reference.max_logits(q, k, causal=True) if track_max_logits else None
+    if chosen != "xla":
+        raise ValueError(f"unknown attention implementation {implementation!r}; use one of auto, xla, cudnn, pallas")
+    if track_max_logits:
+        return reference.attention(q, k, v, causal=True, return_max_logits=True)
+    return reference.attention(q, k, v, causal=True), None
 
 
 class Attention(nnx.Module):
@@ -64,6 +155,6 @@ class Attention(nnx.Module):
         positions = jnp.arange(x.shape[1])
         q = rotary_embedding(q, positions, cfg.rope_theta)
         k = rotary_embedding(k, positions, cfg.rope_theta)
-        out, max_logits = attend(q, k, v, track_max_logits=cfg.track_attn_logits)
+        out, max_logits = attend(q, k, v, implementation=cfg.attention, track_max_logits=cfg.track_attn_logits)
         b, s = x.shape[:2]
         return self.o_proj(out.reshape(b, s, -1)), max_logits

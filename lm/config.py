@@ -9,6 +9,8 @@ import jax.numpy as jnp
 
 from lm import tokenizer
 
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")  # see lm/attention.py
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -30,6 +32,7 @@ class ModelConfig:
     scan_layers: bool = True  # one compiled block, scanned over depth
     remat: bool = False  # recompute each block's activations in the backward pass
     track_attn_logits: bool = False  # report per-layer, per-head max pre-softmax logits
+    attention: str = "auto"  # auto | xla | cudnn | pallas (lm/attention.py)
 
     def __post_init__(self):
         problems = []
@@ -45,6 +48,8 @@ class ModelConfig:
             problems.append(f"model.head_dim={self.head_dim} must be even for rotary embeddings")
         if self.dtype not in ("float32", "bfloat16"):
             problems.append(f"model.dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            problems.append(f"model.attention={self.attention!r} must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -2,7 +2,8 @@
 
 The rule set in force is set once per run with `use_rules` (a context manager); `constrain` reads it
 to pin an activation's layout from its logical names, and is a no-op when no mesh is set, so model
-code runs unchanged on one device.
+code runs unchanged on one device. `logical_shard_map` runs a kernel GSPMD cannot partition (a
+Pallas call) per shard, with specs from the same logical names.
 """
 
 from __future__ import annotations
@@ -41,6 +42,89 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
         return x
     spec = rules_lib.logical_to_mesh_spec(logical, current_rules().activations, mesh.axis_names)
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+Logical = tuple[str | None, ...]
+
+
+def _is_logical(x: Any) -> bool:
+    return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
+
+
+def logical_mesh_axes(name: str) -> tuple[str, ...]:
+    """The mesh axes of the mesh in context that the activation rules map logical ``name`` onto.
+
+    Inside a `logical_shard_map` these are the axes to reduce over (e.g. a max over ``batch``).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    spec = rules_lib.logical_to_mesh_spec((name,), current_rules().activations, mesh.axis_names)
+    return _mesh_axes(spec[0])
+
+
+def _free_axes(mesh: jax.sharding.AbstractMesh) -> tuple[str, ...]:
+    """Mesh axes not already manual (inside an enclosing `shard_map`)."""
+    return tuple(a for a in mesh.axis_names if a not in set(mesh.manual_axes))
+
+
+def logical_shard_map(
+    fn: Any,
+    in_logical: Sequence[Logical],
+    out_logical: Any,
+    *,
+    whole: Sequence[str] = (),
+    check_vma: bool = False,
+) -> Any:
+    """``fn`` run per shard inside `jax.shard_map`, its specs derived from logical axis names.
+
+    For kernels that cannot be partitioned by GSPMD (Pallas calls): each positional array argument
+    gets a `PartitionSpec` from its logical names under the activation rules in force, and so does
+    each output (``out_logical`` is a pytree of logical-name tuples matching ``fn``'s result). With
+    no mesh in context ``fn`` is called as is.
+
+    Args:
+      fn: the per-shard function; it sees local shards.
+      in_logical: one tuple of logical names per positional argument.
+      out_logical: logical names of the outputs, same structure as ``fn``'s result.
+      whole: logical axes ``fn`` needs unsplit on every device (e.g. ``seq`` for attention);
+        a rule that shards one is an error that names the fix.
+      check_vma: passed to `jax.shard_map`; Pallas calls are opaque to its varying-axes check.
+    """
+
+    def sharded(*args):
+        mesh = jax.sharding.get_abstract_mesh()
+        free = _free_axes(mesh) if not mesh.empty else ()
+        if not free:
+            return fn(*args)
+        if len(args) != len(in_logical):
+            raise ValueError(f"logical_shard_map: {len(args)} arguments but {len(in_logical)} logical specs")
+        table = current_rules().activations
+        to_spec = lambda names: rules_lib.logical_to_mesh_spec(names, table, free)  # noqa: E731
+        name = getattr(fn, "__name__", repr(fn))
+        for logical in (*in_logical, *jax.tree.leaves(out_logical, is_leaf=_is_logical)):
+            for axis_name, axes in zip(logical, to_spec(logical), strict=True):
+                ways = int(np.prod([mesh.shape[a] for a in _mesh_axes(axes)]))
+                if axis_name in whole and ways > 1:
+                    raise ValueError(
+                        f"{name} needs logical axis {axis_name!r} whole on each device, but the rules shard it over mesh "
+                        f"axes {_mesh_axes(axes)}; use rules that leave it unsharded (--config.rule_overrides='{axis_name}=')"
+                    )
+        for index, (arg, logical) in enumerate(zip(args, in_logical, strict=True)):
+            for dim, (size, axes) in enumerate(zip(arg.shape, to_spec(logical), strict=True)):
+                ways = int(np.prod([mesh.shape[a] for a in _mesh_axes(axes)]))
+                if size % ways:
+                    raise ValueError(
+                        f"{name}: argument {index} has shape {arg.shape}; dimension {dim} ({logical[dim]!r}, {size}) does not "
+                        f"split over mesh axes {_mesh_axes(axes)} of size {ways}; change the mesh or override the rule for {logical[dim]!r}"
+                    )
+        in_specs = tuple(to_spec(logical) for logical in in_logical)
+        out_specs = jax.tree.map(to_spec, out_logical, is_leaf=_is_logical)
+        return jax.shard_map(
+            fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=frozenset(free), check_vma=check_vma
+        )(*args)
+
+    return sharded
 
 
 def named_shardings(logical_specs: Any, mesh: jax.sharding.Mesh, rules: rules_lib.Rules) -> Any:

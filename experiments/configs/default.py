@@ -45,6 +45,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.qk_norm = False
     config.model.tie_embeddings = True
     config.model.track_attn_logits = False
+    config.model.attention = "auto"  # auto | xla | cudnn | pallas; auto: XLA on CPU, cuDNN else Pallas on GPU, Pallas on TPU
 
     config.data = ml_collections.ConfigDict()
     config.data.path = ""  # empty: the Python standard-library corpus; else a text file or folder

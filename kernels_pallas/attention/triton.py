@@ -1,0 +1,293 @@
+"""Flash attention for GPUs: Pallas lowered through Triton (Ampere, Hopper), FlashAttention-2.
+
+Arrays stay in the model's ``(batch, seq, heads, head_dim)`` layout. Three kernels, the block math
+of `base`:
+
+- forward, grid ``(query blocks, batch, heads)``: one program holds a query block and walks the
+  key/value blocks of its kv head (query head ``h`` reads kv head ``h // G``, so K/V are never
+  repeated), up to the causal diagonal only; writes O and the base-2 log-sum-exp.
+- dQ, same grid: walks the key blocks again, ``dQ_i = sm_scale sum_j dS_ij K_j``.
+- dK/dV, grid ``(key blocks, batch, kv heads)``: one program owns a key/value block and sums over
+  the ``G`` query heads that share it and their query blocks from the diagonal on, so dK and dV are
+  written once, without atomics and without a per-query-head copy.
+
+Only tiles that cross the causal diagonal or the end of the sequence build a position mask
+(`base.split_loop`). Sequences are zero-padded to whole blocks and head dims to a power of two
+(>= 16, what ``tl.dot`` takes); both copies happen only when a size is off and are masked or sliced
+away. ``delta = rowsum(dO * O)`` is one fused XLA reduction.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas.attention import base
+
+DEFAULT_BLOCK_SIZES = base.BlockSizes(
+    block_q=128, block_kv=64, block_q_dq=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64, num_stages=2
+)
+_MIN_BLOCK = 16  # tl.dot needs every matmul dimension >= 16
+
+
+def _block(requested: int, seq_len: int, name: str) -> int:
+    if requested & (requested - 1):
+        raise ValueError(f"BlockSizes.{name}={requested} must be a power of two for the Triton backend")
+    return max(_MIN_BLOCK, min(requested, pl.next_power_of_2(seq_len)))
+
+
+def _padded_dim(dim: int) -> int:
+    return max(_MIN_BLOCK, pl.next_power_of_2(dim))
+
+
+def _cdiv(a, b: int):
+    return jax.lax.div(a + b - 1, b)
+
+
+def _compiler_params(sizes: base.BlockSizes, head_dim: int) -> plgpu.CompilerParams:
+    warps = sizes.num_warps or (4 if head_dim <= 64 else 8)
+    return plgpu.CompilerParams(num_warps=warps, num_stages=sizes.num_stages)
+
+
+def _query_side(
+    q_seg_ref, kv_seg_ref, q_start, block_q: int, block_kv: int, spec: base.Spec, seq_len: int, num_kv_blocks: int
+):
+    """For a query block: the segment ids, a tile mask builder and the key-block loop bounds."""
+    q_seg = None if q_seg_ref is None else q_seg_ref[...][:, None]
+
+    def mask(k_start, masked: bool):
+        kv_seg = None if kv_seg_ref is None else kv_seg_ref[pl.ds(k_start, block_kv)][None, :]
+        return base.allowed(
+            q_start, block_q, k_start, block_kv, seq_len=seq_len, causal=spec.causal, positions=masked,
+            q_segments=q_seg, kv_segments=kv_seg,
+        )
+
+    # Key blocks wholly inside the sequence and (causal) wholly at or before the first query need no
+    # position mask; blocks past the diagonal are never visited.
+    full = seq_len // block_kv
+    hi = num_kv_blocks
+    if spec.causal:
+        full = jnp.minimum(full, jax.lax.div(q_start + 1, block_kv))
+        hi = jnp.minimum(hi, _cdiv(q_start + block_q, block_kv))
+    return mask, full, hi
+
+
+def _forward_kernel(*refs, spec: base.Spec, seq_len: int, block_q: int, block_kv: int, num_kv_blocks: int, segments: bool):
+    q_ref, k_ref, v_ref, *refs = refs
+    q_seg_ref, kv_seg_ref, *outs = refs if segments else (None, None, *refs)
+    o_ref, lse_ref, *row_max_ref = outs
+    q_start = pl.program_id(0) * block_q
+    q = q_ref[...]
+    mask, full, hi = _query_side(q_seg_ref, kv_seg_ref, q_start, block_q, block_kv, spec, seq_len, num_kv_blocks)
+
+    def body(j, carry, masked):
+        k_start = j * block_kv
+        k, v = k_ref[pl.ds(k_start, block_kv), :], v_ref[pl.ds(k_start, block_kv), :]
+        return base.online_softmax_step(carry, base.dot_nt(q, k) * spec.scale2, v, mask(k_start, masked))
+
+    m, l, acc = base.split_loop(0, 0, full, hi, body, base.initial_carry(block_q, o_ref.shape[-1]))
+    o_ref[...] = (acc / l).astype(o_ref.dtype)
+    lse_ref[...] = (m + jnp.log2(l))[:, 0]
+    if row_max_ref:
+        row_max_ref[0][...] = (m / base.LOG2E)[:, 0]
+
+
+def _dq_kernel(*refs, spec: base.Spec, seq_len: int, block_q: int, block_kv: int, num_kv_blocks: int, segments: bool):
+    q_ref, k_ref, v_ref, *refs = refs
+    q_seg_ref, kv_seg_ref, *refs = refs if segments else (None, None, *refs)
+    do_ref, lse_ref, delta_ref, dq_ref = refs
+    q_start = pl.program_id(0) * block_q
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
+    mask, full, hi = _query_side(q_seg_ref, kv_seg_ref, q_start, block_q, block_kv, spec, seq_len, num_kv_blocks)
+
+    def body(j, dq, masked):
+        k_start = j * block_kv
+        k, v = k_ref[pl.ds(k_start, block_kv), :], v_ref[pl.ds(k_start, block_kv), :]
+        p = base.probabilities(base.dot_nt(q, k) * spec.scale2, lse, mask(k_start, masked))
+        ds = p * (base.dot_nt(do, v) - delta)
+        return dq + base.dot_nn(ds.astype(k.dtype), k)
+
+    dq = base.split_loop(0, 0, full, hi, body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * spec.sm_scale).astype(dq_ref.dtype)
+
+
+def _dkdv_kernel(
+    *refs, spec: base.Spec, seq_len: int, block_q: int, block_kv: int, num_q_blocks: int, group: int, segments: bool
+):
+    q_ref, k_ref, v_ref, *refs = refs
+    q_seg_ref, kv_seg_ref, *refs = refs if segments else (None, None, *refs)
+    do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
+    k_start = pl.program_id(0) * block_kv
+    k, v = k_ref[...], v_ref[...]
+    kv_seg = None if kv_seg_ref is None else kv_seg_ref[...][None, :]
+
+    # Query blocks wholly inside the sequence and (causal) wholly at or after the last key need no
+    # position mask; query blocks wholly before the first key are never visited.
+    lo, full_lo = (jax.lax.div(k_start, block_q), _cdiv(k_start + block_kv - 1, block_q)) if spec.causal else (0, 0)
+    full_hi = seq_len // block_q
+
+    def over_heads(g, carry):
+        def body(i, carry, masked):
+            dk, dv = carry
+            q_start = i * block_q
+            rows = pl.ds(q_start, block_q)
+            q, do = q_ref[rows, g, :], do_ref[rows, g, :]
+            lse, delta = lse_ref[g, rows][:, None], delta_ref[g, rows][:, None]
+            q_seg = None if q_seg_ref is None else q_seg_ref[rows][:, None]
+            mask = base.allowed(
+                q_start, block_q, k_start, block_kv, seq_len=seq_len, causal=spec.causal, positions=masked,
+                q_segments=q_seg, kv_segments=kv_seg,
+            )
+            p = base.probabilities(base.dot_nt(q, k) * spec.scale2, lse, mask)
+            ds = p * (base.dot_nt(do, v) - delta)
+            return dk + base.dot_tn(ds.astype(q.dtype), q), dv + base.dot_tn(p.astype(do.dtype), do)
+
+        return base.split_loop(lo, full_lo, full_hi, num_q_blocks, body, carry)
+
+    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
+    dk, dv = jax.lax.fori_loop(0, group, over_heads, zeros)
+    dk_ref[...] = (dk * spec.sm_scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _segment_args(segment_ids, q_len: int, kv_len: int, q_spec: pl.BlockSpec, kv_spec: pl.BlockSpec):
+    """Segment ids padded for the query and the key side, with their block specs (nothing without ids)."""
+    if segment_ids is None:
+        return (), []
+    return (base.pad_axis(segment_ids, 1, q_len), base.pad_axis(segment_ids, 1, kv_len)), [q_spec, kv_spec]
+
+
+def forward(q, k, v, segment_ids, spec: base.Spec):
+    """Returns ``(out, row_max or None, residuals)``; row_max ``(batch, heads, seq)`` in natural units."""
+    b, t, h, d = q.shape
+    kv_heads, dv = k.shape[2], v.shape[3]
+    sizes = spec.block_sizes.with_defaults(DEFAULT_BLOCK_SIZES)
+    bq, bk = _block(sizes.block_q, t, "block_q"), _block(sizes.block_kv, t, "block_kv")
+    tq, tk, dp, dvp = base.round_up(t, bq), base.round_up(t, bk), _padded_dim(d), _padded_dim(dv)
+    group = h // kv_heads
+
+    q_map = lambda i, bi, hi: (bi, i, hi, 0)  # noqa: E731
+    kv_map = lambda i, bi, hi: (bi, 0, hi // group, 0)  # noqa: E731
+    stat_map = lambda i, bi, hi: (bi, hi, i)  # noqa: E731
+    seg_args, seg_specs = _segment_args(
+        segment_ids, tq, tk, pl.BlockSpec((None, bq), lambda i, bi, hi: (bi, i)), pl.BlockSpec((None, tk), lambda i, bi, hi: (bi, 0))
+    )
+    stat = jax.ShapeDtypeStruct((b, h, tq), jnp.float32)
+    out_shape = [jax.ShapeDtypeStruct((b, tq, h, dvp), q.dtype), stat] + [stat] * spec.return_row_max
+    out_specs = [pl.BlockSpec((None, bq, None, dvp), q_map)] + [pl.BlockSpec((None, None, bq), stat_map)] * (
+        1 + spec.return_row_max
+    )
+    kernel = functools.partial(
+        _forward_kernel, spec=spec, seq_len=t, block_q=bq, block_kv=bk, num_kv_blocks=tk // bk, segments=bool(seg_args)
+    )
+    out, lse, *row_max = pl.pallas_call(
+        kernel,
+        grid=(tq // bq, b, h),
+        in_specs=[
+            pl.BlockSpec((None, bq, None, dp), q_map),
+            pl.BlockSpec((None, tk, None, dp), kv_map),
+            pl.BlockSpec((None, tk, None, dvp), kv_map),
+            *seg_specs,
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_compiler_params(sizes, dp),
+        interpret=spec.interpret,
+        name="flash_attention_fwd",
+    )(
+        base.pad_axis(base.pad_axis(q, 1, tq), 3, dp),
+        base.pad_axis(base.pad_axis(k, 1, tk), 3, dp),
+        base.pad_axis(base.pad_axis(v, 1, tk), 3, dvp),
+        *seg_args,
+    )
+    out = out[:, :t, :, :dv]
+    row_max = row_max[0][:, :, :t] if row_max else None
+    return out, row_max, (q, k, v, segment_ids, out, lse[:, :, :t])
+
+
+def backward(residuals, d_out, spec: base.Spec):
+    """``(dq, dk, dv)`` from `forward`'s residuals and the output cotangent."""
+    q, k, v, segment_ids, out, lse = residuals
+    b, t, h, d = q.shape
+    kv_heads, dv = k.shape[2], v.shape[3]
+    group = h // kv_heads
+    sizes = spec.block_sizes.with_defaults(DEFAULT_BLOCK_SIZES)
+    dp, dvp = _padded_dim(d), _padded_dim(dv)
+    delta = base.row_delta(out, d_out)
+    params = _compiler_params(sizes, dp)
+
+    def padded(x, seq, dim):
+        return base.pad_axis(base.pad_axis(x, 1, seq), 3, dim)
+
+    # dQ: grid over (query blocks, batch, query heads), like the forward pass.
+    bq, bk = _block(sizes.block_q_dq, t, "block_q_dq"), _block(sizes.block_kv_dq, t, "block_kv_dq")
+    tq, tk = base.round_up(t, bq), base.round_up(t, bk)
+    q_map = lambda i, bi, hi: (bi, i, hi, 0)  # noqa: E731
+    kv_map = lambda i, bi, hi: (bi, 0, hi // group, 0)  # noqa: E731
+    stat_map = lambda i, bi, hi: (bi, hi, i)  # noqa: E731
+    seg_args, seg_specs = _segment_args(
+        segment_ids, tq, tk, pl.BlockSpec((None, bq), lambda i, bi, hi: (bi, i)), pl.BlockSpec((None, tk), lambda i, bi, hi: (bi, 0))
+    )
+    dq = pl.pallas_call(
+        functools.partial(
+            _dq_kernel, spec=spec, seq_len=t, block_q=bq, block_kv=bk, num_kv_blocks=tk // bk, segments=bool(seg_args)
+        ),
+        grid=(tq // bq, b, h),
+        in_specs=[
+            pl.BlockSpec((None, bq, None, dp), q_map),
+            pl.BlockSpec((None, tk, None, dp), kv_map),
+            pl.BlockSpec((None, tk, None, dvp), kv_map),
+            *seg_specs,
+            pl.BlockSpec((None, bq, None, dvp), q_map),
+            pl.BlockSpec((None, None, bq), stat_map),
+            pl.BlockSpec((None, None, bq), stat_map),
+        ],
+        out_specs=pl.BlockSpec((None, bq, None, dp), q_map),
+        out_shape=jax.ShapeDtypeStruct((b, tq, h, dp), q.dtype),
+        compiler_params=params,
+        interpret=spec.interpret,
+        name="flash_attention_dq",
+    )(
+        padded(q, tq, dp), padded(k, tk, dp), padded(v, tk, dvp), *seg_args,
+        padded(d_out, tq, dvp), base.pad_axis(lse, 2, tq), base.pad_axis(delta, 2, tq),
+    )
+
+    # dK, dV: grid over (key blocks, batch, kv heads); each program reads the whole query side of its group.
+    bq, bk = _block(sizes.block_q_dkv, t, "block_q_dkv"), _block(sizes.block_kv_dkv, t, "block_kv_dkv")
+    tq, tk = base.round_up(t, bq), base.round_up(t, bk)
+    group_map = lambda j, bi, ki: (bi, 0, ki, 0)  # noqa: E731
+    kv_map = lambda j, bi, ki: (bi, j, ki, 0)  # noqa: E731
+    stat_map = lambda j, bi, ki: (bi, ki, 0)  # noqa: E731
+    seg_args, seg_specs = _segment_args(
+        segment_ids, tq, tk, pl.BlockSpec((None, tq), lambda j, bi, ki: (bi, 0)), pl.BlockSpec((None, bk), lambda j, bi, ki: (bi, j))
+    )
+    dk, dv_ = pl.pallas_call(
+        functools.partial(
+            _dkdv_kernel, spec=spec, seq_len=t, block_q=bq, block_kv=bk, num_q_blocks=tq // bq, group=group,
+            segments=bool(seg_args),
+        ),
+        grid=(tk // bk, b, kv_heads),
+        in_specs=[
+            pl.BlockSpec((None, tq, group, dp), group_map),
+            pl.BlockSpec((None, bk, None, dp), kv_map),
+            pl.BlockSpec((None, bk, None, dvp), kv_map),
+            *seg_specs,
+            pl.BlockSpec((None, tq, group, dvp), group_map),
+            pl.BlockSpec((None, group, tq), stat_map),
+            pl.BlockSpec((None, group, tq), stat_map),
+        ],
+        out_specs=[pl.BlockSpec((None, bk, None, dp), kv_map), pl.BlockSpec((None, bk, None, dvp), kv_map)],
+        out_shape=[jax.ShapeDtypeStruct((b, tk, kv_heads, dp), k.dtype), jax.ShapeDtypeStruct((b, tk, kv_heads, dvp), v.dtype)],
+        compiler_params=params,
+        interpret=spec.interpret,
+        name="flash_attention_dkdv",
+    )(
+        padded(q, tq, dp), padded(k, tk, dp), padded(v, tk, dvp), *seg_args,
+        padded(d_out, tq, dvp), base.pad_axis(lse, 2, tq), base.pad_axis(delta, 2, tq),
+    )
+    return dq[:, :t, :, :d], dk[:, :t, :, :d], dv_[:, :t, :, :dv]

@@ -1,0 +1,71 @@
+"""kernels_pallas.attention.reference: the XLA definition of correct, against a float64 NumPy loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.attention import reference
+
+
+def numpy_attention(q, k, v, *, causal, sm_scale, segment_ids):
+    """Per batch row and query head, straight from the formula (float64)."""
+    b, t, h, _ = q.shape
+    group = h // k.shape[2]
+    out = np.zeros((b, t, h, v.shape[-1]))
+    max_logits = np.full(h, -np.inf)
+    allowed = np.tril(np.ones((t, t), bool)) if causal else np.ones((t, t), bool)
+    for row in range(b):
+        mask = allowed if segment_ids is None else allowed & (segment_ids[row][:, None] == segment_ids[row][None, :])
+        for head in range(h):
+            logits = sm_scale * q[row, :, head] @ k[row, :, head // group].T
+            logits = np.where(mask, logits, -np.inf)
+            max_logits[head] = max(max_logits[head], logits.max())
+            weights = np.exp(logits - logits.max(-1, keepdims=True))
+            out[row, :, head] = (weights / weights.sum(-1, keepdims=True)) @ v[row, :, head // group]
+    return out, max_logits
+
+
+def _inputs(seed, b, t, h, kv, d, dv):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((b, t, h, d)), rng.standard_normal((b, t, kv, d)), rng.standard_normal((b, t, kv, dv))
+
+
+@pytest.mark.parametrize(
+    "causal, segments, kv_heads, v_head_dim, sm_scale",
+    [(True, True, 2, 12, 0.7), (False, False, 4, 8, None), (False, True, 1, 8, None)],
+)
+def test_matches_numpy(causal, segments, kv_heads, v_head_dim, sm_scale):
+    q, k, v = _inputs(kv_heads, 2, 9, 4, kv_heads, 8, v_head_dim)
+    segment_ids = np.sort(np.random.default_rng(7).integers(0, 3, (2, 9)), axis=1) if segments else None
+    out, max_logits = reference.attention(
+        *(jnp.float32(x) for x in (q, k, v)), causal=causal, sm_scale=sm_scale,
+        segment_ids=None if segment_ids is None else jnp.int32(segment_ids), return_max_logits=True,
+    )
+    want_out, want_max = numpy_attention(q, k, v, causal=causal, sm_scale=sm_scale or 8**-0.5, segment_ids=segment_ids)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(max_logits, want_max, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal, segments", [(True, False), (False, True)])
+def test_blockwise_max_logits_equal_the_full_ones(causal, segments):
+    q, k, _ = (jnp.float32(x) for x in _inputs(3, 2, 13, 4, 2, 8, 8))
+    segment_ids = jnp.int32(np.sort(np.random.default_rng(1).integers(0, 4, (2, 13)), axis=1)) if segments else None
+    _, full = reference.attention(q, k, k, causal=causal, segment_ids=segment_ids, return_max_logits=True)
+    blockwise = jax.jit(lambda q, k: reference.max_logits(q, k, causal=causal, segment_ids=segment_ids, block_q=5))(q, k)
+    np.testing.assert_allclose(blockwise, full, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "shapes, message",
+    [
+        (((2, 8, 4, 16), (2, 8, 3, 16), (2, 8, 3, 16)), "4 query heads do not split into groups over 3"),
+        (((2, 8, 4, 16), (2, 6, 2, 16), (2, 6, 2, 16)), "need q's batch and sequence length"),
+        (((2, 8, 4, 16), (2, 8, 2, 8), (2, 8, 2, 16)), "k needs q's head_dim"),
+        (((2, 8, 64), (2, 8, 64), (2, 8, 64)), r"\(batch, seq, heads, head_dim\)"),
+    ],
+)
+def test_bad_shapes_say_what_fits(shapes, message):
+    q, k, v = (jnp.zeros(s) for s in shapes)
+    with pytest.raises(ValueError, match=message):
+        reference.attention(q, k, v)

@@ -3,18 +3,33 @@
 Each checkpoint holds three items: ``state`` (params, optimizer state, counters; restored into the
 *current* run's shardings, so a run can move to another mesh), ``data`` (the iterator position) and
 ``meta`` (model config, optimizer name and data settings, checked before anything is restored).
+
+A step that cannot be read (a truncated or corrupt file, a missing piece) is reported as a
+`CheckpointUnreadable` naming the step and the way out: delete that step's folder, or resume from
+an earlier step (``restore(..., step=N)``, the trainer's ``--restore_step``). Nothing falls back to
+an earlier step or to a fresh start by itself.
 """
 
 from __future__ import annotations
 
+import gc
+import sys
 from pathlib import Path
 from typing import Any
 
 import orbax.checkpoint as ocp
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointError(ValueError):
+    """A checkpoint that this run cannot resume from; the message names the fix."""
+
+
+class CheckpointMismatch(CheckpointError):
     """The workdir holds a checkpoint of a different run."""
+
+
+class CheckpointUnreadable(CheckpointError):
+    """A saved step is corrupt, truncated or incomplete."""
 
 
 def manager(workdir: str | Path, *, keep: int, every: int) -> ocp.CheckpointManager:
@@ -41,26 +56,63 @@ def _diff(saved: Any, current: Any, prefix: str = "") -> list[str]:
     return [] if saved == current else [f"{prefix[:-1]}: checkpoint {saved!r} vs now {current!r}"]
 
 
-def restore_latest(mgr: ocp.CheckpointManager, target: Any, meta: dict) -> tuple[int, Any, dict] | None:
-    """Restores the newest checkpoint into ``target`` (abstract arrays with shardings).
+def _root_cause(error: BaseException) -> str:
+    while error.__cause__ is not None:  # orbax wraps tensorstore's error, which names the file and the damage
+        error = error.__cause__
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:240]}"
+
+
+def _read(mgr: ocp.CheckpointManager, step: int, **items: Any) -> dict:
+    """``mgr.restore`` of ``items``; a damaged step raises `CheckpointUnreadable` naming the step and the fix."""
+    try:
+        return mgr.restore(step, args=ocp.args.Composite(**items))
+    except Exception as e:  # noqa: BLE001 (orbax and tensorstore raise many types for damaged files)
+        cause = _root_cause(e)
+    # A failed restore leaves orbax's other reads as coroutines that raise again when collected
+    # ("Exception ignored in ..."): collect them now, quietly, so the error stays one line.
+    hook, sys.unraisablehook = sys.unraisablehook, lambda _: None
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    earlier = [s for s in mgr.all_steps() if s < step]
+    where = mgr.directory / str(step)
+    if earlier:
+        fix = f"delete {where} to resume from step {earlier[-1]}, or resume from it with --restore_step={earlier[-1]}"
+    else:
+        fix = f"delete {where} to start from step 0 (there is no earlier checkpoint)"
+    raise CheckpointUnreadable(f"checkpoint step {step} cannot be read ({cause}); {fix}")
+
+
+def restore(mgr: ocp.CheckpointManager, target: Any, meta: dict, step: int | None = None) -> tuple[int, Any, dict] | None:
+    """Restores checkpoint ``step`` (default: the newest) into ``target`` (abstract arrays with shardings).
+
+    Restoring an earlier step than the newest deletes the newer ones: the run continues from
+    ``step`` and saves its own checkpoints after it.
 
     Returns:
-      ``(step, state, data_state)``, or None when there is no checkpoint.
+      ``(step, state, data_state)``, or None when there is no checkpoint and no ``step`` was asked for.
 
     Raises:
       CheckpointMismatch: the checkpoint's meta differs from ``meta`` (another model or optimizer).
+      CheckpointUnreadable: the step's files are corrupt, truncated or missing.
+      CheckpointError: ``step`` is not a saved step.
     """
-    step = mgr.latest_step()
+    steps = mgr.all_steps()
     if step is None:
-        return None
-    saved_meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        if not steps:
+            return None
+        step = steps[-1]
+    elif step not in steps:
+        raise CheckpointError(f"no checkpoint at step {step} in {mgr.directory}; saved steps: {list(steps) or 'none'}")
+    saved_meta = _read(mgr, step, meta=ocp.args.JsonRestore())["meta"]
     differences = _diff(saved_meta, meta)
     if differences:
         raise CheckpointMismatch(
             f"{mgr.directory} holds a checkpoint of a different run ({'; '.join(differences[:4])}); "
             "use a fresh --workdir, or the checkpoint's original config"
         )
-    restored = mgr.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
-    )
+    restored = _read(mgr, step, state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
+    for newer in [s for s in steps if s > step]:
+        mgr.delete(newer)
     return step, restored["state"], restored["data"]

@@ -5,7 +5,8 @@ r"""Trains a language model.
         --config.optimizer.learning_rate=3e-3 --config.seed=0
 
 With no flags it runs the default job (`tiny` + AdamW on the standard-library corpus) into a fresh
-workdir under ``./runs/``. A workdir that holds checkpoints is resumed from the latest one.
+workdir under ``./runs/``. A workdir that holds checkpoints is resumed from the latest one (from an
+earlier one with ``--restore_step=N``, e.g. when the latest is damaged).
 Writes ``config.json``, ``metrics.jsonl``, TensorBoard events, ``loss.png``, checkpoints and
 ``summary.json`` into the workdir.
 """
@@ -154,13 +155,16 @@ def _evaluate(eval_step, params, batches, shardings) -> float:
     return float(np.mean(jax.device_get(losses)))
 
 
-def run(config: ml_collections.ConfigDict, workdir: str | Path, *, interrupt_at: int | None = None) -> dict:
+def run(
+    config: ml_collections.ConfigDict, workdir: str | Path, *, interrupt_at: int | None = None, restore_step: int | None = None
+) -> dict:
     """Trains (or resumes) the run described by ``config`` in ``workdir``; returns the summary.
 
     Args:
       config: see ``experiments/configs/default.py``.
       workdir: output folder; its checkpoints, if any, are resumed.
       interrupt_at: simulate a preemption after this many steps (the SIGTERM path: save, stop).
+      restore_step: resume from this saved step instead of the newest (newer ones are deleted).
 
     Returns:
       The summary dict also written to ``summary.json``; ``{"interrupted": True, ...}`` when stopped.
@@ -191,8 +195,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | Path, *, interrupt_at:
         with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
             target = train_lib.abstract_state(spec.model_def, spec.tx, shardings)
             try:
-                restored = checkpointing.restore_latest(mgr, target, meta)
-            except checkpointing.CheckpointMismatch as e:
+                restored = checkpointing.restore(mgr, target, meta, restore_step)
+            except checkpointing.CheckpointError as e:
                 raise UsageError(str(e)) from e
             if restored is None:
                 state, start = train_lib.init_state(spec.model_def, spec.tx, config.seed, shardings), 0
@@ -354,7 +358,7 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     config = config_flag.value
     workdir = flags.FLAGS.workdir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.model.preset}-{config.optimizer.name}"
     try:
-        summary = run(config, workdir, interrupt_at=flags.FLAGS.stop_after)
+        summary = run(config, workdir, interrupt_at=flags.FLAGS.stop_after, restore_step=flags.FLAGS.restore_step)
     except UsageError as e:
         if flags.FLAGS.verbose:
             raise
@@ -376,6 +380,7 @@ def define_flags() -> flags.FlagHolder:
     flags.DEFINE_integer("num_processes", None, "Multi-process: number of processes.")
     flags.DEFINE_integer("process_id", None, "Multi-process: rank of this process.")
     flags.DEFINE_integer("stop_after", None, "Stop as if preempted after this step (checkpoint, exit 143).")
+    flags.DEFINE_integer("restore_step", None, "Resume from this checkpoint step, not the newest; newer ones are deleted.")
     flags.DEFINE_bool("distributed_auto", False, "Multi-process with values detected by JAX (TPU VM, SLURM).")
     return define_config_flag(DEFAULT_CONFIG)
 

@@ -14,11 +14,25 @@ regions: full x full, full x ragged, ragged x full, ragged x ragged).
 
 Factor matrices of all parameters are *stacked*: every ``(b, b)`` matrix of one group (same ``b``,
 and whatever else the optimizer keys on, e.g. Shampoo's root exponent) lives in one
-``(n_blocks, b, b)`` array. ``n_blocks`` is padded to a multiple of the ambient mesh's device count
-(of all devices without a mesh) and the array is constrained to be sharded along its first axis over
-all mesh axes, so under `jit` GSPMD splits batched eigendecompositions / Newton iterations across
-devices and no device holds all statistics (the distributed Shampoo designs of arXiv:2002.09018
-and arXiv:2309.06497).
+``(n_blocks, b, b)`` array, and no device holds all statistics (the distributed Shampoo designs of
+arXiv:2002.09018 and arXiv:2309.06497). Shapes and placement are kept apart:
+
+- *Shape*: a stack holds exactly its ``n_blocks`` real blocks, so the optimizer state depends on
+  the parameters and hyperparameters only, never on the mesh. A checkpoint restores onto any mesh
+  (only shardings change), and ``jax.eval_shape(tx.init, ...)`` is the same inside and outside
+  ``jax.set_mesh``.
+- *Storage*: `stack_spec` puts each mesh axis on the first of (block axis, rows, columns) that it
+  still splits evenly, so a stack is spread over all devices whenever its block count or its block
+  side divides by the device count (block sides are usually multiples of 128).
+- *Computation*: batched eigendecompositions, QR and Newton iterations need whole matrices on a
+  device. `spread_blocks` pads a stack with identity blocks to a multiple of the device count (at
+  most ``D - 1`` extra blocks) for the duration of that computation only, shards it along the block
+  axis over all mesh axes, and cuts the result back to ``n_blocks``.
+
+Padding the *stored* stack to a multiple of the device count (this module's earlier layout) made
+the state's shape mesh-dependent, so a checkpoint saved on 8 devices did not restore on 1; a fixed
+mesh-independent multiple wastes memory on small meshes and still fails to divide on large ones;
+re-padding on restore would make every reader of a checkpoint know about the padding.
 """
 
 from __future__ import annotations
@@ -26,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -191,7 +205,7 @@ def stack_layout(tensors: Sequence[TensorLayout | None], group_key: Callable[[in
 
 
 class BlockStacks(dict):
-    """``{group key: (n_blocks, b, b) array}``, sharded along the block axis (a pytree node).
+    """``{group key: (n_blocks, b, b) array}``, stored in the layout of `stack_spec` (a pytree node).
 
     A distinct type so that `annotate_block_shardings` finds these arrays inside any optax state.
     """
@@ -213,35 +227,53 @@ def mesh_axes() -> tuple[tuple[str, ...], int]:
     return tuple(mesh.axis_names), mesh.size
 
 
-def padded_count(n: int) -> int:
-    """``n`` rounded up to a multiple of the ambient mesh's device count (without a mesh: of all devices).
+def stack_spec(shape: Sequence[int], mesh_shape: Mapping[str, int]) -> jax.P:
+    """Where a ``(n, b, b)`` stack is stored: each mesh axis on the first dim it still splits evenly.
 
-    Without a mesh the count is `jax.device_count()`, so ``jax.eval_shape(tx.init, ...)`` outside
-    ``jax.set_mesh`` gives the same shapes as inside it when the mesh spans every device.
+    Dims are tried in the order block axis, rows, columns, so with ``n`` divisible by the device
+    count the stack is split by whole blocks; an axis that divides none of them replicates.
     """
-    axes, size = mesh_axes()
-    if not axes:
-        size = jax.device_count()
-    return -(-n // size) * size
+    assigned: list[list[str]] = [[] for _ in shape]
+    for name, size in mesh_shape.items():
+        for dim, axes in zip(shape, assigned, strict=True):
+            if dim % (size * math.prod(mesh_shape[a] for a in axes)) == 0:
+                axes.append(name)
+                break
+    return jax.P(*(None if not a else a[0] if len(a) == 1 else tuple(a) for a in assigned))
 
 
 def constrain_blocks(x: jax.Array) -> jax.Array:
-    """Shards the leading (block) axis of ``x`` over every axis of the ambient mesh; no-op without one."""
-    axes, size = mesh_axes()
-    if not axes or x.shape[0] % size:
+    """Pins a stack ``x`` to its storage layout (`stack_spec`) on the ambient mesh; no-op without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
         return x
-    return jax.lax.with_sharding_constraint(x, jax.P(axes))
+    return jax.lax.with_sharding_constraint(x, stack_spec(x.shape, mesh.shape))
 
 
-def block_sharding(mesh: jax.sharding.Mesh, n_blocks: int) -> jax.NamedSharding:
-    """The sharding of a ``(n_blocks, b, b)`` stack on ``mesh``: block axis over all mesh axes."""
-    if n_blocks % mesh.size:
-        return jax.NamedSharding(mesh, jax.P())
-    return jax.NamedSharding(mesh, jax.P(tuple(mesh.axis_names)))
+def block_sharding(mesh: jax.sharding.Mesh, shape: Sequence[int]) -> jax.NamedSharding:
+    """The sharding of a ``(n_blocks, b, b)`` stack stored on ``mesh`` (`stack_spec`)."""
+    return jax.NamedSharding(mesh, stack_spec(shape, mesh.shape))
+
+
+def spread_blocks(fn: Callable[..., Any], *stacks: jax.Array) -> Any:
+    """``fn(*stacks)`` with whole blocks spread evenly over every device of the ambient mesh.
+
+    The ``(n, b, b)`` inputs (same ``n``) are padded with identity blocks to a multiple of the device
+    count and sharded along the block axis over all mesh axes, so each device runs ``fn`` on its
+    ``n_padded / D`` matrices. Every output is cut back to its first ``n`` rows.
+    """
+    axes, size = mesh_axes()
+    n = stacks[0].shape[0]
+    extra = -n % size
+    if extra:
+        stacks = tuple(jnp.concatenate([x, identity_fill(extra, x.shape[-1]).astype(x.dtype)]) for x in stacks)
+    if axes:
+        stacks = tuple(jax.lax.with_sharding_constraint(x, jax.P(axes)) for x in stacks)
+    return jax.tree.map(lambda y: y[:n], fn(*stacks))
 
 
 def annotate_block_shardings(abstract_state: Any, mesh: jax.sharding.Mesh) -> Any:
-    """Gives every array inside a `BlockStacks` of ``abstract_state`` its block sharding on ``mesh``.
+    """Gives every array inside a `BlockStacks` of ``abstract_state`` its `block_sharding` on ``mesh``.
 
     Other leaves are returned unchanged. Feed the result to `sharding.partition.state_shardings`
     (which keeps a leaf's own ``.sharding``) to get ``out_shardings`` for ``jit(tx.init)``::
@@ -256,7 +288,7 @@ def annotate_block_shardings(abstract_state: Any, mesh: jax.sharding.Mesh) -> An
             return node
         return BlockStacks(
             {
-                k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=block_sharding(mesh, v.shape[0]))
+                k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=block_sharding(mesh, v.shape))
                 for k, v in node.items()
             }
         )
@@ -264,16 +296,8 @@ def annotate_block_shardings(abstract_state: Any, mesh: jax.sharding.Mesh) -> An
     return jax.tree.map(annotate, abstract_state, is_leaf=lambda x: isinstance(x, BlockStacks))
 
 
-def stack(
-    layout: StackLayout,
-    mats: Sequence[Sequence[Sequence[jax.Array | None]]],
-    n_blocks: dict[str, int],
-    fill: Callable[[int, int], jax.Array],
-) -> BlockStacks:
-    """Concatenates per-(leaf, region, dim) ``(count, b, b)`` matrices into block-sharded stacks.
-
-    Each group is padded to ``n_blocks[key]`` rows with ``fill(n, b)``.
-    """
+def stack(layout: StackLayout, mats: Sequence[Sequence[Sequence[jax.Array | None]]]) -> BlockStacks:
+    """Concatenates per-(leaf, region, dim) ``(count, b, b)`` matrices into stacks in their storage layout."""
     parts: dict[str, list[jax.Array]] = {key: [] for key, _, _ in layout.groups}
     for leaf_slots, leaf_mats in zip(layout.slots, mats, strict=True):
         for region_slots, region_mats in zip(leaf_slots, leaf_mats, strict=True):
@@ -281,9 +305,8 @@ def stack(
                 if slot is not None:
                     parts[slot.group].append(m)
     out = BlockStacks()
-    for key, b, n in layout.groups:
-        extra = n_blocks[key] - n
-        arrays = parts[key] + ([fill(extra, b)] if extra else [])
+    for key, _, _ in layout.groups:
+        arrays = parts[key]
         out[key] = constrain_blocks(jnp.concatenate(arrays, axis=0) if len(arrays) > 1 else arrays[0])
     return out
 
@@ -341,10 +364,8 @@ def apply_factors(
     return out
 
 
-def factor_statistics(
-    layout: StackLayout, blocks: Sequence[Sequence[jax.Array] | None], n_blocks: dict[str, int]
-) -> BlockStacks:
-    """`factor_statistic` of every (leaf, region, preconditioned dim), stacked like the state (zero padding)."""
+def factor_statistics(layout: StackLayout, blocks: Sequence[Sequence[jax.Array] | None]) -> BlockStacks:
+    """`factor_statistic` of every (leaf, region, preconditioned dim), stacked like the state."""
     outer = [
         [
             [None if slot is None else factor_statistic(rb, axis) for axis, slot in enumerate(region_slots)]
@@ -352,7 +373,7 @@ def factor_statistics(
         ]
         for leaf_blocks, leaf_slots in zip(blocks, layout.slots, strict=True)
     ]
-    return stack(layout, outer, n_blocks, zeros_fill)
+    return stack(layout, outer)
 
 
 def layout_tree(

@@ -31,10 +31,10 @@ reference's ``moving_average_for_momentum=True``) so learning rates are Adam-lik
 decoupled (`shampoo` chains `optax.add_decayed_weights`).
 
 Distributed computation: statistics and preconditioners of all parameters are stacked per
-(block side, exponent) group into ``(n_blocks, b, b)`` arrays, padded to a multiple of the device
-count and sharded along the block axis over all axes of the ambient mesh (`optim.blocking`). Under
-`jit` each device stores and computes the roots of its slice of blocks (eigh or Newton batched);
-GSPMD gathers the preconditioners where the gradients need them. For ``jit(tx.init,
+(block side, exponent) group into ``(n_blocks, b, b)`` arrays whose shapes do not depend on the mesh
+(so checkpoints restore onto any mesh) and which are spread over all devices (`optim.blocking`).
+Under `jit` each device computes the roots of its slice of blocks (eigh or Newton batched); GSPMD
+gathers the preconditioners where the gradients need them. For ``jit(tx.init,
 out_shardings=...)`` use `optim.blocking.annotate_block_shardings`. Roots are computed under
 `lax.cond`, so steps that do not refresh them cost statistics + preconditioning only.
 
@@ -44,6 +44,7 @@ Under `optax.inject_hyperparams` the integer arguments that set array shapes mus
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -64,7 +65,7 @@ class ShampooState(NamedTuple):
     count: jax.Array  # steps taken (int32)
     momentum: optax.Updates  # M_t, float32, shaped like the parameters
     graft_nu: optax.Updates  # graft second moment v_t, like the parameters (None for sgd / none)
-    stats: blocking.BlockStacks  # L and R factors: (n_blocks, b, b) per group, block-sharded
+    stats: blocking.BlockStacks  # L and R factors: (n_blocks, b, b) per group, spread over devices
     preconds: blocking.BlockStacks  # their inverse roots, same layout
     root_failures: jax.Array  # roots rejected so far (NaN or error > failure_threshold), int32
 
@@ -190,14 +191,10 @@ def scale_by_shampoo(
 
     def init_fn(params):
         leaves, treedef, _, stack = layouts(params)
-        sizes = {key: blocking.padded_count(n) for key, _, n in stack.groups}
 
         def eyes(scale):
             return blocking.BlockStacks(
-                {
-                    key: blocking.constrain_blocks(scale * blocking.identity_fill(sizes[key], b))
-                    for key, b, _ in stack.groups
-                }
+                {key: blocking.constrain_blocks(scale * blocking.identity_fill(n, b)) for key, b, n in stack.groups}
             )
 
         zeros = treedef.unflatten([jnp.zeros(p.shape, jnp.float32) for p in leaves])
@@ -212,14 +209,18 @@ def scale_by_shampoo(
 
     def refresh_roots(stack: blocking.StackLayout, stats, preconds):
         new, failures = blocking.BlockStacks(), jnp.zeros([], jnp.int32)
-        for key, _, n in stack.groups:
-            p = _exponent_of(key)
-            roots, errors = matrix_roots.inverse_pth_root(
-                stats[key], p, method=root_method, ridge_epsilon=matrix_eps, newton_iters=newton_iters
+        for key in stats:
+            root = functools.partial(
+                matrix_roots.inverse_pth_root,
+                p=_exponent_of(key),
+                method=root_method,
+                ridge_epsilon=matrix_eps,
+                newton_iters=newton_iters,
             )
+            roots, errors = blocking.spread_blocks(root, stats[key])
             ok = matrix_roots.accepted(roots, errors, failure_threshold)
             new[key] = blocking.constrain_blocks(jnp.where(ok[:, None, None], roots, preconds[key]))
-            failures += jnp.sum(~ok[:n]).astype(jnp.int32)
+            failures += jnp.sum(~ok).astype(jnp.int32)
         return new, failures
 
     def update_fn(updates, state, params=None):
@@ -234,7 +235,7 @@ def scale_by_shampoo(
         grafts = [_graft(graft_type, g, nu, t, graft_beta2, graft_eps) for g, nu in zip(g32, nus, strict=True)]
 
         blocks = [None if lay is None else lay.to_blocks(g) for g, lay in zip(g32, tensors, strict=True)]
-        outer = blocking.factor_statistics(stack, blocks, {k: v.shape[0] for k, v in state.stats.items()})
+        outer = blocking.factor_statistics(stack, blocks)
         w2 = jnp.where(beta2 == 1.0, 1.0, 1.0 - beta2)
         stats = blocking.BlockStacks(
             {k: blocking.constrain_blocks(beta2 * state.stats[k] + w2 * outer[k]) for k in state.stats}

@@ -27,8 +27,9 @@ weight decay 0.01 (`soap`). Differences: weight decay is decoupled through
 reference skips the whole step); the reference's every-step round trip ``project(project_back(m))``
 with an unchanged basis is skipped (it is the identity).
 
-Statistics and bases of all parameters are stacked per side ``b`` into ``(n, b, b)`` arrays,
-block-sharded over the ambient mesh (`optim.blocking`), so eigh / QR run batched and distributed.
+Statistics and bases of all parameters are stacked per side ``b`` into ``(n, b, b)`` arrays with
+mesh-independent shapes, spread over the ambient mesh (`optim.blocking`), so eigh / QR run batched
+and distributed.
 Under `optax.inject_hyperparams` pass ``static_args=STATIC_ARGS``.
 """
 
@@ -54,7 +55,7 @@ class SoapState(NamedTuple):
     count: jax.Array  # calls so far, int32 (the first only initialises the bases)
     mu: optax.Updates  # first moment m, in the rotated space, float32, like the parameters
     nu: optax.Updates  # second moment v, in the rotated space, float32, like the parameters
-    stats: blocking.BlockStacks  # L, R factors: (n, b, b) per side b, block-sharded
+    stats: blocking.BlockStacks  # L, R factors: (n, b, b) per side b, spread over devices
     bases: blocking.BlockStacks  # eigenbases Q_L, Q_R, same layout
 
 
@@ -139,17 +140,16 @@ def scale_by_soap(
 
     def init_fn(params):
         leaves, treedef, _, stack = layouts(params)
-        sizes = {key: blocking.padded_count(n) for key, _, n in stack.groups}
         zeros = treedef.unflatten([jnp.zeros(p.shape, jnp.float32) for p in leaves])
         return SoapState(
             count=jnp.zeros([], jnp.int32),
             mu=zeros,
             nu=zeros,
             stats=blocking.BlockStacks(
-                {k: blocking.constrain_blocks(blocking.zeros_fill(sizes[k], b)) for k, b, _ in stack.groups}
+                {k: blocking.constrain_blocks(blocking.zeros_fill(n, b)) for k, b, n in stack.groups}
             ),
             bases=blocking.BlockStacks(
-                {k: blocking.constrain_blocks(blocking.identity_fill(sizes[k], b)) for k, b, _ in stack.groups}
+                {k: blocking.constrain_blocks(blocking.identity_fill(n, b)) for k, b, n in stack.groups}
             ),
         )
 
@@ -176,7 +176,7 @@ def scale_by_soap(
             direction.append(jnp.where(first, 0.0, d * (jnp.sqrt(1 - b2**s) / (1 - b1**s))))
 
         blocks = [None if lay is None else lay.to_blocks(g) for g, lay in zip(g32, tensors, strict=True)]
-        outer = blocking.factor_statistics(stack, blocks, {k: v.shape[0] for k, v in state.stats.items()})
+        outer = blocking.factor_statistics(stack, blocks)
         beta_s = jnp.where(shampoo_beta < 0, b2, shampoo_beta)
         stats = blocking.BlockStacks(
             {k: blocking.constrain_blocks(beta_s * state.stats[k] + (1 - beta_s) * outer[k]) for k in state.stats}
@@ -186,11 +186,12 @@ def scale_by_soap(
             return bases, mu, nu
 
         def initialise(bases, mu, nu):
-            new = blocking.BlockStacks({k: blocking.constrain_blocks(eigenbasis(stats[k])) for k in stats})
+            new = {k: blocking.constrain_blocks(blocking.spread_blocks(eigenbasis, stats[k])) for k in stats}
+            new = blocking.BlockStacks(new)
             return new, [jnp.zeros_like(m) for m in mu], [jnp.zeros_like(v) for v in nu]
 
         def refresh(bases, mu, nu):
-            pairs = {k: power_qr(stats[k], bases[k]) for k in stats}
+            pairs = {k: blocking.spread_blocks(power_qr, stats[k], bases[k]) for k in stats}
             new = blocking.BlockStacks({k: blocking.constrain_blocks(q) for k, (q, _) in pairs.items()})
             orders = blocking.unstack(stack, blocking.BlockStacks({k: o for k, (_, o) in pairs.items()}))
             new_mats = blocking.unstack(stack, new)

@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -171,6 +173,68 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, args, message):
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+def _cli_flags(config, base, prefix="--config."):
+    """The ``--config.<key>=<value>`` flags that turn ``base`` into ``config``."""
+    flags = []
+    for key, value in config.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            flags += _cli_flags(value, base[key], f"{prefix}{key}.")
+        elif value != base[key]:
+            flags.append(f"{prefix}{key}={value}")
+    return flags
+
+
+def _truncate_array_data(step_dir):
+    data = max((f for f in (step_dir / "state").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+
+
+DAMAGE = {
+    "truncated array data": _truncate_array_data,
+    "truncated tree metadata": lambda step_dir: (step_dir / "state" / "_METADATA").write_text("{"),
+    "missing state": lambda step_dir: shutil.rmtree(step_dir / "state"),
+}
+
+
+@pytest.fixture(scope="module")
+def saved_at_5_and_7(tmp_path_factory):
+    """A run stopped after step 7 (`small_config`: checkpoints at steps 5 and 7)."""
+    workdir = tmp_path_factory.mktemp("saved")
+    train.run(small_config(), workdir, interrupt_at=7)
+    assert ocp.CheckpointManager(workdir / "checkpoints").all_steps() == [5, 7]
+    return workdir
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_damaged_checkpoint_is_a_usage_error_naming_step_and_fix(tmp_path, saved_at_5_and_7, damage):
+    shutil.copytree(saved_at_5_and_7, tmp_path, dirs_exist_ok=True)
+    DAMAGE[damage](tmp_path / "checkpoints" / "7")
+    with pytest.raises(train.UsageError, match=r"checkpoint step 7 cannot be read \(.+\); delete .+/7 .*--restore_step=5"):
+        train.run(small_config(), tmp_path)
+
+
+def test_cli_damaged_checkpoint_exits_2_and_restore_step_resumes_the_previous_one(tmp_path, saved_at_5_and_7, straight_run):
+    shutil.copytree(saved_at_5_and_7, tmp_path, dirs_exist_ok=True)
+    _truncate_array_data(tmp_path / "checkpoints" / "7")
+    result = _cli(f"--workdir={tmp_path}", *_cli_flags(small_config(), default.get_config()), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: checkpoint step 7 cannot be read"), result.stderr[-3000:]
+    assert "--restore_step=5" in lines[0]
+    summary = train.run(small_config(), tmp_path, restore_step=5)
+    assert summary["resumed_from_step"] == 5
+    assert ocp.CheckpointManager(tmp_path / "checkpoints").all_steps() == [10, 12]  # the damaged 7 was replaced
+    resumed = read_metrics(tmp_path / "metrics.jsonl")
+    for key in ("step", "loss", "grad_norm", "lr", "val_loss"):
+        assert [r.get(key) for r in resumed] == [r.get(key) for r in straight_run], key
+
+
+def test_restore_step_that_was_not_saved_is_a_usage_error(tmp_path, saved_at_5_and_7):
+    shutil.copytree(saved_at_5_and_7, tmp_path, dirs_exist_ok=True)
+    with pytest.raises(train.UsageError, match=r"no checkpoint at step 6 .*saved steps: \[5, 7\]"):
+        train.run(small_config(), tmp_path, restore_step=6)
 
 
 def test_default_main_job_reaches_target_loss(tmp_path):

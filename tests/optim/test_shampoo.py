@@ -216,8 +216,8 @@ def test_unconverged_newton_roots_are_rejected_and_counted():
     )
     outs, state = run(tx, [jnp.asarray(g, jnp.float32) for g in random_grads(rng, (8, 4), 2)], jnp.zeros((8, 4)))
     assert int(state.root_failures) == 2 * 4  # 2 steps x 2 row blocks x (L, R)
-    (real,) = state.preconds.values()  # 2 L and 2 R, then padding to the device count
-    np.testing.assert_array_equal(np.asarray(real[:4]), np.broadcast_to(np.eye(4), (4, 4, 4)))
+    (real,) = state.preconds.values()  # 2 L and 2 R
+    np.testing.assert_array_equal(np.asarray(real), np.broadcast_to(np.eye(4), (4, 4, 4)))
     assert all(np.all(np.isfinite(np.asarray(u))) for u in outs)
 
 
@@ -244,7 +244,6 @@ def test_sharded_statistics_are_distributed_and_results_match():
 
     for stacks in (state.stats, state.preconds):
         for v in stacks.values():
-            assert v.shape[0] % 8 == 0
             assert partition.per_device_bytes(v) * 8 == v.nbytes
     total = sum(v.nbytes for v in state.stats.values())
     assert partition.per_device_bytes(state.stats) * 8 == total

@@ -153,7 +153,6 @@ def test_sharded_statistics_are_distributed_and_results_match():
     (inner,) = [s for s in soap_states if isinstance(s, SoapState)]
     for stacks in (inner.stats, inner.bases):
         for v in stacks.values():
-            assert v.shape[0] % 8 == 0
             assert partition.per_device_bytes(v) * 8 == v.nbytes
     assert inner.nu["b"].sharding.spec == jax.P(None, None, "fsdp")
     for got, want in zip(outs, single):

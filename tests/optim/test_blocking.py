@@ -1,0 +1,68 @@
+"""Block stacks of Kronecker-factored optimizers: mesh-independent shapes, storage spread, padded computation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from optim import blocking
+from optim.shampoo import scale_by_shampoo
+from optim.soap import scale_by_soap
+from sharding import partition
+
+AUTO = jax.sharding.AxisType.Auto
+
+
+def stacks(state):
+    is_stack = lambda x: isinstance(x, blocking.BlockStacks)
+    return [v for node in jax.tree.leaves(state, is_leaf=is_stack) if is_stack(node) for v in node.values()]
+
+
+@pytest.mark.parametrize(
+    "shape, mesh_shape, spec",
+    [
+        ((16, 4, 4), {"fsdp": 8}, jax.P("fsdp", None, None)),  # whole blocks when the count divides
+        ((12, 128, 128), {"fsdp": 8}, jax.P(None, "fsdp", None)),  # else rows of every block
+        ((12, 128, 128), {"data": 2, "tensor": 4}, jax.P("data", "tensor", None)),
+        ((6, 12, 12), {"a": 2, "b": 2, "c": 2}, jax.P("a", ("b", "c"), None)),
+        ((3, 4, 4), {"fsdp": 8}, jax.P(None, None, None)),  # nothing divides: replicated
+    ],
+)
+def test_stack_spec_puts_each_axis_on_the_first_dim_it_divides(shape, mesh_shape, spec):
+    assert blocking.stack_spec(shape, mesh_shape) == spec
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: scale_by_shampoo(block_size=8), lambda: scale_by_soap()], ids=["shampoo", "soap"]
+)
+def test_state_shapes_do_not_depend_on_the_mesh_and_stacks_are_spread(make):
+    tx = make()
+    params = {"a": jnp.zeros((8, 8)), "b": jnp.zeros((3, 8, 16)), "scale": jnp.zeros((8,))}
+    shapes = jax.tree.map(lambda x: x.shape, jax.eval_shape(tx.init, params))
+    assert any(v.shape[0] % 8 for v in stacks(jax.eval_shape(tx.init, params)))  # counts 8 devices do not divide
+    for mesh_shape, names in (((8,), ("fsdp",)), ((2, 4), ("data", "tensor")), ((1,), ("data",))):
+        mesh = jax.make_mesh(mesh_shape, names, axis_types=(AUTO,) * len(names), devices=jax.devices()[: np.prod(mesh_shape)])
+        with jax.set_mesh(mesh):
+            assert jax.tree.map(lambda x: x.shape, jax.eval_shape(tx.init, params)) == shapes
+            abstract = blocking.annotate_block_shardings(jax.eval_shape(tx.init, params), mesh)
+            replicated = {k: jax.NamedSharding(mesh, jax.P()) for k in params}
+            state = jax.jit(tx.init, out_shardings=partition.state_shardings(abstract, params, replicated, mesh))(params)
+        for v in stacks(state):
+            assert partition.per_device_bytes([v]) * mesh.size == v.nbytes, (v.shape, v.sharding)
+
+
+def test_spread_blocks_pads_to_the_device_count_and_cuts_back():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 4, 4)), jnp.float32)
+    seen = []
+
+    def fn(stack):
+        seen.append(stack.shape[0])
+        return jnp.linalg.inv(stack), jnp.trace(stack, axis1=1, axis2=2)
+
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AUTO,))
+    with jax.set_mesh(mesh):
+        inverse, trace = jax.jit(lambda s: blocking.spread_blocks(fn, s))(x)
+    assert seen == [8]  # padded with 3 identity blocks, one block per device
+    np.testing.assert_allclose(inverse, np.linalg.inv(np.asarray(x)), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(trace, np.trace(np.asarray(x), axis1=1, axis2=2), rtol=1e-6)
+    assert blocking.spread_blocks(fn, x)[0].shape == (5, 4, 4) and seen[-1] == 5  # no mesh: no padding

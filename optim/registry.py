@@ -62,7 +62,9 @@ class SGD(common.DirectionOptimizer):
     nesterov: bool = False
 
     def direction(self) -> optax.GradientTransformation:
-        return optax.trace(decay=self.momentum, nesterov=self.nesterov) if self.momentum else optax.identity()
+        if isinstance(self.momentum, int | float) and self.momentum == 0:  # not when injected (an array)
+            return optax.identity()
+        return optax.trace(decay=self.momentum, nesterov=self.nesterov)
 
 
 adamw = spec.function(AdamW, name="adamw")

@@ -4,7 +4,8 @@
 
 ``state`` is a dict ``{params, opt_state, step, bad_streak, skipped}``. The step computes the
 next-token loss (accumulated over micro-batches), the optimizer update, and keeps the old params and
-optimizer state when the loss, the gradients or the update is not finite (a *skipped* step).
+optimizer state when the loss, the gradients, the update or the new optimizer state is not finite (a
+*skipped* step; finite gradients can overflow a second moment while the update stays finite).
 ``bad_streak`` counts consecutive skipped steps; the loop stops the run when it grows too long.
 The same function runs on one device or a pod slice: shardings come from logical names.
 """
@@ -122,7 +123,7 @@ def make_train_step(
         (loss, (metrics, aux)), grads = accumulate(params, batch)
         updates, new_opt_state = tx.update(grads, opt_state, params, **aux)
         new_params = optax.apply_updates(params, updates)
-        ok = jnp.isfinite(loss) & _all_finite(grads, updates)
+        ok = jnp.isfinite(loss) & _all_finite(grads, updates, new_opt_state)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
         bad = (~ok).astype(jnp.int32)
         new_state = {

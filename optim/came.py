@@ -30,13 +30,14 @@ Under `optax.inject_hyperparams`, pass ``static_args=("min_dim_size_to_factor",)
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optim import labels
+from optim import common, spec
 
 
 class ScaleByCameState(NamedTuple):
@@ -64,18 +65,11 @@ def _rms(x: jax.Array) -> jax.Array:
     return jnp.sqrt(jnp.mean(jnp.square(x), axis=axes, keepdims=x.ndim >= 2))
 
 
-def scale_by_came(
-    b1: float = 0.9,
-    b2: float = 0.999,
-    b3: float = 0.9999,
-    eps1: float = 1e-30,
-    eps2: float = 1e-16,
-    clip_threshold: float = 1.0,
-    min_dim_size_to_factor: int = 128,
-) -> optax.GradientTransformation:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CameDirection:
     """The CAME direction (module docstring), without learning rate or weight decay.
 
-    Args:
+    Attributes:
       b1: decay of the momentum ``m``.
       b2: decay of the (factored) second moment.
       b3: decay of the factored instability.
@@ -85,23 +79,37 @@ def scale_by_came(
       min_dim_size_to_factor: factor a leaf's last two axes only when both are at least this long.
     """
 
+    b1: float = 0.9
+    b2: float = 0.999
+    b3: float = 0.9999
+    eps1: float = 1e-30
+    eps2: float = 1e-16
+    clip_threshold: float = 1.0
+    min_dim_size_to_factor: int = 128
+
+    static_args: ClassVar[tuple[str, ...]] = ("min_dim_size_to_factor",)
+
+    def direction(self) -> optax.GradientTransformation:
+        return _scale_by_came(self)
+
+
+def _scale_by_came(h: CameDirection) -> optax.GradientTransformation:
+    min_dim = common.static_int("min_dim_size_to_factor", h.min_dim_size_to_factor, h.static_args)
+
     def init_fn(params: optax.Params) -> ScaleByCameState:
-        for path, p in jax.tree_util.tree_leaves_with_path(params):
-            if not jnp.issubdtype(p.dtype, jnp.floating):
-                where = "/".join(labels.path_names(path)) or "<root>"
-                raise ValueError(f"came needs floating-point parameters, got {where} of dtype {p.dtype}; mask it out")
+        common.check_floating(params, "came", "mask it out")
 
         def zeros(shape):
             return jnp.zeros(shape, jnp.float32)
 
         def row(p):
-            return zeros((*p.shape[:-1], 1) if _factored(p.shape, min_dim_size_to_factor) else (1,))
+            return zeros((*p.shape[:-1], 1) if _factored(p.shape, min_dim) else (1,))
 
         def col(p):
-            return zeros((*p.shape[:-2], 1, p.shape[-1]) if _factored(p.shape, min_dim_size_to_factor) else (1,))
+            return zeros((*p.shape[:-2], 1, p.shape[-1]) if _factored(p.shape, min_dim) else (1,))
 
         def full(p):
-            return zeros((1,) if _factored(p.shape, min_dim_size_to_factor) else p.shape)
+            return zeros((1,) if _factored(p.shape, min_dim) else p.shape)
 
         return ScaleByCameState(
             mu=jax.tree.map(lambda p: zeros(p.shape), params),
@@ -114,20 +122,20 @@ def scale_by_came(
 
     def leaf_update(g, m, v_row, v_col, v, res_row, res_col):
         g32 = g.astype(jnp.float32)
-        g2 = jnp.square(g32) + eps1
-        if _factored(g.shape, min_dim_size_to_factor):
-            v_row = b2 * v_row + (1 - b2) * jnp.mean(g2, axis=-1, keepdims=True)
-            v_col = b2 * v_col + (1 - b2) * jnp.mean(g2, axis=-2, keepdims=True)
+        g2 = jnp.square(g32) + h.eps1
+        if _factored(g.shape, min_dim):
+            v_row = h.b2 * v_row + (1 - h.b2) * jnp.mean(g2, axis=-1, keepdims=True)
+            v_col = h.b2 * v_col + (1 - h.b2) * jnp.mean(g2, axis=-2, keepdims=True)
             u = g32 * _inv_sqrt_factored(v_row, v_col)
         else:
-            v = b2 * v + (1 - b2) * g2
+            v = h.b2 * v + (1 - h.b2) * g2
             u = g32 * jax.lax.rsqrt(v)
-        u = u / jnp.maximum(1.0, _rms(u) / clip_threshold)
-        m = b1 * m + (1 - b1) * u
-        if _factored(g.shape, min_dim_size_to_factor):
-            res = jnp.square(u - m) + eps2
-            res_row = b3 * res_row + (1 - b3) * jnp.mean(res, axis=-1, keepdims=True)
-            res_col = b3 * res_col + (1 - b3) * jnp.mean(res, axis=-2, keepdims=True)
+        u = u / jnp.maximum(1.0, _rms(u) / h.clip_threshold)
+        m = h.b1 * m + (1 - h.b1) * u
+        if _factored(g.shape, min_dim):
+            res = jnp.square(u - m) + h.eps2
+            res_row = h.b3 * res_row + (1 - h.b3) * jnp.mean(res, axis=-1, keepdims=True)
+            res_col = h.b3 * res_col + (1 - h.b3) * jnp.mean(res, axis=-2, keepdims=True)
             direction = m * _inv_sqrt_factored(res_row, res_col)
         else:
             direction = m
@@ -145,32 +153,19 @@ def scale_by_came(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def came(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    b3: float = 0.9999,
-    eps1: float = 1e-30,
-    eps2: float = 1e-16,
-    clip_threshold: float = 1.0,
-    min_dim_size_to_factor: int = 128,
-    weight_decay: float = 0.0,
-) -> optax.GradientTransformation:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Came(CameDirection, common.DirectionOptimizer):
     """CAME with decoupled weight decay on leaves of two or more axes (`optim.labels.decay_mask`).
 
     ``w <- w - lr (came_direction + weight_decay w)``; ``weight_decay = 0`` as in the reference.
+    Hyperparameters: `CameDirection`.
     """
-    return optax.chain(
-        scale_by_came(
-            b1=b1,
-            b2=b2,
-            b3=b3,
-            eps1=eps1,
-            eps2=eps2,
-            clip_threshold=clip_threshold,
-            min_dim_size_to_factor=min_dim_size_to_factor,
-        ),
-        optax.add_decayed_weights(weight_decay, mask=labels.decay_mask),
-        optax.scale_by_learning_rate(learning_rate),
-    )
+
+    learning_rate: optax.ScalarOrSchedule = 3e-3
+    weight_decay: float = 0.0
+
+
+scale_by_came = spec.function(
+    CameDirection, "direction", name="scale_by_came", positional=tuple(spec.defaults(CameDirection))
+)
+came = spec.function(Came, name="came")

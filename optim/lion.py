@@ -17,13 +17,14 @@ at a 10x smaller ``lr``). One state buffer: 4 bytes per parameter in fp32, 1 wit
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optim import labels
+from optim import common, spec
 
 
 class ScaleByLionState(NamedTuple):
@@ -32,43 +33,44 @@ class ScaleByLionState(NamedTuple):
     mu: optax.Updates  # momentum m_t, shaped like the parameters
 
 
-def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> optax.GradientTransformation:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LionDirection:
     """The Lion direction ``sign(b1 m + (1 - b1) g)``; momentum ``m <- b2 m + (1 - b2) g``.
 
-    Args:
+    Attributes:
       b1: interpolation between momentum and gradient for the update.
       b2: decay of the momentum.
     """
 
-    def init_fn(params: optax.Params) -> ScaleByLionState:
-        for path, p in jax.tree_util.tree_leaves_with_path(params):
-            if not jnp.issubdtype(p.dtype, jnp.floating):
-                where = "/".join(labels.path_names(path)) or "<root>"
-                raise ValueError(f"lion needs floating-point parameters, got {where} of dtype {p.dtype}; mask it out")
-        return ScaleByLionState(mu=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    b1: float = 0.9
+    b2: float = 0.99
 
-    def update_fn(updates: optax.Updates, state: ScaleByLionState, params: optax.Params | None = None):
-        del params
-        direction = jax.tree.map(lambda g, m: jnp.sign(b1 * m + (1 - b1) * g).astype(g.dtype), updates, state.mu)
-        mu = jax.tree.map(lambda g, m: b2 * m + (1 - b2) * g, updates, state.mu)
-        return direction, ScaleByLionState(mu=mu)
+    def direction(self) -> optax.GradientTransformation:
+        b1, b2 = self.b1, self.b2
 
-    return optax.GradientTransformation(init_fn, update_fn)
+        def init_fn(params: optax.Params) -> ScaleByLionState:
+            common.check_floating(params, "lion", "mask it out")
+            return ScaleByLionState(mu=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+
+        def update_fn(updates: optax.Updates, state: ScaleByLionState, params: optax.Params | None = None):
+            del params
+            direction = jax.tree.map(lambda g, m: jnp.sign(b1 * m + (1 - b1) * g).astype(g.dtype), updates, state.mu)
+            mu = jax.tree.map(lambda g, m: b2 * m + (1 - b2) * g, updates, state.mu)
+            return direction, ScaleByLionState(mu=mu)
+
+        return optax.GradientTransformation(init_fn, update_fn)
 
 
-def lion(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    b1: float = 0.9,
-    b2: float = 0.99,
-    weight_decay: float = 1.0,
-) -> optax.GradientTransformation:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Lion(LionDirection, common.DirectionOptimizer):
     """Lion with decoupled weight decay on leaves of two or more axes (`optim.labels.decay_mask`).
 
     ``w <- w - lr (sign(b1 m + (1 - b1) g) + weight_decay w)``.
     """
-    return optax.chain(
-        scale_by_lion(b1=b1, b2=b2),
-        optax.add_decayed_weights(weight_decay, mask=labels.decay_mask),
-        optax.scale_by_learning_rate(learning_rate),
-    )
+
+    learning_rate: optax.ScalarOrSchedule = 3e-3
+    weight_decay: float = 1.0
+
+
+scale_by_lion = spec.function(LionDirection, "direction", name="scale_by_lion", positional=("b1", "b2"))
+lion = spec.function(Lion, name="lion")

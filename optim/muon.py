@@ -37,18 +37,27 @@ tests/optim/test_muon.py checks it; its default ``adam_b2`` (0.999) and Nesterov
 
 Newton-Schulz presets, batching and sharding: optim/newton_schulz.py. Under
 `optax.inject_hyperparams` every numeric argument (``ns_steps`` included) may be injected.
+
+The family is built by composition. `scale_by_muon_core` is the pipeline above with two optional
+per-matrix steps that a variant plugs in, each with its own state field next to the momentum ``mu``:
+a correction of the gradient before the momentum (MARS-M, optim/mars_muon.py) and a normalisation of
+``O_t`` before the shape scale (NorMuon, optim/normuon.py). MuonClip chains a QK-clip step after the
+full optimizer (optim/muon_clip.py). Hyperparameters are declared once, in the spec dataclasses
+`NewtonSchulz` and `MuonDirection` here (shared by every variant) and the AdamW group
+(`optim.common.AdamGroup`); `muon` and `scale_by_muon` are generated from them (`optim.spec`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optim import labels
+from optim import common, labels, spec
 from optim import newton_schulz as ns
 
 MOMENTUM_FORMS = ("ema", "sum")
@@ -62,24 +71,16 @@ class MuonState(NamedTuple):
     mu: optax.Updates  # momentum buffer M_t, shaped like the parameters
 
 
-def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
-
-
 def check_matrices(params: Any, axes: ns.AxesSpec, family: str) -> None:
     """Raises a ValueError naming the fix for leaves a matrix optimizer cannot take."""
+    common.check_floating(params, family, "label it 'adam'")
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
     for (path, p), ax in zip(leaves_with_path, treedef.flatten_up_to(ns.matrix_axes_tree(params, axes)), strict=True):
-        where = "/".join(labels.path_names(path)) or "<root>"
         if p.ndim < 2:
+            where = "/".join(labels.path_names(path)) or "<root>"
             raise ValueError(
                 f"{family} got the {p.ndim}-D leaf {where} {p.shape}; only matrices can be orthogonalised: "
                 "label it 'adam' (param_labels) or use the family's full optimizer, which does so by default"
-            )
-        if not jnp.issubdtype(p.dtype, jnp.floating):
-            raise ValueError(
-                f"{family} needs floating-point parameters, got {where} of dtype {p.dtype}; label it 'adam'"
             )
         ns.split_axes(p.shape, ax)
 
@@ -107,182 +108,161 @@ def shape_factor(shape: tuple[int, ...], axes: ns.MatrixAxes, kind: str) -> floa
     return 0.2 * max(fan_in, fan_out) ** 0.5
 
 
-def scale_by_muon(
-    beta: float = 0.95,
-    *,
-    momentum_form: str = "ema",
-    nesterov: bool = True,
-    ns_coeffs: ns.Coeffs = "jordan",
-    ns_steps: int = 0,
-    ns_dtype: str = "float32",
-    ns_eps: float = 1e-7,
-    shape_scale: str = "moonlight",
-    mu_dtype: str = "float32",
-    ns_batching: str = "auto",
-    ns_sharding: str = "as_is",
-    dimension_numbers: ns.AxesSpec = None,
-) -> optax.GradientTransformation:
-    """Muon's direction ``s(W) NewtonSchulz(D_t)`` for a pytree of matrices (no learning rate).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NewtonSchulz:
+    """The Newton-Schulz iteration of the Muon family (`optim.newton_schulz.orthogonalize`).
 
-    Args:
-      beta: momentum coefficient.
-      momentum_form: ``"ema"`` or ``"sum"``.
-      nesterov: Nesterov look-ahead (Jordan's default).
-      ns_coeffs: Newton-Schulz preset (``"jordan"``, ``"polar_express"``, ``"turbo"``) or table.
+    Attributes:
+      ns_coeffs: preset (``"jordan"``, ``"polar_express"``, ``"turbo"``) or a table of (a, b, c) rows.
       ns_steps: Newton-Schulz steps; 0 means the preset's own count (5, 5, 4).
       ns_dtype: ``"float32"`` or ``"bfloat16"`` for the iteration.
       ns_eps: added to the Frobenius norm before the iteration.
+      ns_batching: ``"same_shape"`` (one call per group of equal-shape matrices), ``"none"`` (one per
+        leaf) or ``"auto"`` (``"none"`` on CPU, else ``"same_shape"``).
+      ns_sharding: ``"as_is"``, ``"replicated"`` or ``"owner"``; see `newton_schulz.orthogonalize`.
+    """
+
+    ns_coeffs: ns.Coeffs = "jordan"
+    ns_steps: int = 0
+    ns_dtype: str = "float32"
+    ns_eps: float = 1e-7
+    ns_batching: str = "auto"
+    ns_sharding: str = "as_is"
+
+    def __post_init__(self) -> None:
+        common.check_choice("ns_dtype", self.ns_dtype, DTYPES)
+        common.check_choice("ns_sharding", self.ns_sharding, ns.SHARDING_MODES)
+        common.check_choice("ns_batching", self.ns_batching, ns.BATCHING_MODES)
+        ns.resolve(self.ns_coeffs)
+
+    def orthogonalize(self, tree: Any, axes: ns.AxesSpec) -> Any:
+        return ns.orthogonalize(
+            tree,
+            axes,
+            coeffs=self.ns_coeffs,
+            steps=self.ns_steps,
+            eps=self.ns_eps,
+            dtype=self.ns_dtype,
+            batching=self.ns_batching,
+            sharding=self.ns_sharding,
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MuonDirection(NewtonSchulz):
+    """Muon's direction ``s(W) NewtonSchulz(D_t)`` for a pytree of matrices (no learning rate).
+
+    Attributes:
+      beta: momentum coefficient.
+      momentum_form: ``"ema"`` or ``"sum"``.
+      nesterov: Nesterov look-ahead (Jordan's default).
       shape_scale: ``"jordan"`` or ``"moonlight"``.
       mu_dtype: storage dtype of the momentum.
-      ns_batching: ``"same_shape"`` (one Newton-Schulz call per group of equal-shape matrices),
-        ``"none"`` (one per leaf) or ``"auto"`` (``"none"`` on CPU, else ``"same_shape"``).
-      ns_sharding: ``"as_is"``, ``"replicated"`` or ``"owner"``; see `newton_schulz.orthogonalize`.
       dimension_numbers: a `MatrixAxes` for every leaf, a callable mapping the updates to a tree of
         them, or None for ``(*batch, fan_in, fan_out)``.
+      (ns_*: `NewtonSchulz`.)
     """
-    check_choice("momentum_form", momentum_form, MOMENTUM_FORMS)
-    check_choice("shape_scale", shape_scale, SHAPE_SCALES)
-    check_choice("ns_dtype", ns_dtype, DTYPES)
-    check_choice("mu_dtype", mu_dtype, DTYPES)
-    check_choice("ns_sharding", ns_sharding, ns.SHARDING_MODES)
-    check_choice("ns_batching", ns_batching, ns.BATCHING_MODES)
-    ns.resolve(ns_coeffs)
+
+    beta: float = 0.95
+    momentum_form: str = "ema"
+    nesterov: bool = True
+    shape_scale: str = "moonlight"
+    mu_dtype: str = "float32"
+    dimension_numbers: ns.AxesSpec = spec.code_only()
+
+    family: ClassVar[str] = "muon"  # the optimizer's name in error messages
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        common.check_choice("momentum_form", self.momentum_form, MOMENTUM_FORMS)
+        common.check_choice("shape_scale", self.shape_scale, SHAPE_SCALES)
+        common.check_choice("mu_dtype", self.mu_dtype, DTYPES)
+
+    def direction(self) -> optax.GradientTransformation:
+        return scale_by_muon_core(self, MuonState)
+
+
+class MatrixStep(NamedTuple):
+    """A per-matrix step that a Muon variant plugs into `scale_by_muon_core`, with its state field."""
+
+    field: str  # name of its state field: one leaf per parameter
+    init: Callable[[jax.Array, ns.MatrixAxes], jax.Array]  # (parameter, axes) -> initial state leaf
+    # (x, state leaf, axes) -> (new x, new state leaf)
+    apply: Callable[[jax.Array, jax.Array, ns.MatrixAxes], tuple[jax.Array, jax.Array]]
+
+
+def scale_by_muon_core(
+    h: MuonDirection,
+    state_type: Callable[..., Any],
+    *,
+    correction: MatrixStep | None = None,
+    normalization: MatrixStep | None = None,
+) -> optax.GradientTransformation:
+    """Muon's pipeline with a variant's steps plugged in (identity where None), per matrix::
+
+        c_t = correction(G_t)                    state field correction.field (MARS-M)
+        D_t, M_t = momentum direction of c_t     state field mu
+        O_t = NewtonSchulz(D_t)                  batched over the tree
+        P_t = normalization(O_t)                 state field normalization.field (NorMuon)
+        update = s(W) P_t                        in the gradient's dtype
+
+    ``state_type`` is the variant's state NamedTuple: ``mu`` and the steps' fields.
+    """
+    steps = [s for s in (correction, normalization) if s is not None]
 
     def init_fn(params):
-        check_matrices(params, dimension_numbers, "muon")
-        return MuonState(mu=jax.tree.map(lambda p: jnp.zeros(p.shape, mu_dtype), params))
+        check_matrices(params, h.dimension_numbers, h.family)
+        axes = ns.matrix_axes_tree(params, h.dimension_numbers)
+        fields = {s.field: jax.tree.map(s.init, params, axes) for s in steps}
+        return state_type(mu=jax.tree.map(lambda p: jnp.zeros(p.shape, h.mu_dtype), params), **fields)
+
+    def run(step, xs, state, axes, treedef):
+        leaves = treedef.flatten_up_to(getattr(state, step.field))
+        pairs = [step.apply(x, leaf, ax) for x, leaf, ax in zip(xs, leaves, axes, strict=True)]
+        return [x for x, _ in pairs], treedef.unflatten([leaf for _, leaf in pairs])
 
     def update_fn(updates, state, params=None):
         del params
         grads, treedef = jax.tree.flatten(updates)
+        axes = treedef.flatten_up_to(ns.matrix_axes_tree(updates, h.dimension_numbers))
+        new_fields = {}
+        xs = grads
+        if correction is not None:
+            xs, new_fields[correction.field] = run(correction, xs, state, axes, treedef)
         pairs = [
-            momentum_direction(g, m, beta, momentum_form, nesterov)
-            for g, m in zip(grads, treedef.flatten_up_to(state.mu), strict=True)
+            momentum_direction(x, m, h.beta, h.momentum_form, h.nesterov)
+            for x, m in zip(xs, treedef.flatten_up_to(state.mu), strict=True)
         ]
-        ortho = orthogonalize_and_scale(
-            treedef.unflatten([d for d, _ in pairs]),
-            dimension_numbers,
-            coeffs=ns_coeffs,
-            steps=ns_steps,
-            eps=ns_eps,
-            dtype=ns_dtype,
-            batching=ns_batching,
-            sharding=ns_sharding,
-            kind=shape_scale,
-        )
-        new_updates = jax.tree.map(lambda o, g: o.astype(g.dtype), ortho, updates)
-        mu = treedef.unflatten([m.astype(mu_dtype) for _, m in pairs])
-        return new_updates, MuonState(mu=mu)
+        xs = treedef.flatten_up_to(h.orthogonalize(treedef.unflatten([d for d, _ in pairs]), h.dimension_numbers))
+        if normalization is not None:
+            xs, new_fields[normalization.field] = run(normalization, xs, state, axes, treedef)
+        scaled = [x * shape_factor(x.shape, ax, h.shape_scale) for x, ax in zip(xs, axes, strict=True)]
+        out = [x.astype(g.dtype) for x, g in zip(scaled, grads, strict=True)]
+        mu = treedef.unflatten([m.astype(h.mu_dtype) for _, m in pairs])
+        return treedef.unflatten(out), state_type(mu=mu, **new_fields)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def orthogonalize_and_scale(tree: Any, axes: ns.AxesSpec, *, kind: str, **ns_kwargs: Any) -> Any:
-    """``s(W) NewtonSchulz(X)`` for every leaf ``X`` of ``tree``."""
-    ortho = ns.orthogonalize(tree, axes, **ns_kwargs)
-    axes_tree = ns.matrix_axes_tree(tree, axes)
-    return jax.tree.map(lambda o, ax: o * shape_factor(o.shape, ax, kind), ortho, axes_tree)
-
-
-def with_adam(
-    matrix_direction: optax.GradientTransformation,
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    weight_decay: float,
-    adam_lr_ratio: float,
-    adam_learning_rate: optax.ScalarOrSchedule | None,
-    adam_b1: float,
-    adam_b2: float,
-    adam_eps: float,
-    param_labels: Callable[[Any], Any] | Any | None,
-) -> optax.GradientTransformationExtraArgs:
-    """The full optimizer of a matrix family: its direction on "matrix" leaves, AdamW elsewhere.
-
-    "matrix": ``chain(direction, add_decayed_weights(weight_decay), scale_by_learning_rate(lr))``.
-    "adam": ``adamw(adam_lr, adam_b1, adam_b2, adam_eps, weight_decay)``, decaying leaves of two or
-    more axes (embeddings yes, norms and biases no). ``adam_lr`` is ``adam_learning_rate`` if given,
-    else ``adam_lr_ratio * learning_rate`` (following the same schedule). Labels come from
-    ``param_labels`` (a label tree or function) or `optim.labels.matrix_labels`.
-    """
-    if adam_learning_rate is None:
-        if callable(learning_rate):
-
-            def adam_learning_rate(count):
-                return adam_lr_ratio * learning_rate(count)
-
-        else:
-            adam_learning_rate = adam_lr_ratio * learning_rate
-    matrix = optax.chain(
-        matrix_direction,
-        optax.add_decayed_weights(weight_decay),
-        optax.scale_by_learning_rate(learning_rate),
-    )
-    adam = optax.adamw(
-        adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=adam_eps, weight_decay=weight_decay, mask=labels.decay_mask
-    )
-    return optax.partition(
-        {labels.MATRIX: matrix, labels.ADAM: adam},
-        labels.matrix_labels if param_labels is None else param_labels,
-    )
-
-
-def muon(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    beta: float = 0.95,
-    momentum_form: str = "ema",
-    nesterov: bool = True,
-    ns_coeffs: ns.Coeffs = "jordan",
-    ns_steps: int = 0,
-    ns_dtype: str = "float32",
-    ns_eps: float = 1e-7,
-    shape_scale: str = "moonlight",
-    weight_decay: float = 0.1,
-    adam_lr_ratio: float = 1.0,
-    adam_b1: float = 0.9,
-    adam_b2: float = 0.95,
-    adam_eps: float = 1e-8,
-    mu_dtype: str = "float32",
-    ns_batching: str = "auto",
-    ns_sharding: str = "as_is",
-    adam_learning_rate: optax.ScalarOrSchedule | None = None,
-    param_labels: Callable[[Any], Any] | Any | None = None,
-    dimension_numbers: ns.AxesSpec = None,
-) -> optax.GradientTransformationExtraArgs:
-    """Muon on hidden matrices, AdamW on everything else (module docstring).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Muon(MuonDirection, common.MatrixOptimizer):
+    """Muon on hidden matrices, AdamW on everything else (`optim.muon` module docstring).
 
     Defaults: Jordan's momentum (EMA, Nesterov, beta 0.95) and Newton-Schulz (5 steps of
     (3.4445, -4.7750, 2.0315)); Moonlight's shape scale and weight decay 0.1, so the learning rate
     is AdamW-like (~1e-3 to 1e-2) and shared with the AdamW group. With ``shape_scale="jordan"``
-    use Jordan's ``learning_rate=0.02`` and an ``adam_lr_ratio`` of ~0.1.
+    use Jordan's ``learning_rate=0.02`` and an ``adam_lr_ratio`` of ~0.1. Hyperparameters:
+    `MuonDirection`, `NewtonSchulz`, `optim.common.AdamGroup`.
 
     Example:
       >>> tx = muon(optax.cosine_decay_schedule(3e-3, 1000))
       >>> state = tx.init(params)
       >>> updates, state = tx.update(grads, state, params)
     """
-    direction = scale_by_muon(
-        beta,
-        momentum_form=momentum_form,
-        nesterov=nesterov,
-        ns_coeffs=ns_coeffs,
-        ns_steps=ns_steps,
-        ns_dtype=ns_dtype,
-        ns_eps=ns_eps,
-        shape_scale=shape_scale,
-        mu_dtype=mu_dtype,
-        ns_batching=ns_batching,
-        ns_sharding=ns_sharding,
-        dimension_numbers=dimension_numbers,
-    )
-    return with_adam(
-        direction,
-        learning_rate,
-        weight_decay=weight_decay,
-        adam_lr_ratio=adam_lr_ratio,
-        adam_learning_rate=adam_learning_rate,
-        adam_b1=adam_b1,
-        adam_b2=adam_b2,
-        adam_eps=adam_eps,
-        param_labels=param_labels,
-    )
+
+    learning_rate: optax.ScalarOrSchedule = 3e-3
+    weight_decay: float = 0.1
+
+
+scale_by_muon = spec.function(MuonDirection, "direction", name="scale_by_muon", positional=("beta",))
+muon = spec.function(Muon, name="muon")

@@ -27,23 +27,22 @@ rejected.
 `qk_clip` applies the rule to a parameter tree (for a training loop that clips by hand);
 `scale_by_qk_clip` is the same as the last transform of an optax chain: it receives the final
 updates ``u`` and returns ``(p + u) * s - p``, so ``apply_updates`` lands on the clipped weights.
-`muon_clip` = ``chain(muon(...), scale_by_qk_clip(tau))``; call its update as
+`muon_clip` = ``chain(muon(...), scale_by_qk_clip(tau))`` (spec `MuonClip`); call its update as
 ``tx.update(grads, state, params, attn_max_logits=aux["attn_max_logits"])``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from optim import cautious as cautious_lib
-from optim import labels
-from optim import newton_schulz as ns
-from optim.muon import muon
+from optim import labels, spec
+from optim.muon import Muon
 
 Q_NAME, K_NAME = "q_proj", "k_proj"
 
@@ -167,56 +166,25 @@ def scale_by_qk_clip(tau: float = 100.0) -> optax.GradientTransformationExtraArg
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def muon_clip(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    tau: float = 100.0,
-    beta: float = 0.95,
-    momentum_form: str = "ema",
-    nesterov: bool = True,
-    ns_coeffs: ns.Coeffs = "jordan",
-    ns_steps: int = 0,
-    ns_dtype: str = "float32",
-    ns_eps: float = 1e-7,
-    shape_scale: str = "moonlight",
-    weight_decay: float = 0.1,
-    adam_lr_ratio: float = 1.0,
-    adam_b1: float = 0.9,
-    adam_b2: float = 0.95,
-    adam_eps: float = 1e-8,
-    mu_dtype: str = "float32",
-    ns_batching: str = "auto",
-    ns_sharding: str = "as_is",
-    adam_learning_rate: optax.ScalarOrSchedule | None = None,
-    param_labels: Callable[[Any], Any] | Any | None = None,
-    dimension_numbers: ns.AxesSpec = None,
-    cautious: bool = False,
-) -> optax.GradientTransformationExtraArgs:
-    """MuonClip: `optim.muon.muon` (same arguments) followed by QK-clip at ``tau`` (Kimi K2: 100).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MuonClip(Muon):
+    """MuonClip: `optim.muon.muon` (same hyperparameters) followed by QK-clip at ``tau`` (Kimi K2: 100).
 
     ``cautious=True`` masks Muon's update with `optim.cautious.cautious` *before* the clip, so the
-    QK-clip rescale (which need not agree in sign with the gradient) is never masked.
+    QK-clip rescale (which need not agree in sign with the gradient) is never masked. Its ``update``
+    needs ``attn_max_logits`` (``extra_args``).
     """
-    inner = muon(
-        learning_rate,
-        beta=beta,
-        momentum_form=momentum_form,
-        nesterov=nesterov,
-        ns_coeffs=ns_coeffs,
-        ns_steps=ns_steps,
-        ns_dtype=ns_dtype,
-        ns_eps=ns_eps,
-        shape_scale=shape_scale,
-        weight_decay=weight_decay,
-        adam_lr_ratio=adam_lr_ratio,
-        adam_b1=adam_b1,
-        adam_b2=adam_b2,
-        adam_eps=adam_eps,
-        mu_dtype=mu_dtype,
-        ns_batching=ns_batching,
-        ns_sharding=ns_sharding,
-        adam_learning_rate=adam_learning_rate,
-        param_labels=param_labels,
-        dimension_numbers=dimension_numbers,
-    )
-    return optax.chain(cautious_lib.cautious(inner) if cautious else inner, scale_by_qk_clip(tau))
+
+    learning_rate: optax.ScalarOrSchedule = 3e-3
+    weight_decay: float = 0.1
+    tau: float = 100.0
+    cautious: bool = False
+
+    extra_args: ClassVar[tuple[str, ...]] = ("attn_max_logits",)
+
+    def transform(self) -> optax.GradientTransformationExtraArgs:
+        inner = super().transform()
+        return optax.chain(cautious_lib.cautious(inner) if self.cautious else inner, scale_by_qk_clip(self.tau))
+
+
+muon_clip = spec.function(MuonClip, name="muon_clip")

@@ -1,81 +1,90 @@
 """Builds optimizers by name from the ``optimizer`` config block.
 
-The config block has common keys (``name``, ``learning_rate``, ``schedule``, ``warmup_steps``,
-``min_lr_ratio``, ``decay_fraction``, ``weight_decay``, ``grad_clip_norm``, ``cautious``,
-``state_bits``) and one sub-block per registered optimizer holding its family-specific keys, e.g.
-``optimizer.sgd.momentum``. Those sub-blocks are generated from each optimizer function's keyword
-defaults (`family_defaults`), so adding an optimizer is one line in `OPTIMIZERS` and its keys appear
-in the config by themselves.
-
-Every registered function has the signature ``fn(learning_rate, *, weight_decay=..., **family)``
-and returns an `optax.GradientTransformation` (or ``...ExtraArgs``). A function that also takes
-``cautious`` gets the common key as a keyword and applies the mask itself (MuonClip masks Muon's
-update but not its QK-clip rescale); every other optimizer is wrapped whole.
+Each registered optimizer is a spec class (`optim.spec`): a frozen dataclass of its hyperparameters
+with their defaults, which builds the optax transform. The config block has common keys (``name``,
+``learning_rate``, ``schedule``, ``warmup_steps``, ``min_lr_ratio``, ``decay_fraction``,
+``weight_decay``, ``grad_clip_norm``, ``cautious``, ``state_bits``) and one sub-block per registered
+optimizer with its family keys, e.g. ``optimizer.sgd.momentum``: the spec's fields other than the
+common keys and the code-only fields (`family_defaults`). ``learning_rate`` and ``weight_decay`` left
+unset (None) take the spec's defaults. Adding an optimizer is its file in `optim/` and one line in
+`OPTIMIZERS`.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import optax
 
-from optim import labels, schedules
-from optim.came import came
+from optim import common, labels, schedules, spec
 from optim.cautious import cautious
-from optim.lion import lion
-from optim.mars_muon import mars_muon
-from optim.muon import muon
-from optim.muon_clip import muon_clip
-from optim.normuon import normuon
+from optim.came import Came
+from optim.lion import Lion
+from optim.mars_muon import MarsMuon
+from optim.muon import Muon
+from optim.muon_clip import MuonClip
+from optim.normuon import NorMuon
 from optim.quantize_state import quantize_state
-from optim.shampoo import shampoo
-from optim.soap import soap
+from optim.shampoo import Shampoo
+from optim.soap import Soap
 
 
-def adamw(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    b1: float = 0.9,
-    b2: float = 0.95,
-    eps: float = 1e-8,
-    weight_decay: float = 0.1,
-) -> optax.GradientTransformation:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdamW(spec.OptimizerSpec):
     """AdamW (Loshchilov & Hutter, arXiv:1711.05101) with decay on leaves of two or more axes."""
-    return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=labels.decay_mask)
+
+    learning_rate: optax.ScalarOrSchedule = 3e-3
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+
+    def transform(self) -> optax.GradientTransformation:
+        return optax.adamw(
+            self.learning_rate,
+            b1=self.b1,
+            b2=self.b2,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            mask=labels.decay_mask,
+        )
 
 
-def sgd(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    momentum: float = 0.9,
-    nesterov: bool = False,
-    weight_decay: float = 0.0,
-) -> optax.GradientTransformation:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SGD(common.DirectionOptimizer):
     """SGD with heavy-ball or Nesterov momentum and decoupled weight decay (leaves of >= 2 axes)."""
-    return optax.chain(
-        optax.trace(decay=momentum, nesterov=nesterov) if momentum else optax.identity(),
-        optax.add_decayed_weights(weight_decay, mask=labels.decay_mask),
-        optax.scale_by_learning_rate(learning_rate),
-    )
+
+    learning_rate: optax.ScalarOrSchedule = 3e-3
+    weight_decay: float = 0.0
+    momentum: float = 0.9
+    nesterov: bool = False
+
+    def direction(self) -> optax.GradientTransformation:
+        if isinstance(self.momentum, int | float) and self.momentum == 0:  # not when injected (an array)
+            return optax.identity()
+        return optax.trace(decay=self.momentum, nesterov=self.nesterov)
 
 
-OPTIMIZERS: dict[str, Callable[..., Any]] = {
-    "adamw": adamw,
-    "sgd": sgd,
-    "muon": muon,
-    "normuon": normuon,
-    "muon_clip": muon_clip,
-    "mars_muon": mars_muon,
-    "lion": lion,
-    "came": came,
-    "shampoo": shampoo,
-    "soap": soap,
+adamw = spec.function(AdamW, name="adamw")
+sgd = spec.function(SGD, name="sgd")
+
+OPTIMIZERS: dict[str, type[spec.OptimizerSpec]] = {
+    "adamw": AdamW,
+    "sgd": SGD,
+    "muon": Muon,
+    "normuon": NorMuon,
+    "muon_clip": MuonClip,
+    "mars_muon": MarsMuon,
+    "lion": Lion,
+    "came": Came,
+    "shampoo": Shampoo,
+    "soap": Soap,
 }
 
 # Optimizers whose update takes the model's per-head max attention logits (``attn_max_logits``).
-NEEDS_ATTN_LOGITS = frozenset({"muon_clip"})
+NEEDS_ATTN_LOGITS = frozenset(name for name, cls in OPTIMIZERS.items() if "attn_max_logits" in cls.extra_args)
 
 COMMON_KEYS = (
     "name",
@@ -90,63 +99,57 @@ COMMON_KEYS = (
     "state_bits",
 )
 
-_CONFIGURABLE = (bool, int, float, str)
-# Common keys passed to an optimizer that takes them as keywords (rather than applied around it).
-ROUTED_KEYS = ("weight_decay", "cautious")
 
-
-def family_defaults(name: str) -> dict[str, Any]:
-    """The family-specific keyword defaults of optimizer ``name`` (the keys of ``optimizer.<name>``)."""
-    fn = _lookup(name)
-    out = {}
-    for param in inspect.signature(fn).parameters.values():
-        if param.name in ("learning_rate", *ROUTED_KEYS) or param.kind is not param.KEYWORD_ONLY:
-            continue
-        if isinstance(param.default, _CONFIGURABLE):
-            out[param.name] = param.default
-    return out
-
-
-def default_weight_decay(name: str) -> float:
-    param = inspect.signature(_lookup(name)).parameters.get("weight_decay")
-    return float(param.default) if param is not None else 0.0
-
-
-def _lookup(name: str) -> Callable[..., Any]:
+def spec_class(name: str) -> type[spec.OptimizerSpec]:
+    """The spec class registered as ``name``; a ValueError listing the names otherwise."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; set optimizer.name to one of {', '.join(sorted(OPTIMIZERS))}")
     return OPTIMIZERS[name]
 
 
+def family_defaults(name: str) -> dict[str, Any]:
+    """The family keys of optimizer ``name`` with their defaults (the keys of ``optimizer.<name>``)."""
+    return spec.config_defaults(spec_class(name))
+
+
+def make_spec(config: Mapping[str, Any], total_steps: int) -> spec.OptimizerSpec:
+    """The spec an ``optimizer`` config block describes: family keys, common keys it takes, the schedule."""
+    name = config["name"]
+    cls = spec_class(name)
+    family = dict(config.get(name, {}) or {})
+    keys = spec.config_defaults(cls)
+    unknown = sorted(set(family) - set(keys))
+    if unknown:
+        raise ValueError(f"optimizer.{name} has no key(s) {', '.join(unknown)}; its keys: {', '.join(sorted(keys))}")
+    fields = spec.defaults(cls)
+    weight_decay = config.get("weight_decay")  # None: the spec's own default
+    if weight_decay is not None:
+        if "weight_decay" not in fields:
+            raise ValueError(f"optimizer {name!r} has no weight decay; leave optimizer.weight_decay unset")
+        family["weight_decay"] = float(weight_decay)
+    if config.get("cautious") and "cautious" in fields:  # it masks only the part of its update that should be
+        family["cautious"] = True
+    return cls(learning_rate=learning_rate_fn(config, total_steps), **family)
+
+
 def build(config: Mapping[str, Any], total_steps: int) -> optax.GradientTransformation:
     """The optimizer described by an ``optimizer`` config block, for a run of ``total_steps``.
 
-    The result is ``chain(clip_by_global_norm, <name>(schedule, ...))``; no clipping when
+    The result is ``chain(clip_by_global_norm, <spec>.transform())``; no clipping when
     ``grad_clip_norm`` is 0 or None. ``state_bits`` 8 or 4 wraps the optimizer in
     `optim.quantize_state.quantize_state` (0: fp32 state); ``cautious=True`` then wraps it in
-    `optim.cautious.cautious` (its whole update, weight decay included), or is passed to optimizers
-    that take a ``cautious`` keyword. The clip stays outside both:
-    it scales the gradient by one positive factor, so the cautious sign mask is unchanged by it.
+    `optim.cautious.cautious` (its whole update, weight decay included), or is passed to a spec with
+    a ``cautious`` field. The clip stays outside both: it scales the gradient by one positive
+    factor, so the cautious sign mask is unchanged by it.
     """
-    fn = _lookup(config["name"])
-    schedule = learning_rate_fn(config, total_steps)
-    family = dict(config.get(config["name"], {}) or {})
-    weight_decay = config.get("weight_decay")  # None: the optimizer's own default
-    if weight_decay is not None and "weight_decay" in inspect.signature(fn).parameters:
-        family["weight_decay"] = float(weight_decay)
-    cautious_inside = bool(config.get("cautious")) and "cautious" in inspect.signature(fn).parameters
-    if cautious_inside:  # the optimizer masks only the part of its update that should be masked
-        family["cautious"] = True
-    try:
-        tx = fn(schedule, **family)
-    except TypeError as e:
-        raise ValueError(f"optimizer {config['name']!r} rejected its config keys {sorted(family)}: {e}") from e
     state_bits = int(config.get("state_bits") or 0)
     if state_bits not in (0, 4, 8):
         raise ValueError(f"optimizer.state_bits={state_bits}: use 0 (fp32 state), 8 or 4")
+    optimizer = make_spec(config, total_steps)
+    tx = optimizer.transform()
     if state_bits:
         tx = quantize_state(tx, bits=state_bits)
-    if config.get("cautious") and not cautious_inside:
+    if config.get("cautious") and not hasattr(optimizer, "cautious"):
         tx = cautious(tx)
     clip = config.get("grad_clip_norm")
     if clip:
@@ -155,10 +158,13 @@ def build(config: Mapping[str, Any], total_steps: int) -> optax.GradientTransfor
 
 
 def learning_rate_fn(config: Mapping[str, Any], total_steps: int) -> optax.Schedule:
-    """The schedule `build` uses, for logging the learning rate."""
+    """The schedule `build` uses, for logging the learning rate; peak ``learning_rate`` or the spec's default."""
+    peak = config.get("learning_rate")
+    if peak is None:
+        peak = spec.defaults(spec_class(config["name"]))["learning_rate"]
     return schedules.make_schedule(
         config.get("schedule", "cosine"),
-        float(config["learning_rate"]),
+        float(peak),
         total_steps,
         warmup_steps=int(config.get("warmup_steps", 0)),
         min_lr_ratio=float(config.get("min_lr_ratio", 0.1)),

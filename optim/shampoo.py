@@ -44,16 +44,15 @@ Under `optax.inject_hyperparams` the integer arguments that set array shapes mus
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optim import blocking, matrix_roots
-from optim.muon import with_adam
+from optim import blocking, common, matrix_roots, spec
 
 GRAFT_TYPES = ("adam", "adagrad", "rmsprop", "sgd", "none")
 STATIC_ARGS = ("block_size", "max_precond_dim", "exponent_override")
@@ -68,17 +67,6 @@ class ShampooState(NamedTuple):
     stats: blocking.BlockStacks  # L and R factors: (n_blocks, b, b) per group, spread over devices
     preconds: blocking.BlockStacks  # their inverse roots, same layout
     root_failures: jax.Array  # roots rejected so far (NaN or error > failure_threshold), int32
-
-
-def static_int(name: str, value: Any) -> int:
-    """``value`` as a Python int; a clear error when it was injected as an array."""
-    try:
-        return int(value)
-    except jax.errors.ConcretizationTypeError:
-        raise ValueError(
-            f"{name} sets array shapes and must be a Python int; with optax.inject_hyperparams pass "
-            f"static_args={STATIC_ARGS}"
-        ) from None
 
 
 def _group_key(p: int, b: int) -> str:
@@ -110,30 +98,11 @@ def _rescale(direction: jax.Array, target: jax.Array, reduce_axes: tuple[int, ..
     return direction * jnp.where(d_norm > 0, t_norm / jnp.where(d_norm > 0, d_norm, 1.0), 0.0)
 
 
-def scale_by_shampoo(
-    block_size: int = 1024,
-    beta1: float = 0.9,
-    beta2: float = 0.999,
-    *,
-    nesterov: bool = True,
-    matrix_eps: float = 1e-6,
-    precondition_every: int = 100,
-    start_preconditioning_step: int = -1,
-    exponent_override: int = 0,
-    max_precond_dim: int = 4096,
-    root_method: str = "eigh",
-    failure_threshold: float = 0.1,
-    newton_iters: int = 100,
-    graft_type: str = "adam",
-    graft_beta2: float = 0.999,
-    graft_eps: float = 1e-8,
-    graft_per_block: bool = False,
-    merge_dims: bool = True,
-    batch_leading_axes: bool = True,
-) -> optax.GradientTransformation:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShampooDirection:
     """Shampoo's grafted, momentum-averaged direction (module docstring); no learning rate.
 
-    Args:
+    Attributes:
       block_size: longest block side per dim (distributed Shampoo's blocking).
       beta1: momentum coefficient (0 disables momentum).
       beta2: statistics EMA coefficient; 1.0 gives the AdaGrad sums of the original Shampoo.
@@ -155,19 +124,44 @@ def scale_by_shampoo(
       batch_leading_axes: axes before the last two are batch axes (scan-stacked layers): each entry
         gets its own statistics. False: every axis is a tensor dim.
     """
-    block_size = static_int("block_size", block_size)
-    max_precond_dim = static_int("max_precond_dim", max_precond_dim)
-    exponent_override = static_int("exponent_override", exponent_override)
+
+    block_size: int = 1024
+    beta1: float = 0.9
+    beta2: float = 0.999
+    nesterov: bool = True
+    matrix_eps: float = 1e-6
+    precondition_every: int = 100
+    start_preconditioning_step: int = -1
+    exponent_override: int = 0
+    max_precond_dim: int = 4096
+    root_method: str = "eigh"
+    failure_threshold: float = 0.1
+    newton_iters: int = 100
+    graft_type: str = "adam"
+    graft_beta2: float = 0.999
+    graft_eps: float = 1e-8
+    graft_per_block: bool = False
+    merge_dims: bool = True
+    batch_leading_axes: bool = spec.code_only(True)
+
+    static_args: ClassVar[tuple[str, ...]] = STATIC_ARGS
+
+    def direction(self) -> optax.GradientTransformation:
+        return _scale_by_shampoo(self)
+
+
+def _scale_by_shampoo(h: ShampooDirection) -> optax.GradientTransformation:
+    block_size = common.static_int("block_size", h.block_size, STATIC_ARGS)
+    max_precond_dim = common.static_int("max_precond_dim", h.max_precond_dim, STATIC_ARGS)
+    exponent_override = common.static_int("exponent_override", h.exponent_override, STATIC_ARGS)
     if block_size < 1 or max_precond_dim < 1 or exponent_override < 0:
         raise ValueError(
             f"need block_size >= 1, max_precond_dim >= 1 and exponent_override >= 0; got {block_size}, "
             f"{max_precond_dim}, {exponent_override}"
         )
-    if graft_type not in GRAFT_TYPES:
-        raise ValueError(f"graft_type={graft_type!r} is not one of {', '.join(GRAFT_TYPES)}")
-    if root_method not in matrix_roots.METHODS:
-        raise ValueError(f"root_method={root_method!r} is not one of {', '.join(matrix_roots.METHODS)}")
-    has_nu = graft_type in ("adam", "adagrad", "rmsprop")
+    common.check_choice("graft_type", h.graft_type, GRAFT_TYPES)
+    common.check_choice("root_method", h.root_method, matrix_roots.METHODS)
+    has_nu = h.graft_type in ("adam", "adagrad", "rmsprop")
 
     def make_layout(leaf: jax.Array) -> blocking.TensorLayout | None:
         if leaf.ndim < 2:
@@ -176,8 +170,8 @@ def scale_by_shampoo(
             leaf.shape,
             block_size=block_size,
             max_precond_dim=max_precond_dim,
-            merge_dims=merge_dims,
-            batch_leading_axes=batch_leading_axes,
+            merge_dims=h.merge_dims,
+            batch_leading_axes=h.batch_leading_axes,
         )
         return layout if layout.rank else None
 
@@ -202,7 +196,7 @@ def scale_by_shampoo(
             count=jnp.zeros([], jnp.int32),
             momentum=zeros,
             graft_nu=zeros if has_nu else None,
-            stats=eyes(matrix_eps),
+            stats=eyes(h.matrix_eps),
             preconds=eyes(1.0),
             root_failures=jnp.zeros([], jnp.int32),
         )
@@ -213,12 +207,12 @@ def scale_by_shampoo(
             root = functools.partial(
                 matrix_roots.inverse_pth_root,
                 p=_exponent_of(key),
-                method=root_method,
-                ridge_epsilon=matrix_eps,
-                newton_iters=newton_iters,
+                method=h.root_method,
+                ridge_epsilon=h.matrix_eps,
+                newton_iters=h.newton_iters,
             )
             roots, errors = blocking.spread_blocks(root, stats[key])
-            ok = matrix_roots.accepted(roots, errors, failure_threshold)
+            ok = matrix_roots.accepted(roots, errors, h.failure_threshold)
             new[key] = blocking.constrain_blocks(jnp.where(ok[:, None, None], roots, preconds[key]))
             failures += jnp.sum(~ok).astype(jnp.int32)
         return new, failures
@@ -227,21 +221,21 @@ def scale_by_shampoo(
         del params
         grads, treedef, tensors, stack = layouts(updates)
         t = state.count + 1
-        start = jnp.where(start_preconditioning_step < 0, precondition_every, start_preconditioning_step)
+        start = jnp.where(h.start_preconditioning_step < 0, h.precondition_every, h.start_preconditioning_step)
         use_shampoo = t >= start
 
         g32 = [g.astype(jnp.float32) for g in grads]
         nus = treedef.flatten_up_to(state.graft_nu) if has_nu else [None] * len(grads)
-        grafts = [_graft(graft_type, g, nu, t, graft_beta2, graft_eps) for g, nu in zip(g32, nus, strict=True)]
+        grafts = [_graft(h.graft_type, g, nu, t, h.graft_beta2, h.graft_eps) for g, nu in zip(g32, nus, strict=True)]
 
         blocks = [None if lay is None else lay.to_blocks(g) for g, lay in zip(g32, tensors, strict=True)]
         outer = blocking.factor_statistics(stack, blocks)
-        w2 = jnp.where(beta2 == 1.0, 1.0, 1.0 - beta2)
+        w2 = jnp.where(h.beta2 == 1.0, 1.0, 1.0 - h.beta2)
         stats = blocking.BlockStacks(
-            {k: blocking.constrain_blocks(beta2 * state.stats[k] + w2 * outer[k]) for k in state.stats}
+            {k: blocking.constrain_blocks(h.beta2 * state.stats[k] + w2 * outer[k]) for k in state.stats}
         )
 
-        refresh = use_shampoo & ((t == start) | (t % precondition_every == 0))
+        refresh = use_shampoo & ((t == start) | (t % h.precondition_every == 0))
         preconds, failures = jax.lax.cond(
             refresh,
             lambda s, p: refresh_roots(stack, s, p),
@@ -257,9 +251,9 @@ def scale_by_shampoo(
                 directions.append(graft_dir)
                 continue
             pre = blocking.apply_factors(leaf_blocks, leaf_mats)
-            if graft_type == "none":
+            if h.graft_type == "none":
                 shampoo_dir = lay.from_blocks(pre)
-            elif graft_per_block:
+            elif h.graft_per_block:
                 target = lay.to_blocks(graft_dir)
                 shampoo_dir = lay.from_blocks(
                     [_rescale(s, a, tuple(range(1, s.ndim))) for s, a in zip(pre, target, strict=True)]
@@ -272,9 +266,9 @@ def scale_by_shampoo(
         momentum = []
         out = []
         for d, m, g in zip(directions, treedef.flatten_up_to(state.momentum), grads, strict=True):
-            m = beta1 * m + (1 - beta1) * d
+            m = h.beta1 * m + (1 - h.beta1) * d
             momentum.append(m)
-            out.append((beta1 * m + (1 - beta1) * d if nesterov else m).astype(g.dtype))
+            out.append((h.beta1 * m + (1 - h.beta1) * d if h.nesterov else m).astype(g.dtype))
         new_state = ShampooState(
             count=t,
             momentum=treedef.unflatten(momentum),
@@ -295,75 +289,29 @@ def root_failures(opt_state: Any) -> jax.Array:
     return sum(counts, jnp.zeros([], jnp.int32))
 
 
-def shampoo(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    block_size: int = 1024,
-    beta1: float = 0.9,
-    beta2: float = 0.999,
-    nesterov: bool = True,
-    matrix_eps: float = 1e-6,
-    precondition_every: int = 100,
-    start_preconditioning_step: int = -1,
-    exponent_override: int = 0,
-    max_precond_dim: int = 4096,
-    root_method: str = "eigh",
-    failure_threshold: float = 0.1,
-    newton_iters: int = 100,
-    graft_type: str = "adam",
-    graft_beta2: float = 0.999,
-    graft_eps: float = 1e-8,
-    graft_per_block: bool = False,
-    merge_dims: bool = True,
-    weight_decay: float = 0.0,
-    adam_lr_ratio: float = 1.0,
-    adam_b1: float = 0.9,
-    adam_b2: float = 0.95,
-    adam_eps: float = 1e-8,
-    adam_learning_rate: optax.ScalarOrSchedule | None = None,
-    param_labels: Callable[[Any], Any] | Any | None = None,
-) -> optax.GradientTransformationExtraArgs:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Shampoo(ShampooDirection, common.MatrixOptimizer):
     """Shampoo on hidden matrices, AdamW on embeddings, LM head, norms, biases and scalars.
 
     Matrix leaves: ``chain(scale_by_shampoo(...), add_decayed_weights(weight_decay),
     scale_by_learning_rate(learning_rate))``; the rest: AdamW with ``adam_lr_ratio * learning_rate``
-    (or ``adam_learning_rate``), see `optim.muon.with_adam`. With the default Adam graft the update
+    (or ``adam_learning_rate``), see `optim.common.with_adam`. With the default Adam graft the update
     has Adam's scale, so Adam's learning rate and schedule carry over. Defaults follow distributed
     Shampoo (arXiv:2002.09018: beta1 0.9, beta2 0.999, Nesterov, matrix_eps 1e-6, failure
     threshold 0.1, no weight decay) with the issue's block size 1024 and refresh every 100 steps.
+    Hyperparameters: `ShampooDirection`, `optim.common.AdamGroup`.
 
     Example:
       >>> tx = shampoo(optax.cosine_decay_schedule(1e-3, 1000), precondition_every=10)
       >>> state = tx.init(params)
       >>> updates, state = tx.update(grads, state, params)
     """
-    direction = scale_by_shampoo(
-        block_size,
-        beta1,
-        beta2,
-        nesterov=nesterov,
-        matrix_eps=matrix_eps,
-        precondition_every=precondition_every,
-        start_preconditioning_step=start_preconditioning_step,
-        exponent_override=exponent_override,
-        max_precond_dim=max_precond_dim,
-        root_method=root_method,
-        failure_threshold=failure_threshold,
-        newton_iters=newton_iters,
-        graft_type=graft_type,
-        graft_beta2=graft_beta2,
-        graft_eps=graft_eps,
-        graft_per_block=graft_per_block,
-        merge_dims=merge_dims,
-    )
-    return with_adam(
-        direction,
-        learning_rate,
-        weight_decay=weight_decay,
-        adam_lr_ratio=adam_lr_ratio,
-        adam_learning_rate=adam_learning_rate,
-        adam_b1=adam_b1,
-        adam_b2=adam_b2,
-        adam_eps=adam_eps,
-        param_labels=param_labels,
-    )
+
+    learning_rate: optax.ScalarOrSchedule = 3e-3
+    weight_decay: float = 0.0
+
+
+scale_by_shampoo = spec.function(
+    ShampooDirection, "direction", name="scale_by_shampoo", positional=("block_size", "beta1", "beta2")
+)
+shampoo = spec.function(Shampoo, name="shampoo")

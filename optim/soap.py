@@ -35,16 +35,14 @@ Under `optax.inject_hyperparams` pass ``static_args=STATIC_ARGS``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optim import blocking, matrix_roots
-from optim.muon import with_adam
-from optim.shampoo import static_int
+from optim import blocking, common, matrix_roots, spec
 
 STATIC_ARGS = ("max_precond_dim",)
 
@@ -92,21 +90,11 @@ def power_qr(stats: jax.Array, bases: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, order
 
 
-def scale_by_soap(
-    b1: float = 0.95,
-    b2: float = 0.95,
-    eps: float = 1e-8,
-    *,
-    shampoo_beta: float = -1.0,
-    precondition_frequency: int = 10,
-    max_precond_dim: int = 10000,
-    merge_dims: bool = False,
-    precondition_1d: bool = False,
-    batch_leading_axes: bool = True,
-) -> optax.GradientTransformation:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SoapDirection:
     """SOAP's bias-corrected direction (module docstring); no learning rate.
 
-    Args:
+    Attributes:
       b1: first-moment EMA coefficient.
       b2: second-moment EMA coefficient.
       eps: added to ``sqrt(v)``.
@@ -118,19 +106,37 @@ def scale_by_soap(
       batch_leading_axes: axes before the last two are batch axes (scan-stacked layers). False:
         every axis is a tensor dim, as in the reference.
     """
-    max_precond_dim = static_int("max_precond_dim", max_precond_dim)
+
+    b1: float = 0.95
+    b2: float = 0.95
+    eps: float = 1e-8
+    shampoo_beta: float = -1.0
+    precondition_frequency: int = 10
+    max_precond_dim: int = 10000
+    merge_dims: bool = False
+    precondition_1d: bool = False
+    batch_leading_axes: bool = spec.code_only(True)
+
+    static_args: ClassVar[tuple[str, ...]] = STATIC_ARGS
+
+    def direction(self) -> optax.GradientTransformation:
+        return _scale_by_soap(self)
+
+
+def _scale_by_soap(h: SoapDirection) -> optax.GradientTransformation:
+    max_precond_dim = common.static_int("max_precond_dim", h.max_precond_dim, STATIC_ARGS)
     if max_precond_dim < 1:
         raise ValueError(f"max_precond_dim={max_precond_dim} must be >= 1")
 
     def make_layout(leaf: jax.Array) -> blocking.TensorLayout | None:
-        if leaf.ndim < 1 or (leaf.ndim == 1 and not precondition_1d):
+        if leaf.ndim < 1 or (leaf.ndim == 1 and not h.precondition_1d):
             return None
         layout = blocking.tensor_layout(
             leaf.shape,
             block_size=max_precond_dim,
             max_precond_dim=max_precond_dim,
-            merge_dims=merge_dims,
-            batch_leading_axes=batch_leading_axes,
+            merge_dims=h.merge_dims,
+            batch_leading_axes=h.batch_leading_axes,
         )
         return layout if layout.rank else None
 
@@ -168,16 +174,16 @@ def scale_by_soap(
         leaves = zip(g32, treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu), tensors, old_mats, strict=True)
         for g, m, v, lay, mats in leaves:
             g_rot = rotate(g, lay, mats, True)
-            m = b1 * m + (1 - b1) * g_rot
-            v = b2 * v + (1 - b2) * g_rot * g_rot
-            d = rotate(m / (jnp.sqrt(v) + eps), lay, mats, False)
+            m = h.b1 * m + (1 - h.b1) * g_rot
+            v = h.b2 * v + (1 - h.b2) * g_rot * g_rot
+            d = rotate(m / (jnp.sqrt(v) + h.eps), lay, mats, False)
             mu.append(m)
             nu.append(v)
-            direction.append(jnp.where(first, 0.0, d * (jnp.sqrt(1 - b2**s) / (1 - b1**s))))
+            direction.append(jnp.where(first, 0.0, d * (jnp.sqrt(1 - h.b2**s) / (1 - h.b1**s))))
 
         blocks = [None if lay is None else lay.to_blocks(g) for g, lay in zip(g32, tensors, strict=True)]
         outer = blocking.factor_statistics(stack, blocks)
-        beta_s = jnp.where(shampoo_beta < 0, b2, shampoo_beta)
+        beta_s = jnp.where(h.shampoo_beta < 0, h.b2, h.shampoo_beta)
         stats = blocking.BlockStacks(
             {k: blocking.constrain_blocks(beta_s * state.stats[k] + (1 - beta_s) * outer[k]) for k in state.stats}
         )
@@ -202,7 +208,7 @@ def scale_by_soap(
             nu = [v if lay is None else _permute(lay, v, o) for v, lay, o in zip(nu, tensors, orders, strict=True)]
             return new, mu, nu
 
-        branch = jnp.where(first, 1, jnp.where(s % precondition_frequency == 0, 2, 0))
+        branch = jnp.where(first, 1, jnp.where(s % h.precondition_frequency == 0, 2, 0))
         bases, mu, nu = jax.lax.switch(branch, (keep, initialise, refresh), state.bases, mu, nu)
         new_state = SoapState(
             count=state.count + 1,
@@ -217,54 +223,24 @@ def scale_by_soap(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def soap(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    b1: float = 0.95,
-    b2: float = 0.95,
-    eps: float = 1e-8,
-    shampoo_beta: float = -1.0,
-    precondition_frequency: int = 10,
-    max_precond_dim: int = 10000,
-    merge_dims: bool = False,
-    precondition_1d: bool = False,
-    weight_decay: float = 0.01,
-    adam_lr_ratio: float = 1.0,
-    adam_b1: float = 0.9,
-    adam_b2: float = 0.95,
-    adam_eps: float = 1e-8,
-    adam_learning_rate: optax.ScalarOrSchedule | None = None,
-    param_labels: Callable[[Any], Any] | Any | None = None,
-) -> optax.GradientTransformationExtraArgs:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Soap(SoapDirection, common.MatrixOptimizer):
     """SOAP on hidden matrices, AdamW on embeddings, LM head, norms, biases and scalars.
 
     Matrix leaves: ``chain(scale_by_soap(...), add_decayed_weights(weight_decay),
     scale_by_learning_rate(learning_rate))``; the rest: AdamW with ``adam_lr_ratio * learning_rate``
-    (or ``adam_learning_rate``), see `optim.muon.with_adam`. The reference's learning rate is 3e-3.
+    (or ``adam_learning_rate``), see `optim.common.with_adam`. The reference's learning rate is 3e-3.
+    Hyperparameters: `SoapDirection`, `optim.common.AdamGroup`.
 
     Example:
       >>> tx = soap(optax.cosine_decay_schedule(3e-3, 1000))
       >>> state = tx.init(params)
       >>> updates, state = tx.update(grads, state, params)
     """
-    direction = scale_by_soap(
-        b1,
-        b2,
-        eps,
-        shampoo_beta=shampoo_beta,
-        precondition_frequency=precondition_frequency,
-        max_precond_dim=max_precond_dim,
-        merge_dims=merge_dims,
-        precondition_1d=precondition_1d,
-    )
-    return with_adam(
-        direction,
-        learning_rate,
-        weight_decay=weight_decay,
-        adam_lr_ratio=adam_lr_ratio,
-        adam_learning_rate=adam_learning_rate,
-        adam_b1=adam_b1,
-        adam_b2=adam_b2,
-        adam_eps=adam_eps,
-        param_labels=param_labels,
-    )
+
+    learning_rate: optax.ScalarOrSchedule = 3e-3
+    weight_decay: float = 0.01
+
+
+scale_by_soap = spec.function(SoapDirection, "direction", name="scale_by_soap", positional=("b1", "b2", "eps"))
+soap = spec.function(Soap, name="soap")

@@ -9,11 +9,12 @@ from ml_collections import config_dict
 from optim import registry
 
 
-def optimizer_config(name: str = "adamw", learning_rate: float = 3e-3) -> ml_collections.ConfigDict:
-    """Common optimizer keys plus one sub-block of family-specific keys per registered optimizer."""
+def optimizer_config(name: str = "adamw", learning_rate: float | None = None) -> ml_collections.ConfigDict:
+    """Common optimizer keys plus one sub-block of family keys per registered optimizer (from its spec)."""
     opt = ml_collections.ConfigDict()
     opt.name = name
-    opt.learning_rate = learning_rate
+    # None: the optimizer's own default (its spec in optim/), so changing the name changes it too.
+    opt.learning_rate = config_dict.placeholder(float) if learning_rate is None else learning_rate
     opt.schedule = "cosine"  # constant | cosine | linear | wsd
     opt.warmup_steps = 20
     opt.min_lr_ratio = 0.1

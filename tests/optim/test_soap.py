@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from optim import blocking
-from optim.soap import STATIC_ARGS, SoapState, scale_by_soap, soap
+from optim.soap import SoapState, scale_by_soap, soap
 from sharding import partition
 
 
@@ -158,17 +158,6 @@ def test_sharded_statistics_are_distributed_and_results_match():
     for got, want in zip(outs, single):
         for k in params:
             np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-4, atol=1e-5)
-
-
-def test_inject_hyperparams():
-    rng = np.random.default_rng(4)
-    params = {"w": jnp.zeros((4, 6)), "norm": jnp.zeros((4,))}
-    grads_seq = [jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params) for _ in range(3)]
-    plain, _ = run(soap(3e-3, precondition_frequency=1), grads_seq, params)
-    injected_tx = optax.inject_hyperparams(soap, static_args=STATIC_ARGS)(3e-3, precondition_frequency=1)
-    injected, _ = run(injected_tx, grads_seq, params)
-    for got, want in zip(injected, plain):
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8), got, want)
 
 
 def test_bad_arguments_raise():

@@ -70,7 +70,7 @@ def model_config(config: ml_collections.ConfigDict) -> model_config_lib.ModelCon
 STATE_SHAPING_KEYS = ("state_bits", "cautious")
 
 # Model fields a resumed run may change: they alter how the step computes, not what the state is.
-_RESUMABLE_MODEL_CHANGES = ("dtype", "remat", "track_attn_logits")
+_RESUMABLE_MODEL_CHANGES = ("dtype", "remat", "scan_unroll", "track_attn_logits")
 
 
 def _run_meta(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConfig) -> dict:

@@ -283,7 +283,8 @@ def _summarize(config, workdir, spec, step_times, last, val_loss, start, lead) -
     timed = step_times[1:] or step_times  # the first step of a process includes compilation
     tokens_per_second = tokens_per_step / float(np.median(timed)) if timed else 0.0
     fpt = flops_per_token(spec.cfg, config.data.seq_len)
-    peak_flops = hardware.matmul_flops_per_device() * spec.mesh.size
+    peak = hardware.peak_flops_per_device(spec.cfg.dtype, spec.mesh.devices.flat[0])
+    measured_flops = hardware.matmul_flops_per_device() * spec.mesh.size
     peak_bytes, peak_source = hardware.peak_memory_bytes()
     summary = {
         "steps": config.steps,
@@ -291,9 +292,12 @@ def _summarize(config, workdir, spec, step_times, last, val_loss, start, lead) -
         "final_train_loss": last.get("loss"),
         "final_val_loss": val_loss,
         "tokens_per_second": tokens_per_second,
-        "mfu": tokens_per_second * fpt / peak_flops,
+        "mfu": tokens_per_second * fpt / (peak.flops_per_second * spec.mesh.size),
+        "mfu_peak_source": peak.source,
+        "peak_flops_per_second": peak.flops_per_second * spec.mesh.size,
+        "mfu_measured_matmul": tokens_per_second * fpt / measured_flops,
+        "matmul_flops_per_second": measured_flops,
         "flops_per_token": fpt,
-        "matmul_flops_per_second": peak_flops,
         "peak_memory_bytes": peak_bytes,
         "peak_memory_source": peak_source,
         "skipped_steps": last.get("skipped_steps", 0),
@@ -378,7 +382,8 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
         sys.exit(1)
     if summary.get("interrupted"):
         sys.exit(128 + summary["signal"])
-    print(json.dumps({k: summary[k] for k in ("steps", "final_train_loss", "final_val_loss", "tokens_per_second", "mfu")}))
+    keys = ("steps", "final_train_loss", "final_val_loss", "tokens_per_second", "mfu", "mfu_peak_source", "mfu_measured_matmul")
+    print(json.dumps({k: summary[k] for k in keys}))
     print(f"workdir: {workdir}")
 
 

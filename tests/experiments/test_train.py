@@ -56,9 +56,11 @@ def test_run_writes_every_output_and_learns(tmp_path):
     assert len(vals) == 3 and vals[-1] < vals[0] - 0.3
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    for key in ("steps", "final_train_loss", "final_val_loss", "tokens_per_second", "mfu", "peak_memory_bytes"):
+    for key in ("steps", "final_train_loss", "final_val_loss", "tokens_per_second", "mfu", "mfu_measured_matmul", "peak_memory_bytes"):
         assert on_disk[key] == summary[key]
     assert 0 < summary["mfu"] < 1 and summary["peak_memory_bytes"] > 0
+    assert summary["mfu_peak_source"].startswith("measured matmul rate")  # a CPU has no datasheet peak
+    assert summary["mfu"] == summary["mfu_measured_matmul"]
     assert json.loads((tmp_path / "config.json").read_text())["steps"] == 30
 
 

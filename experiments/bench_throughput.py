@@ -4,20 +4,31 @@ r"""Training-step throughput (tokens/s) and model FLOPs utilisation for presets 
         --dtypes=float32,bfloat16 --mesh=data:-1 --mesh=fsdp:-1 --json_out=/tmp/throughput.json
     # compare meshes on one host by splitting its CPU into 8 devices:
     python -m experiments.bench_throughput --cpu_devices=8 --mesh=data:8 --mesh=fsdp:8 --mesh=data:2,fsdp:4
+    # any other training key applies to every case, e.g. the layer loop and the remat policy:
+    python -m experiments.bench_throughput --presets=gpt2-124m --batch_shapes=16x1024 --dtypes=bfloat16 \
+        --config.model.scan_layers=false --config.model.remat=dots_and_attention
 
 Each case is the real training step of `experiments.train` (forward, backward, optimizer update,
 non-finite check), jitted with the run's shardings, on random tokens (no input pipeline). The first
 ``--warmup`` steps (compilation included) are not timed; then ``--repeats`` times, ``--steps``
 consecutive steps are timed to the last result. Reported: the median tokens/s over the repeats with
-the slowest and fastest, and MFU = median tokens/s x `lm.loss.flops_per_token` / (measured matmul
-FLOP/s of one device, `experiments.hardware.matmul_flops_per_device`, x devices in the mesh). The
-denominator is measured in fp32 on CPU and bf16 elsewhere, for every dtype. Fake CPU devices
-(``--cpu_devices``) share the host's cores, so their MFU is understated by up to the device count;
-compare meshes there by tokens/s.
+the slowest and fastest, and two MFUs, median tokens/s x `lm.loss.flops_per_token` over
+
+- the datasheet dense peak of the device for the case's compute dtype
+  (`experiments.hardware.peak_flops_per_device`) x devices in the mesh; a device the table does not
+  list (a CPU) falls back to the measured rate below, and the output says so;
+- the measured matmul FLOP/s of one device (`experiments.hardware.matmul_flops_per_device`, fp32 on
+  CPU and bf16 elsewhere, for every dtype) x devices in the mesh.
+
+Fake CPU devices (``--cpu_devices``) share the host's cores, so their MFU is understated by up to the
+device count; compare meshes there by tokens/s.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -33,6 +44,7 @@ from absl import app, flags, logging
 
 from experiments import hardware, train, train_lib
 from experiments.configs import default
+from lm import config as model_config_lib
 from lm.loss import flops_per_token
 from sharding import mesh as mesh_lib
 from sharding import partition
@@ -46,9 +58,19 @@ def parse_batch_shape(text: str) -> tuple[int, int]:
     return int(batch), int(seq)
 
 
-def case_config(preset: str, batch: int, seq_len: int, dtype: str, mesh: str, optimizer: str, rules: str) -> ml_collections.ConfigDict:
-    """The training config of one case; a mesh with no -1 runs on the first devices it needs."""
-    config = default.get_config()
+def case_config(
+    preset: str,
+    batch: int,
+    seq_len: int,
+    dtype: str,
+    mesh: str,
+    optimizer: str,
+    rules: str,
+    base: ml_collections.ConfigDict | None = None,
+) -> ml_collections.ConfigDict:
+    """The training config of one case (``base`` or the default for every other key); a mesh with no -1
+    runs on the first devices it needs."""
+    config = copy.deepcopy(base) if base is not None else default.get_config()
     config.model.preset = preset
     config.model.dtype = dtype
     config.batch_size = batch
@@ -102,10 +124,12 @@ def benchmark(config: ml_collections.ConfigDict, *, warmup: int, repeats: int, s
     warmup_seconds = run(warmup)
     rates = [steps * tokens_per_step / run(steps) for _ in range(repeats)]
     median = statistics.median(rates)
-    peak = hardware.matmul_flops_per_device() * spec.mesh.size
+    peak = hardware.peak_flops_per_device(spec.cfg.dtype, spec.mesh.devices.flat[0])
+    measured = hardware.matmul_flops_per_device() * spec.mesh.size
     fpt = flops_per_token(spec.cfg, config.data.seq_len)
     return {
         "preset": config.model.preset,
+        "model_options": model_options(spec.cfg, config.model.preset),
         "batch_size": config.batch_size,
         "seq_len": config.data.seq_len,
         "dtype": config.model.dtype,
@@ -119,30 +143,44 @@ def benchmark(config: ml_collections.ConfigDict, *, warmup: int, repeats: int, s
         "tokens_per_second_max": max(rates),
         "tokens_per_second_repeats": rates,
         "step_seconds": tokens_per_step / median,
-        "mfu": median * fpt / peak,
+        "mfu": median * fpt / (peak.flops_per_second * spec.mesh.size),
+        "peak_flops": peak.flops_per_second * spec.mesh.size,
+        "peak_source": peak.source,
+        "mfu_measured_matmul": median * fpt / measured,
+        "matmul_flops": measured,
         "flops_per_token": fpt,
-        "peak_flops": peak,
         "warmup_seconds": warmup_seconds,
     }
 
 
+def model_options(cfg: model_config_lib.ModelConfig, preset: str) -> str:
+    """The model fields that differ from the preset's defaults (dtype aside: it has its own column)."""
+    preset_cfg = model_config_lib.from_preset(preset)
+    changed = [
+        f"{f.name}={getattr(cfg, f.name)}"
+        for f in dataclasses.fields(cfg)
+        if f.name != "dtype" and getattr(cfg, f.name) != getattr(preset_cfg, f.name)
+    ]
+    return ", ".join(changed) or "preset"
+
+
 def format_table(cases: list[dict[str, Any]]) -> str:
-    """A markdown table, one row per case."""
+    """A markdown table, one row per case; MFU against the datasheet peak and the measured matmul rate."""
     lines = [
-        "| preset | batch x seq | dtype | mesh | tokens/s median (min-max) | step ms | MFU | warm-up s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| preset | model | batch x seq | dtype | mesh | tokens/s median (min-max) | step ms | MFU (peak) | MFU (measured matmul) | warm-up s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cases:
         mesh = ",".join(f"{k}:{v}" for k, v in c["mesh"].items())
         lines.append(
-            f"| {c['preset']} | {c['batch_size']}x{c['seq_len']} | {c['dtype']} | {mesh} "
+            f"| {c['preset']} | {c['model_options']} | {c['batch_size']}x{c['seq_len']} | {c['dtype']} | {mesh} "
             f"| {c['tokens_per_second']:,.0f} ({c['tokens_per_second_min']:,.0f}-{c['tokens_per_second_max']:,.0f}) "
-            f"| {1e3 * c['step_seconds']:.1f} | {c['mfu']:.1%} | {c['warmup_seconds']:.1f} |"
+            f"| {1e3 * c['step_seconds']:.1f} | {c['mfu']:.1%} | {c['mfu_measured_matmul']:.1%} | {c['warmup_seconds']:.1f} |"
         )
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> None:
+def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     del argv  # checked by train.parse_flags
     f = flags.FLAGS
     if not f.verbose:
@@ -155,7 +193,7 @@ def main(argv: list[str]) -> None:
     try:
         shapes = [parse_batch_shape(s) for s in f.batch_shapes]
         configs = [
-            case_config(preset, b, t, dtype, mesh, f.optimizer, f.rules)
+            case_config(preset, b, t, dtype, mesh, f.optimizer, f.rules, base=config_flag.value)
             for preset in f.presets
             for b, t in shapes
             for dtype in f.dtypes
@@ -178,6 +216,8 @@ def main(argv: list[str]) -> None:
         cases.append(benchmark(config, warmup=f.warmup, repeats=f.repeats, steps=f.steps))
     device = jax.devices()[0]
     print(f"{device.platform}: {device.device_kind}, {len(jax.devices())} devices; median of {f.repeats} x {f.steps} steps")
+    for source in dict.fromkeys(c["peak_source"] for c in cases):
+        print(f"MFU (peak) against the {source}")
     print(format_table(cases))
     if f.json_out:
         result = {"backend": device.platform, "device": device.device_kind, "num_devices": len(jax.devices()), "cases": cases}
@@ -185,7 +225,8 @@ def main(argv: list[str]) -> None:
             json.dump(result, out, indent=1)
 
 
-def define_flags() -> None:
+def define_flags() -> flags.FlagHolder:
+    """The benchmark's flags, and ``--config`` whose ``--config.<key>`` overrides apply to every case."""
     flags.DEFINE_list("presets", ["tiny"], "Model presets (lm/config.py).")
     flags.DEFINE_list("batch_shapes", ["8x128", "32x128"], "BATCHxSEQ_LEN shapes (global batch).")
     flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Compute dtypes.")
@@ -198,8 +239,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("cpu_devices", 0, "Split the CPU into this many devices (CPU backend only); 0: leave as is.")
     flags.DEFINE_string("json_out", None, "Also write every case as JSON here.")
     flags.DEFINE_bool("verbose", False, "Show tracebacks for bad input, and library logs.")
+    return train.define_config_flag(train.DEFAULT_CONFIG)
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main, flags_parser=train.parse_flags)
+    config_holder = define_flags()
+    app.run(functools.partial(main, config_holder), flags_parser=train.parse_flags)

@@ -1,10 +1,11 @@
-"""What the machine can do: measured matmul throughput (the MFU denominator) and peak memory."""
+"""What the machine can do: datasheet and measured matmul throughput (MFU denominators), peak memory."""
 
 from __future__ import annotations
 
 import json
 import resource
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,64 @@ def matmul_flops_per_device() -> float:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(cache, indent=1))
     return float(cache[key])
+
+
+# Dense (no structured sparsity) matmul peak of one chip, FLOP/s, keyed by `jax.Device.device_kind`.
+# "float32" is the rate of float32 matmuls at JAX's default precision, which runs them on TF32
+# tensor cores on NVIDIA GPUs and as one bfloat16 pass on TPUs (docs.jax.dev/en/latest/201/precision.html).
+# Sources: NVIDIA H100 Tensor Core GPU datasheet (SXM5, PCIe, NVL columns; its BF16 and TF32 figures
+# are "with sparsity", halved here), NVIDIA H200 Tensor Core GPU datasheet (SXM, NVL), NVIDIA A100
+# Tensor Core GPU datasheet (BF16 312, TF32 156 dense), Google Cloud TPU system-architecture pages
+# (v4 275, v5e 197, v5p 459, v6e 918 bf16 TFLOP/s per chip).
+_H100_SXM = {"bfloat16": 989e12, "float32": 494.5e12}
+_H100_PCIE = {"bfloat16": 756e12, "float32": 378e12}
+_NVL = {"bfloat16": 835.5e12, "float32": 417.5e12}  # H100 NVL and H200 NVL
+_A100 = {"bfloat16": 312e12, "float32": 156e12}
+
+
+def _tpu(bf16: float) -> dict[str, float]:
+    return {"bfloat16": bf16, "float32": bf16}
+
+
+DATASHEET_PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "NVIDIA H100 80GB HBM3": _H100_SXM,
+    "NVIDIA H100 PCIe": _H100_PCIE,
+    "NVIDIA H100 NVL": _NVL,
+    "NVIDIA H200": _H100_SXM,  # the H200 SXM has the H100 SXM's compute
+    "NVIDIA H200 NVL": _NVL,
+    "NVIDIA A100-SXM4-40GB": _A100,
+    "NVIDIA A100-SXM4-80GB": _A100,
+    "NVIDIA A100-PCIE-40GB": _A100,
+    "NVIDIA A100 80GB PCIe": _A100,
+    "TPU v4": _tpu(275e12),
+    "TPU v5 lite": _tpu(197e12),  # v5e
+    "TPU v5": _tpu(459e12),  # v5p
+    "TPU v5p": _tpu(459e12),
+    "TPU v6 lite": _tpu(918e12),  # v6e (Trillium)
+}
+
+
+class PeakFlops(NamedTuple):
+    """One device's matmul peak, FLOP/s, and where the figure comes from."""
+
+    flops_per_second: float
+    source: str
+
+
+def peak_flops_per_device(dtype: str, device: jax.Device | None = None) -> PeakFlops:
+    """The datasheet dense peak of ``device`` (default: the first local one) for compute ``dtype``.
+
+    A device kind the table does not list falls back to the measured matmul rate
+    (`matmul_flops_per_device`), and the source says so.
+    """
+    device = device or jax.local_devices()[0]
+    peak = DATASHEET_PEAK_FLOPS.get(device.device_kind, {}).get(jnp.dtype(dtype).name)
+    if peak is not None:
+        return PeakFlops(peak, f"datasheet {dtype} peak of {device.device_kind}")
+    return PeakFlops(
+        matmul_flops_per_device(),
+        f"measured matmul rate ({device.platform} device {device.device_kind!r} has no datasheet peak in experiments/hardware.py)",
+    )
 
 
 def peak_memory_bytes() -> tuple[int, str]:

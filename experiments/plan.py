@@ -90,7 +90,7 @@ def format_report(report: dict) -> str:
     else:
         lines.append(
             f"DOES NOT FIT: the step needs {report['peak_bytes'] / GiB:.2f} GiB per device, {report['hbm_bytes'] / GiB:.2f} GiB "
-            "available. Shard more (a larger fsdp axis), turn on --config.model.remat, use gradient accumulation "
+            "available. Shard more (a larger fsdp axis), set --config.model.remat=full (or a lighter policy, lm/remat.py), use gradient accumulation "
             "(--config.grad_accum_steps) or a smaller batch."
         )
     return "\n".join(lines)

@@ -13,6 +13,7 @@ Writes ``config.json``, ``metrics.jsonl``, TensorBoard events, ``loss.png``, che
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -71,7 +72,7 @@ def model_config(config: ml_collections.ConfigDict) -> model_config_lib.ModelCon
 STATE_SHAPING_KEYS = ("state_bits", "cautious")
 
 # Model fields a resumed run may change: they alter how the step computes, not what the state is.
-_RESUMABLE_MODEL_CHANGES = ("dtype", "remat", "track_attn_logits")
+_RESUMABLE_MODEL_CHANGES = ("attention", "dtype", "remat", "scan_unroll", "track_attn_logits")
 
 
 def _run_meta(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConfig) -> dict:
@@ -225,39 +226,52 @@ def _loop(config, workdir, spec, train_iter, val_batches, step_fn, state, start,
     step_times: list[float] = []
     last = {}
     val_loss = None
+    # Steps dispatched whose metrics have not been read: (step, metrics, dispatch time). Reading a
+    # step's metrics waits for it, so they are read one step late: the host loads and dispatches
+    # step n + 1 while the device runs step n. A step that evaluates or checkpoints reads them all
+    # first, so no checkpoint is saved past a step that ends the run.
+    in_flight: collections.deque = collections.deque()
+    previous_ready = time.perf_counter()
     try:
         for step in range(start, config.steps):
-            t0 = time.perf_counter()
-            state, metrics = train_step(state, train_lib.global_batch(next(train_iter), shardings))
-            metrics = jax.device_get(metrics)
-            bad_streak = int(jax.device_get(state["bad_streak"]))
-            step_times.append(time.perf_counter() - t0)
             done = step + 1
-            record = {
-                "step": done,
-                "loss": float(metrics["loss"]),
-                "lr": float(metrics["lr"]),
-                "grad_norm": float(metrics["grad_norm"]),
-                "tokens_per_second": tokens_per_step / step_times[-1],
-                "skipped_steps": int(jax.device_get(state["skipped"])),
-            }
-            if done % config.eval_every == 0 or done == config.steps:
-                val_loss = _evaluate(eval_step, state["params"], val_batches, shardings)
-                record["val_loss"] = val_loss
-            last = record
-            if done % config.log_every == 0 or "val_loss" in record or done == config.steps:
-                writer.write(record)
-                progress.update(record)
-            if bad_streak >= config.max_bad_steps:
-                raise NonFiniteError(
-                    f"{bad_streak} consecutive steps had a non-finite loss or gradient (last at step {done}); parameters "
-                    "were left unchanged and no such state was checkpointed. Lower optimizer.learning_rate, enable "
-                    "optimizer.grad_clip_norm, or check the data"
-                )
+            dispatched = time.perf_counter()
+            state, metrics = train_step(state, train_lib.global_batch(next(train_iter), shardings))
+            in_flight.append((done, metrics, dispatched))
             if interrupt_at is not None and done == interrupt_at:
                 stop.request(signal.SIGTERM)
             stopping = stop.signum is not None and done < config.steps
-            checkpointing.save(mgr, done, state, train_iter.get_state(), meta, force=stopping or done == config.steps)
+            evaluating = done % config.eval_every == 0 or done == config.steps
+            saving = stopping or done == config.steps or mgr.should_save(done)
+            while len(in_flight) > (0 if evaluating or saving else 1):
+                record_step, metrics, dispatched = in_flight.popleft()
+                metrics = jax.device_get(metrics)
+                ready = time.perf_counter()
+                step_times.append(ready - max(dispatched, previous_ready))  # this step's time on the device
+                previous_ready = ready
+                record = {
+                    "step": record_step,
+                    "loss": float(metrics["loss"]),
+                    "lr": float(metrics["lr"]),
+                    "grad_norm": float(metrics["grad_norm"]),
+                    "tokens_per_second": tokens_per_step / step_times[-1],
+                    "skipped_steps": int(metrics["skipped"]),
+                }
+                if record_step == done and evaluating:
+                    val_loss = _evaluate(eval_step, state["params"], val_batches, shardings)
+                    record["val_loss"] = val_loss
+                last = record
+                if record_step % config.log_every == 0 or "val_loss" in record or record_step == config.steps:
+                    writer.write(record)
+                    progress.update(record)
+                if int(metrics["bad_streak"]) >= config.max_bad_steps:
+                    raise NonFiniteError(
+                        f"{int(metrics['bad_streak'])} consecutive steps had a non-finite loss or gradient (last at step "
+                        f"{record_step}); parameters were left unchanged and no such state was checkpointed. Lower "
+                        "optimizer.learning_rate, enable optimizer.grad_clip_norm, or check the data"
+                    )
+            if saving:
+                checkpointing.save(mgr, done, state, train_iter.get_state(), meta, force=True)
             if stopping:
                 progress.close()
                 print(f"stopped by signal {stop.signum} after step {done}; checkpoint saved, rerun with the same --workdir to resume", file=sys.stderr)
@@ -273,7 +287,8 @@ def _summarize(config, workdir, spec, step_times, last, val_loss, start, lead) -
     timed = step_times[1:] or step_times  # the first step of a process includes compilation
     tokens_per_second = tokens_per_step / float(np.median(timed)) if timed else 0.0
     fpt = flops_per_token(spec.cfg, config.data.seq_len)
-    peak_flops = hardware.matmul_flops_per_device() * spec.mesh.size
+    peak = hardware.peak_flops_per_device(spec.cfg.dtype, spec.mesh.devices.flat[0])
+    measured_flops = hardware.matmul_flops_per_device() * spec.mesh.size
     peak_bytes, peak_source = hardware.peak_memory_bytes()
     summary = {
         "steps": config.steps,
@@ -281,9 +296,12 @@ def _summarize(config, workdir, spec, step_times, last, val_loss, start, lead) -
         "final_train_loss": last.get("loss"),
         "final_val_loss": val_loss,
         "tokens_per_second": tokens_per_second,
-        "mfu": tokens_per_second * fpt / peak_flops,
+        "mfu": tokens_per_second * fpt / (peak.flops_per_second * spec.mesh.size),
+        "mfu_peak_source": peak.source,
+        "peak_flops_per_second": peak.flops_per_second * spec.mesh.size,
+        "mfu_measured_matmul": tokens_per_second * fpt / measured_flops,
+        "matmul_flops_per_second": measured_flops,
         "flops_per_token": fpt,
-        "matmul_flops_per_second": peak_flops,
         "peak_memory_bytes": peak_bytes,
         "peak_memory_source": peak_source,
         "skipped_steps": last.get("skipped_steps", 0),
@@ -368,7 +386,8 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
         sys.exit(1)
     if summary.get("interrupted"):
         sys.exit(128 + summary["signal"])
-    print(json.dumps({k: summary[k] for k in ("steps", "final_train_loss", "final_val_loss", "tokens_per_second", "mfu")}))
+    keys = ("steps", "final_train_loss", "final_val_loss", "tokens_per_second", "mfu", "mfu_peak_source", "mfu_measured_matmul")
+    print(json.dumps({k: summary[k] for k in keys}))
     print(f"workdir: {workdir}")
 
 

@@ -139,6 +139,8 @@ def make_train_step(
             "grad_norm": optax.tree.norm(grads),
             "update_norm": optax.tree.norm(updates),
             "finite": ok,
+            "bad_streak": new_state["bad_streak"],
+            "skipped": new_state["skipped"],
         }
         if learning_rate is not None:
             metrics["lr"] = learning_rate(state["step"])

@@ -24,9 +24,11 @@ import logging
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from kernels_pallas.attention import api as flash_api
 from kernels_pallas.attention import reference
+from lm import remat
 from lm.config import ModelConfig
 from lm.layers import RMSNorm, linear, rotary_embedding, split_heads
 from sharding import partition
@@ -155,6 +157,8 @@ class Attention(nnx.Module):
         positions = jnp.arange(x.shape[1])
         q = rotary_embedding(q, positions, cfg.rope_theta)
         k = rotary_embedding(k, positions, cfg.rope_theta)
+        q, k, v = checkpoint_name(q, remat.ATTN_Q), checkpoint_name(k, remat.ATTN_K), checkpoint_name(v, remat.ATTN_V)
         out, max_logits = attend(q, k, v, implementation=cfg.attention, track_max_logits=cfg.track_attn_logits)
+        out = checkpoint_name(out, remat.ATTN_CONTEXT)
         b, s = x.shape[:2]
         return self.o_proj(out.reshape(b, s, -1)), max_logits

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from lm import remat as remat_lib
 from lm import tokenizer
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")  # see lm/attention.py
@@ -30,11 +31,13 @@ class ModelConfig:
     qk_norm: bool = False
     dtype: str = "float32"  # compute dtype; parameters are always float32
     scan_layers: bool = True  # one compiled block, scanned over depth
-    remat: bool = False  # recompute each block's activations in the backward pass
+    scan_unroll: int = 1  # blocks per scan iteration (XLA sees this many consecutive layers at once)
+    remat: str = "none"  # what the backward pass recomputes, a policy in lm/remat.py (true: "full")
     track_attn_logits: bool = False  # report per-layer, per-head max pre-softmax logits
     attention: str = "auto"  # auto | xla | cudnn | pallas (lm/attention.py)
 
     def __post_init__(self):
+        object.__setattr__(self, "remat", remat_lib.canonical(self.remat))
         problems = []
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "max_seq_len"):
             if getattr(self, name) < 1:
@@ -44,6 +47,8 @@ class ModelConfig:
                 f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads} "
                 "(grouped-query attention shares each kv head among n_heads / n_kv_heads query heads)"
             )
+        if self.scan_unroll < 1:
+            problems.append(f"model.scan_unroll={self.scan_unroll} must be >= 1")
         if self.head_dim % 2:
             problems.append(f"model.head_dim={self.head_dim} must be even for rotary embeddings")
         if self.dtype not in ("float32", "bfloat16"):

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -35,12 +36,27 @@ def define(cfg: ModelConfig) -> ModelDef:
     return ModelDef(cfg, graphdef, nnx.to_pure_dict(state), specs)
 
 
+def unstack_layers(blocks: Params, n_layers: int) -> Params:
+    """Stacked block parameters (leading ``layers`` axis) as the unrolled model's ``{layer: block}``."""
+    return {i: jax.tree.map(lambda x: x[i], blocks) for i in range(n_layers)}
+
+
 def init_params(model_def: ModelDef, seed: int, shardings: Params | None = None) -> Params:
-    """Initialises parameters under `jit`, directly into ``shardings`` when given (never whole on one device)."""
+    """Initialises parameters under `jit`, directly into ``shardings`` when given (never whole on one device).
+
+    Blocks are always initialised stacked, by one initialiser vmapped over depth, and unstacked for
+    an unrolled model: the program stays small at any depth (an unrolled one compiles an initialiser
+    per layer), and a seed gives the same values with and without ``scan_layers``.
+    """
+    cfg = model_def.config
+    stacked = dataclasses.replace(cfg, scan_layers=True)
 
     def init() -> Params:
         with nnx.use_eager_sharding(False):
-            return nnx.to_pure_dict(nnx.split(Transformer(model_def.config, rngs=nnx.Rngs(seed)))[1])
+            params = nnx.to_pure_dict(nnx.split(Transformer(stacked, rngs=nnx.Rngs(seed)))[1])
+        if not cfg.scan_layers:
+            params["blocks"] = unstack_layers(params["blocks"], cfg.n_layers)
+        return params
 
     return jax.jit(init, out_shardings=shardings)()
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lm import remat as remat_lib
 from lm.attention import Attention
 from lm.config import ModelConfig
 from lm.layers import RMSNorm, SwiGLU, linear
@@ -37,10 +38,14 @@ class Block(nnx.Module):
         return x, max_logits
 
 
-def _run_block(block: Block, x: jax.Array, remat: bool):
-    if remat:
-        return nnx.remat(lambda blk, h: blk(h))(block, x)
-    return block(x)
+def _block_fn(cfg: ModelConfig):
+    """``(block, x) -> block(x)`` under the config's remat policy (`lm/remat.py`)."""
+    call = lambda blk, h: blk(h)  # noqa: E731
+    if cfg.remat == "none":
+        return call
+    # A scan body is not merged with its neighbours, so CSE cannot undo the remat there; unrolled
+    # blocks need the optimisation barriers of prevent_cse.
+    return nnx.remat(call, policy=remat_lib.POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
 
 
 class Transformer(nnx.Module):
@@ -77,17 +82,20 @@ class Transformer(nnx.Module):
         """
         cfg = self.cfg
         x = constrain(self.embed(tokens), ACTIVATION)
+        run_block = _block_fn(cfg)
         if cfg.scan_layers:
-
-            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"})
-            def body(h, block):
-                return _run_block(block, h, cfg.remat)
-
-            x, max_logits = body(x, self.blocks)
+            scan = nnx.scan(
+                run_block,
+                in_axes=(0, nnx.Carry),
+                out_axes=(nnx.Carry, 0),
+                unroll=cfg.scan_unroll,
+                transform_metadata={nnx.PARTITION_NAME: "layers"},
+            )
+            x, max_logits = scan(self.blocks, x)
         else:
             per_layer = []
             for block in self.blocks:
-                x, layer_max = _run_block(block, x, cfg.remat)
+                x, layer_max = run_block(block, x)
                 per_layer.append(layer_max)
             max_logits = jnp.stack(per_layer) if cfg.track_attn_logits else None
         x = self.final_norm(x)

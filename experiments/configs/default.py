@@ -42,7 +42,10 @@ def get_config() -> ml_collections.ConfigDict:
         config.model[size] = config_dict.placeholder(int)
     config.model.dtype = "float32"  # compute dtype: float32 | bfloat16
     config.model.scan_layers = True
-    config.model.remat = False
+    config.model.scan_unroll = 1  # blocks per scan iteration
+    # none | full | dots_saveable | dots_with_no_batch_dims_saveable | save_attention | dots_and_attention
+    # (lm/remat.py); true = full, false = none
+    config.model.remat = "none"
     config.model.qk_norm = False
     config.model.tie_embeddings = True
     config.model.track_attn_logits = False

@@ -58,9 +58,11 @@ def test_run_writes_every_output_and_learns(tmp_path):
     assert len(vals) == 3 and vals[-1] < vals[0] - 0.3
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    for key in ("steps", "final_train_loss", "final_val_loss", "tokens_per_second", "mfu", "peak_memory_bytes"):
+    for key in ("steps", "final_train_loss", "final_val_loss", "tokens_per_second", "mfu", "mfu_measured_matmul", "peak_memory_bytes"):
         assert on_disk[key] == summary[key]
     assert 0 < summary["mfu"] < 1 and summary["peak_memory_bytes"] > 0
+    assert summary["mfu_peak_source"].startswith("measured matmul rate")  # a CPU has no datasheet peak
+    assert summary["mfu"] == summary["mfu_measured_matmul"]
     assert json.loads((tmp_path / "config.json").read_text())["steps"] == 30
 
 
@@ -81,6 +83,49 @@ def test_interrupted_and_resumed_run_matches_uninterrupted_bit_for_bit(tmp_path,
     resumed = read_metrics(tmp_path / "metrics.jsonl")
     for key in ("step", "loss", "grad_norm", "lr", "val_loss"):
         assert [r.get(key) for r in resumed] == [r.get(key) for r in straight_run], key
+
+
+class _LoggedFloat:
+    """A metric whose conversion to float (the loop reading it on the host) is logged."""
+
+    def __init__(self, value, events, step):
+        self.value, self.events, self.step = value, events, step
+
+    def __float__(self):
+        self.events.append(("read", self.step))
+        return float(self.value)
+
+
+def test_loop_reads_step_metrics_one_step_late_except_where_it_evaluates_or_saves(tmp_path, monkeypatch):
+    events = []
+    jit_train_step, evaluate, save = train_lib.jit_train_step, train._evaluate, train.checkpointing.save
+
+    def logged_jit_train_step(step_fn, shardings):
+        step = jit_train_step(step_fn, shardings)
+
+        def run(state, batch):
+            n = len([e for e in events if e[0] == "dispatch"]) + 1
+            events.append(("dispatch", n))
+            state, metrics = step(state, batch)
+            return state, {**metrics, "loss": _LoggedFloat(metrics["loss"], events, n)}
+
+        return run
+
+    monkeypatch.setattr(train_lib, "jit_train_step", logged_jit_train_step)
+    monkeypatch.setattr(train, "_evaluate", lambda *a: events.append(("host", "eval")) or evaluate(*a))
+    monkeypatch.setattr(train.checkpointing, "save", lambda mgr, step, *a, **k: events.append(("host", "save")) or save(mgr, step, *a, **k))
+    train.run(small_config(steps=9, eval_every=3, checkpoint_every=4), tmp_path)
+
+    position = {e: i for i, e in enumerate(events)}
+    late = 0
+    for n in range(1, 10):
+        host_work = [e for e in events[position["read", n] + 1 : position.get(("dispatch", n + 1), len(events))] if e[0] == "host"]
+        if ("dispatch", n + 1) in position and position["read", n] > position["dispatch", n + 1]:
+            late += 1
+            assert position["read", n] < position.get(("dispatch", n + 2), len(events)), events  # one step late at most
+        else:
+            assert host_work, f"step {n} was read before the next dispatch with nothing to do on the host: {events}"
+    assert late == 3, events  # steps 2, 5 and 7 neither evaluate (3, 6, 9) nor save (1: the first, 4, 8, 9)
 
 
 def test_non_finite_steps_are_skipped_and_counted():

@@ -7,6 +7,7 @@ import pytest
 
 from lm import config as config_lib
 from lm import model as model_lib
+from lm import remat as remat_lib
 from lm.attention import attend
 from lm.layers import rotary_embedding
 from lm.loss import cross_entropy, flops_per_token
@@ -86,27 +87,112 @@ def test_scan_program_size_does_not_grow_with_depth():
     assert hlo_ops(2) == hlo_ops(12)
 
 
-def _unstack(params, n_layers):
-    blocks = params["blocks"]
-    return {**params, "blocks": {i: jax.tree.map(lambda x: x[i], blocks) for i in range(n_layers)}}
+def _loss_and_grads(cfg, params, tokens):
+    model_def = model_lib.define(cfg)
 
-
-@pytest.mark.parametrize("remat", [False, True])
-def test_unrolled_layers_and_remat_match_scan(remat):
-    cfg = config_lib.from_preset("tiny", qk_norm=True)
-    scan_def = model_lib.define(cfg)
-    loop_def = model_lib.define(dataclasses.replace(cfg, scan_layers=False, remat=remat))
-    params = model_lib.init_params(scan_def, seed=1)
-    tokens = jax.random.randint(jax.random.key(0), (2, 24), 0, cfg.vocab_size)
-
-    def loss(model_def, p):
+    def loss(p):
         return cross_entropy(model_lib.apply(model_def, p, tokens[:, :-1]), tokens[:, 1:])[0]
 
-    loss_scan, grads_scan = jax.jit(jax.value_and_grad(lambda p: loss(scan_def, p)))(params)
-    loss_loop, grads_loop = jax.jit(jax.value_and_grad(lambda p: loss(loop_def, p)))(_unstack(params, cfg.n_layers))
-    np.testing.assert_allclose(loss_scan, loss_loop, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(_unstack(grads_scan, cfg.n_layers)), jax.tree.leaves(grads_loop)):
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.fixture(scope="module")
+def scanned_reference():
+    """A 2-layer model with every block feature on, scanned without remat: config, params, tokens, loss, grads."""
+    cfg = config_lib.from_preset("tiny", n_layers=2, qk_norm=True)
+    params = model_lib.init_params(model_lib.define(cfg), seed=1)
+    tokens = jax.random.randint(jax.random.key(0), (2, 24), 0, cfg.vocab_size)
+    return cfg, params, tokens, *_loss_and_grads(cfg, params, tokens)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(remat="full"),
+        dict(remat="dots_with_no_batch_dims_saveable", scan_unroll=2),
+        dict(remat="dots_and_attention"),
+        dict(scan_layers=False),
+        dict(scan_layers=False, remat="full"),
+        dict(scan_layers=False, remat="save_attention"),
+    ],
+)
+def test_unrolled_layers_unroll_and_remat_policies_match_scan(scanned_reference, overrides):
+    cfg, params, tokens, ref_loss, ref_grads = scanned_reference
+    cfg = dataclasses.replace(cfg, **overrides)
+    if not cfg.scan_layers:
+        params = {**params, "blocks": model_lib.unstack_layers(params["blocks"], cfg.n_layers)}
+        ref_grads = {**ref_grads, "blocks": model_lib.unstack_layers(ref_grads["blocks"], cfg.n_layers)}
+    loss, grads = _loss_and_grads(cfg, params, tokens)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_unrolled_model_initialises_like_the_scanned_one():
+    cfg = config_lib.from_preset("tiny", n_layers=3, tie_embeddings=False)
+    scanned = model_lib.init_params(model_lib.define(cfg), seed=4)
+    unrolled_def = model_lib.define(dataclasses.replace(cfg, scan_layers=False))
+    unrolled = model_lib.init_params(unrolled_def, seed=4)
+    expected = {**scanned, "blocks": model_lib.unstack_layers(scanned["blocks"], cfg.n_layers)}
+    assert jax.tree.structure(unrolled) == jax.tree.structure(unrolled_def.abstract_params)
+    for a, b in zip(jax.tree.leaves(unrolled), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(unrolled["blocks"][0]["attn"]["q_proj"]["kernel"], unrolled["blocks"][1]["attn"]["q_proj"]["kernel"])
+
+
+def _dot_products(jaxpr) -> int:
+    """Matrix products in ``jaxpr`` and every jaxpr nested in it (remat, scan, pjit bodies)."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == "dot_general"
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                    count += _dot_products(getattr(sub, "jaxpr", sub))
+    return count
+
+
+# Products each policy runs again in the backward pass of one block (XLA attention). A block has 9:
+# q, k, v, o projections, attention's scores and values, gate, up, down. `full` reruns all but
+# `down`, whose output no gradient reads; `dots_with_no_batch_dims_saveable` reruns attention's two;
+# `save_attention` keeps q, k, v and the context but reruns the scores (for the softmax), o (the
+# MLP norm's input needs it), gate and up; `dots_and_attention` reruns only the scores.
+RECOMPUTED_PER_BLOCK = {
+    "none": 0,
+    "full": 8,
+    "dots_saveable": 0,
+    "dots_with_no_batch_dims_saveable": 2,
+    "save_attention": 4,
+    "dots_and_attention": 1,
+}
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_remat_policies_recompute_what_they_name(scan_layers):
+    assert set(RECOMPUTED_PER_BLOCK) == set(remat_lib.NAMES)
+    tokens = jax.ShapeDtypeStruct((2, 9), jnp.int32)
+    n_layers = 3
+    counts = {}
+    for policy in remat_lib.NAMES:
+        model_def = model_lib.define(config_lib.from_preset("tiny", n_layers=n_layers, scan_layers=scan_layers, remat=policy))
+        loss = lambda p, t: cross_entropy(model_lib.apply(model_def, p, t[:, :-1]), t[:, 1:])[0]  # noqa: E731
+        counts[policy] = _dot_products(jax.make_jaxpr(jax.grad(loss))(model_def.abstract_params, tokens).jaxpr)
+    blocks_in_program = 1 if scan_layers else n_layers  # a scan body appears once
+    assert {p: (c - counts["none"]) / blocks_in_program for p, c in counts.items()} == RECOMPUTED_PER_BLOCK
+
+
+def test_save_attention_keeps_fused_attention_kernel_outputs():
+    """cuDNN's and Pallas' attention forward outputs (context, softmax statistics) are saved, nothing else unnamed."""
+    policy = remat_lib.POLICIES["save_attention"]
+    prim = lambda name: jax.extend.core.Primitive(name)  # noqa: E731
+    assert policy(prim("dot_product_attention_fwd_wrapper")) and policy(prim("pallas_call"))
+    assert not policy(prim("exp")) and not policy(prim("dot_general"))
+    assert policy(prim("name"), name="attn_context") and not policy(prim("name"), name="mlp_hidden")
+
+
+@pytest.mark.parametrize("value, name", [(True, "full"), (False, "none"), ("true", "full"), ("False", "none"), ("save_attention", "save_attention")])
+def test_remat_accepts_booleans_as_aliases(value, name):
+    assert config_lib.from_preset("tiny", remat=value).remat == name
 
 
 def test_bfloat16_compute_keeps_float32_params():
@@ -197,6 +283,8 @@ def test_flops_per_token_counts_matmul_parameters():
         (dict(head_dim=31), "even"),
         (dict(dtype="float16"), "float32"),
         (dict(d_model=0), "d_model=0"),
+        (dict(remat="dots"), "model.remat='dots' must be one of none, full"),
+        (dict(scan_unroll=0), "scan_unroll=0 must be >= 1"),
     ],
 )
 def test_impossible_shapes_are_rejected(overrides, message):

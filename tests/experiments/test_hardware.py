@@ -1,0 +1,41 @@
+from typing import NamedTuple
+
+import jax
+import pytest
+
+from experiments import hardware
+
+
+class FakeDevice(NamedTuple):
+    platform: str
+    device_kind: str
+
+
+@pytest.mark.parametrize(
+    "kind, bf16, fp32",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12, 494.5e12),  # H100 SXM: datasheet 1,979 / 989 TFLOP/s with sparsity
+        ("NVIDIA H200", 989e12, 494.5e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12, 156e12),
+        ("TPU v4", 275e12, 275e12),  # TPUs run float32 matmuls as one bfloat16 pass by default
+        ("TPU v5 lite", 197e12, 197e12),
+        ("TPU v5", 459e12, 459e12),
+        ("TPU v6 lite", 918e12, 918e12),
+    ],
+)
+def test_known_devices_get_their_datasheet_dense_peak(kind, bf16, fp32, monkeypatch):
+    monkeypatch.setattr(hardware, "matmul_flops_per_device", lambda: pytest.fail("a known device must not be measured"))
+    device = FakeDevice("gpu" if kind.startswith("NVIDIA") else "tpu", kind)
+    peak = hardware.peak_flops_per_device("bfloat16", device)
+    assert peak.flops_per_second == bf16 and peak.source == f"datasheet bfloat16 peak of {kind}"
+    assert hardware.peak_flops_per_device("float32", device).flops_per_second == fp32
+
+
+def test_unknown_devices_fall_back_to_the_measured_matmul_rate_and_say_so(monkeypatch):
+    monkeypatch.setattr(hardware, "matmul_flops_per_device", lambda: 1.5e12)
+    peak = hardware.peak_flops_per_device("bfloat16", FakeDevice("gpu", "NVIDIA GeForce RTX 9999"))
+    assert peak.flops_per_second == 1.5e12
+    assert "measured matmul rate" in peak.source and "'NVIDIA GeForce RTX 9999' has no datasheet peak" in peak.source
+    assert jax.local_devices()[0].platform == "cpu"
+    cpu = hardware.peak_flops_per_device("float32")
+    assert cpu.flops_per_second == 1.5e12 and "measured matmul rate (cpu device" in cpu.source

@@ -68,7 +68,7 @@ class Lion(LionDirection, common.DirectionOptimizer):
     ``w <- w - lr (sign(b1 m + (1 - b1) g) + weight_decay w)``.
     """
 
-    learning_rate: optax.ScalarOrSchedule = 3e-3
+    learning_rate: optax.ScalarOrSchedule = 1.2e-3  # docs/benchmarks.md, "Default learning rates"
     weight_decay: float = 1.0
 
 

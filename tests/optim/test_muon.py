@@ -350,15 +350,15 @@ def lm_val_loss(workdir, name, learning_rate, steps):
     return train.run(config, workdir / name)["final_val_loss"]
 
 
-def test_muon_reaches_adamw_loss_in_fewer_steps(tmp_path):
-    """`tiny` LM, seq_len 64, batch 16, seed 0, cosine schedule with 20 warmup steps; final
-    validation loss (4 batches). Learning rates tuned on this setup:
+def test_muon_at_its_defaults_beats_adamw_at_its_defaults_in_fewer_steps(tmp_path):
+    """What a user gets from ``--config.optimizer.name=muon`` with no other flag: the registry's
+    default learning rates (Muon 2.4e-2, AdamW 3e-3; docs/benchmarks.md, "Default learning rates").
 
+    `tiny` LM, seq_len 64, batch 16, seed 0, cosine schedule with 20 warmup steps; final
+    validation loss (4 batches). Learning rates on this setup:
     AdamW, 150 steps: lr 1.5e-3: 2.280, 3e-3: 2.18, 6e-3: 2.17, 1.2e-2: 2.31, 2.4e-2: 2.59.
     Muon (Moonlight scale, one lr for both groups), 100 steps: lr 1.2e-2: 2.189, 2.4e-2: 2.155,
     3.6e-2: 2.207, 4.8e-2: 2.278; at 2.4e-2, 120 steps: 2.09. Repeated runs differ by up to ~0.01.
-
-    (The issue asks for AdamW's 300-step loss; 150 steps keeps each run under ~35 s of CPU.)
     """
-    target = lm_val_loss(tmp_path, "adamw", 6e-3, 150)
-    assert lm_val_loss(tmp_path, "muon", 2.4e-2, 120) < target
+    target = lm_val_loss(tmp_path, "adamw", None, 150)
+    assert lm_val_loss(tmp_path, "muon", None, 120) < target

@@ -90,7 +90,7 @@ def function(
     """
     fields = {f.name: f for f in dataclasses.fields(cls)}
 
-    def parameter(field: dataclasses.Field, kind: inspect._ParameterKind) -> inspect.Parameter:
+    def parameter(field: dataclasses.Field, kind: Any) -> inspect.Parameter:
         default = inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default
         return inspect.Parameter(field.name, kind, default=default, annotation=field.type)
 

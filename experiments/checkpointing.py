@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import gc
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import jax
 import orbax.checkpoint as ocp
+
+T = TypeVar("T")
 
 
 class CheckpointError(ValueError):
@@ -62,10 +66,10 @@ def _root_cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {' '.join(str(error).split())[:240]}"
 
 
-def _read(mgr: ocp.CheckpointManager, step: int, **items: Any) -> dict:
-    """``mgr.restore`` of ``items``; a damaged step raises `CheckpointUnreadable` naming the step and the fix."""
+def _read(mgr: ocp.CheckpointManager, step: int, read: Callable[[], T]) -> T:
+    """``read()`` of checkpoint ``step``; damage raises `CheckpointUnreadable` naming the step and the fix."""
     try:
-        return mgr.restore(step, args=ocp.args.Composite(**items))
+        return read()
     except Exception as e:  # noqa: BLE001 (orbax and tensorstore raise many types for damaged files)
         cause = _root_cause(e)
     # A failed restore leaves orbax's other reads as coroutines that raise again when collected
@@ -84,6 +88,22 @@ def _read(mgr: ocp.CheckpointManager, step: int, **items: Any) -> dict:
     raise CheckpointUnreadable(f"checkpoint step {step} cannot be read ({cause}); {fix}")
 
 
+def _names(path: tuple) -> tuple[str, ...]:
+    """A key path as plain names (orbax stores NamedTuple fields as dict keys)."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _shape_differences(state_dir: Path, target: Any) -> list[str]:
+    saved = ocp.StandardCheckpointHandler().metadata(state_dir)
+    shapes = {_names(path): tuple(leaf.shape) for path, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
+        saved_shape = shapes.get(_names(path))
+        if saved_shape is not None and saved_shape != tuple(leaf.shape):
+            out.append(f"{'.'.join(_names(path))}: checkpoint {saved_shape} vs now {tuple(leaf.shape)}")
+    return out
+
+
 def restore(mgr: ocp.CheckpointManager, target: Any, meta: dict, step: int | None = None) -> tuple[int, Any, dict] | None:
     """Restores checkpoint ``step`` (default: the newest) into ``target`` (abstract arrays with shardings).
 
@@ -94,7 +114,8 @@ def restore(mgr: ocp.CheckpointManager, target: Any, meta: dict, step: int | Non
       ``(step, state, data_state)``, or None when there is no checkpoint and no ``step`` was asked for.
 
     Raises:
-      CheckpointMismatch: the checkpoint's meta differs from ``meta`` (another model or optimizer).
+      CheckpointMismatch: the checkpoint's meta differs from ``meta`` (another model or optimizer), or
+        its arrays have other shapes than ``target`` (written by another version of the code).
       CheckpointUnreadable: the step's files are corrupt, truncated or missing.
       CheckpointError: ``step`` is not a saved step.
     """
@@ -105,14 +126,21 @@ def restore(mgr: ocp.CheckpointManager, target: Any, meta: dict, step: int | Non
         step = steps[-1]
     elif step not in steps:
         raise CheckpointError(f"no checkpoint at step {step} in {mgr.directory}; saved steps: {list(steps) or 'none'}")
-    saved_meta = _read(mgr, step, meta=ocp.args.JsonRestore())["meta"]
+    saved_meta = _read(mgr, step, lambda: mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())))["meta"]
     differences = _diff(saved_meta, meta)
     if differences:
         raise CheckpointMismatch(
             f"{mgr.directory} holds a checkpoint of a different run ({'; '.join(differences[:4])}); "
             "use a fresh --workdir, or the checkpoint's original config"
         )
-    restored = _read(mgr, step, state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
+    differences = _read(mgr, step, lambda: _shape_differences(mgr.directory / str(step) / "state", target))
+    if differences:
+        raise CheckpointMismatch(
+            f"checkpoint step {step} in {mgr.directory} holds arrays of other shapes than this run's state "
+            f"({'; '.join(differences[:2])}); it was written by another version of the code: use a fresh --workdir"
+        )
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
+    restored = _read(mgr, step, lambda: mgr.restore(step, args=args))
     for newer in [s for s in steps if s > step]:
         mgr.delete(newer)
     return step, restored["state"], restored["data"]

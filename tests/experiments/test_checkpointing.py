@@ -1,0 +1,35 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import checkpointing
+
+
+def _saved(tmp_path, steps):
+    mgr = checkpointing.manager(tmp_path, keep=len(steps), every=1)
+    for step in steps:
+        checkpointing.save(mgr, step, {"w": jnp.full((4, 2), float(step))}, {"position": step}, {"run": "a"}, force=True)
+    mgr.wait_until_finished()
+    return mgr
+
+
+def test_restores_the_newest_or_a_chosen_step_and_drops_newer_ones(tmp_path):
+    mgr = _saved(tmp_path, [1, 2, 3])
+    target = {"w": jax.ShapeDtypeStruct((4, 2), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
+    step, state, data = checkpointing.restore(mgr, target, {"run": "a"})
+    assert (step, data) == (3, {"position": 3}) and np.all(np.asarray(state["w"]) == 3.0)
+    step, state, _ = checkpointing.restore(mgr, target, {"run": "a"}, step=2)
+    assert step == 2 and np.all(np.asarray(state["w"]) == 2.0)
+    assert mgr.all_steps() == [1, 2]
+    with pytest.raises(checkpointing.CheckpointError, match=r"no checkpoint at step 3 .*saved steps: \[1, 2\]"):
+        checkpointing.restore(mgr, target, {"run": "a"}, step=3)
+    mgr.close()
+
+
+def test_arrays_of_other_shapes_are_a_mismatch_naming_the_leaf(tmp_path):
+    mgr = _saved(tmp_path, [1])
+    target = {"w": jax.ShapeDtypeStruct((3, 2), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
+    with pytest.raises(checkpointing.CheckpointMismatch, match=r"step 1 .* \(w: checkpoint \(4, 2\) vs now \(3, 2\)\).*fresh --workdir"):
+        checkpointing.restore(mgr, target, {"run": "a"})
+    mgr.close()

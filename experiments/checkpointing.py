@@ -7,7 +7,8 @@ Each checkpoint holds three items: ``state`` (params, optimizer state, counters;
 A step that cannot be read (a truncated or corrupt file, a missing piece) is reported as a
 `CheckpointUnreadable` naming the step and the way out: delete that step's folder, or resume from
 an earlier step (``restore(..., step=N)``, the trainer's ``--restore_step``). Nothing falls back to
-an earlier step or to a fresh start by itself.
+an earlier step or to a fresh start by itself; only a workdir whose saves were all cut short
+(orbax's uncommitted temporary folders) starts afresh, with a warning.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging
 
 T = TypeVar("T")
 
@@ -122,6 +124,9 @@ def restore(mgr: ocp.CheckpointManager, target: Any, meta: dict, step: int | Non
     steps = mgr.all_steps()
     if step is None:
         if not steps:
+            unfinished = ocp.path.step.tmp_checkpoints(mgr.directory)
+            if unfinished:  # saves cut short: nothing was committed, so the run starts afresh, but says so
+                logging.warning("%s holds only unfinished saves %s; starting from step 0", mgr.directory, sorted(unfinished))
             return None
         step = steps[-1]
     elif step not in steps:

@@ -33,3 +33,11 @@ def test_arrays_of_other_shapes_are_a_mismatch_naming_the_leaf(tmp_path):
     with pytest.raises(checkpointing.CheckpointMismatch, match=r"step 1 .* \(w: checkpoint \(4, 2\) vs now \(3, 2\)\).*fresh --workdir"):
         checkpointing.restore(mgr, target, {"run": "a"})
     mgr.close()
+
+
+def test_only_unfinished_saves_start_afresh_with_a_warning(tmp_path, caplog):
+    (tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp-1700000000").mkdir(parents=True)
+    mgr = checkpointing.manager(tmp_path, keep=1, every=1)
+    assert checkpointing.restore(mgr, {}, {"run": "a"}) is None
+    assert "only unfinished saves ['3.orbax-checkpoint-tmp-1700000000']" in caplog.text
+    mgr.close()

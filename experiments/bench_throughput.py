@@ -42,7 +42,7 @@ import ml_collections
 import numpy as np
 from absl import app, flags, logging
 
-from experiments import hardware, train, train_lib
+from experiments import hardware, host_memory, train, train_lib
 from experiments.configs import default
 from lm import config as model_config_lib
 from lm.loss import flops_per_token
@@ -183,6 +183,7 @@ def format_table(cases: list[dict[str, Any]]) -> str:
 def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     del argv  # checked by train.parse_flags
     f = flags.FLAGS
+    host_memory.keep_freed_memory()  # before JAX starts its backend
     if not f.verbose:
         logging.set_verbosity(logging.WARNING)
     if f.cpu_devices:

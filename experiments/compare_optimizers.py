@@ -47,7 +47,7 @@ import numpy as np
 import optax
 from absl import app, flags, logging
 
-from experiments import metrics_io, speedup, train
+from experiments import host_memory, metrics_io, speedup, train
 from lm import model as model_lib
 from optim import memory, registry
 
@@ -405,6 +405,7 @@ def define_flags(argv: list[str]) -> flags.FlagHolder:
 
 def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     del argv  # checked by train.parse_flags
+    host_memory.keep_freed_memory()  # before JAX starts its backend
     if not flags.FLAGS.verbose:
         logging.set_verbosity(logging.WARNING)
     if flags.FLAGS.quick and flags.FLAGS["config"].present:

@@ -29,7 +29,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments import checkpointing, hardware, metrics_io, train_lib
+from experiments import checkpointing, hardware, host_memory, metrics_io, train_lib
 from lm import config as model_config_lib
 from lm import corpus, data
 from lm import model as model_lib
@@ -365,6 +365,7 @@ def usage_exit(message: str) -> NoReturn:
 
 def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     del argv  # checked by parse_flags
+    host_memory.keep_freed_memory()  # before JAX starts its backend
     if not flags.FLAGS.verbose:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     try:

@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 import jax
 import ml_collections
 import numpy as np
+import optax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -32,7 +33,7 @@ from lm import config as model_config_lib
 from lm import corpus, data
 from lm import model as model_lib
 from lm.loss import flops_per_token
-from optim import registry
+from optim import cross_replica, registry
 from sharding import mesh as mesh_lib
 from sharding import multihost
 from sharding import partition
@@ -73,12 +74,17 @@ STATE_SHAPING_KEYS = ("state_bits", "cautious")
 _RESUMABLE_MODEL_CHANGES = ("dtype", "remat", "track_attn_logits")
 
 
-def _run_meta(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConfig) -> dict:
-    """What a checkpoint must agree with to be resumed by this run."""
+def _run_meta(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConfig, replicas: int = 1) -> dict:
+    """What a checkpoint must agree with to be resumed by this run.
+
+    A replica-local run's state holds one slice per replica, so it resumes only with the same
+    replica axis and count (a different count is refused with the difference named).
+    """
     name = config.optimizer.name
     family = config.optimizer.get(name)
     model = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _RESUMABLE_MODEL_CHANGES}
-    return {
+    meta = {} if not config.get("replicas") else {"replicas": {"axis": config.replicas, "count": replicas}}
+    return meta | {
         "model": model,
         "optimizer": {
             "name": name,
@@ -124,9 +130,12 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
                 f"the micro-batch of {config.batch_size // config.grad_accum_steps} sequences cannot be split over "
                 f"{n_batch_shards} batch shards of mesh {dict(mesh.shape)}; use a batch_size divisible by {n_batch_shards * config.grad_accum_steps}"
             )
+        replica_axis = config.get("replicas") or None
         tx = registry.build(config.optimizer, config.steps)
+        if replica_axis:
+            tx = optax.chain(cross_replica.mean_over_replicas(replica_axis), tx)
         model_def = model_lib.define(cfg)
-        shardings = train_lib.make_shardings(model_def, tx, mesh, rules)
+        shardings = train_lib.make_shardings(model_def, tx, mesh, rules, replica_axis)
     except (ValueError, KeyError) as e:
         raise UsageError(str(e).strip("'\"")) from e
     return RunSpec(cfg, model_def, tx, mesh, rules, shardings)
@@ -176,9 +185,10 @@ def run(config: ml_collections.ConfigDict, workdir: str | Path, *, interrupt_at:
     shardings = spec.shardings
     lr_fn = registry.learning_rate_fn(config.optimizer, config.steps)
     step_fn = train_lib.make_train_step(
-        spec.model_def, spec.tx, grad_accum_steps=config.grad_accum_steps, z_loss=config.loss.z_loss, learning_rate=lr_fn
-    )
-    meta = _run_meta(config, spec.cfg)
+        spec.model_def, spec.tx, grad_accum_steps=config.grad_accum_steps, z_loss=config.loss.z_loss, learning_rate=lr_fn,
+        replica_axis=shardings.replica_axis,
+    )  # fmt: skip
+    meta = _run_meta(config, spec.cfg, shardings.replicas)
     mgr = checkpointing.manager(workdir, keep=config.keep_checkpoints, every=config.checkpoint_every)
     stop = _Stop()
     handlers = {}

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharding import partition
+
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -206,11 +208,15 @@ jax.tree_util.register_pytree_with_keys(
 
 
 def mesh_axes() -> tuple[tuple[str, ...], int]:
-    """The ambient mesh's axis names and device count (``(), 1`` without a mesh)."""
+    """The ambient mesh's axes that GSPMD partitions and their device count (``(), 1`` without a mesh).
+
+    Inside a `jax.shard_map` (a replica-local train step) the manual axes are left out.
+    """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return (), 1
-    return tuple(mesh.axis_names), mesh.size
+    axes = partition.auto_axes(mesh)
+    return axes, math.prod(mesh.shape[a] for a in axes)
 
 
 def padded_count(n: int) -> int:
@@ -219,9 +225,8 @@ def padded_count(n: int) -> int:
     Without a mesh the count is `jax.device_count()`, so ``jax.eval_shape(tx.init, ...)`` outside
     ``jax.set_mesh`` gives the same shapes as inside it when the mesh spans every device.
     """
-    axes, size = mesh_axes()
-    if not axes:
-        size = jax.device_count()
+    mesh = jax.sharding.get_abstract_mesh()
+    size = jax.device_count() if mesh.empty else mesh.size  # whole mesh: shapes agree inside and outside shard_map
     return -(-n // size) * size
 
 

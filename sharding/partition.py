@@ -34,12 +34,22 @@ def current_rules() -> rules_lib.Rules:
     return _RULES.get()
 
 
+def auto_axes(mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh) -> tuple[str, ...]:
+    """The axes of ``mesh`` that GSPMD partitions: all but those a `jax.shard_map` made manual."""
+    manual = set(getattr(mesh, "manual_axes", ()))
+    return tuple(a for a in mesh.axis_names if a not in manual)
+
+
 def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
-    """`with_sharding_constraint` on ``x`` from logical axis names, under the ambient mesh."""
+    """`with_sharding_constraint` on ``x`` from logical axis names, under the ambient mesh.
+
+    Inside a `jax.shard_map` (e.g. the replica-local train step) the manual axes are dropped: each
+    replica constrains only its own slice over the axes that remain automatic.
+    """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    spec = rules_lib.logical_to_mesh_spec(logical, current_rules().activations, mesh.axis_names)
+    spec = rules_lib.logical_to_mesh_spec(logical, current_rules().activations, auto_axes(mesh))
     return jax.lax.with_sharding_constraint(x, spec)
 
 
@@ -138,6 +148,19 @@ def state_shardings(
         return replicated
 
     return jax.tree_util.tree_map_with_path(pick, abstract_state)
+
+
+def stacked(sharding: jax.NamedSharding, axis: str) -> jax.NamedSharding:
+    """The sharding of an array with one more leading axis, split over mesh ``axis`` (one slice per replica).
+
+    ``axis`` is removed from the other dimensions' specs (a block stack spread over every mesh axis
+    keeps the axes left inside a replica).
+    """
+    rest = []
+    for axes in sharding.spec:
+        kept = tuple(a for a in _mesh_axes(axes) if a != axis)
+        rest.append(kept[0] if len(kept) == 1 else (kept or None))
+    return jax.NamedSharding(sharding.mesh, jax.P(axis, *rest))
 
 
 def per_device_bytes(tree: Any) -> int:

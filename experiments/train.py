@@ -24,7 +24,6 @@ from typing import Any, NoReturn
 import jax
 import ml_collections
 import numpy as np
-import optax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -33,7 +32,7 @@ from lm import config as model_config_lib
 from lm import corpus, data
 from lm import model as model_lib
 from lm.loss import flops_per_token
-from optim import cross_replica, registry
+from optim import registry
 from sharding import mesh as mesh_lib
 from sharding import multihost
 from sharding import partition
@@ -82,13 +81,16 @@ def _run_meta(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConf
     """
     name = config.optimizer.name
     family = config.optimizer.get(name)
+    family = family.to_dict() if family is not None else {}
+    if "inner" in family and config.optimizer.get(family["inner"]) is not None:  # a wrapper's inner shapes the state too
+        family[family["inner"]] = config.optimizer[family["inner"]].to_dict()
     model = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _RESUMABLE_MODEL_CHANGES}
     meta = {} if not config.get("replicas") else {"replicas": {"axis": config.replicas, "count": replicas}}
     return meta | {
         "model": model,
         "optimizer": {
             "name": name,
-            **(family.to_dict() if family is not None else {}),
+            **family,
             **{k: config.optimizer[k] for k in STATE_SHAPING_KEYS if k in config.optimizer},
         },
     }
@@ -131,11 +133,10 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
                 f"{n_batch_shards} batch shards of mesh {dict(mesh.shape)}; use a batch_size divisible by {n_batch_shards * config.grad_accum_steps}"
             )
         replica_axis = config.get("replicas") or None
-        tx = registry.build(config.optimizer, config.steps)
-        if replica_axis:
-            tx = optax.chain(cross_replica.mean_over_replicas(replica_axis), tx)
+        tx = registry.build(config.optimizer, config.steps, replica_axis=replica_axis)
         model_def = model_lib.define(cfg)
         shardings = train_lib.make_shardings(model_def, tx, mesh, rules, replica_axis)
+        registry.check_layout(config.optimizer, model_def.abstract_params, shardings.params, replica_axis)
     except (ValueError, KeyError) as e:
         raise UsageError(str(e).strip("'\"")) from e
     return RunSpec(cfg, model_def, tx, mesh, rules, shardings)

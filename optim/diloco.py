@@ -140,6 +140,8 @@ def diloco(
 def fragment_slices(params: Any, fragments: int, layer_key: str = "blocks") -> list[list[Any]]:
     """Per leaf of ``params`` (flattened order), per fragment: the index of its part, or None.
 
+    A fragment may hold nothing (more fragments than layers): its synchronisations are no-ops.
+
     A leaf under ``layer_key`` with an integer index after it (unscanned layers) belongs whole to
     fragment ``index mod P``; one without (scan-stacked, layers on axis 0) is split: slice ``l`` to
     fragment ``l mod P``; other leaves belong to fragment 0.
@@ -157,12 +159,6 @@ def fragment_slices(params: Any, fragments: int, layer_key: str = "blocks") -> l
             for p in range(min(fragments, leaf.shape[0])):
                 parts[p] = slice(p, None, fragments)
         out.append(parts)
-    empty = [p for p in range(fragments) if all(parts[p] is None for parts in out)]
-    if empty:
-        raise ValueError(
-            f"streaming_diloco: fragments {empty} of {fragments} hold no parameters (too few layers under "
-            f"{layer_key!r}); use fewer fragments or set layer_key to the layer stack's name"
-        )
     return out
 
 
@@ -206,7 +202,6 @@ def streaming_diloco(
     offsets = _offsets(sync_every, fragments)
 
     def init_fn(params):
-        fragment_slices(params, fragments, layer_key)  # fails early on an unsplittable tree
         theta, momentum = _outer_init(params)
         pending = jax.tree.map(jnp.zeros_like, momentum)
         return StreamingDiLoCoState(jnp.zeros((), jnp.int32), theta, momentum, pending, inner.init(params))
@@ -227,6 +222,8 @@ def streaming_diloco(
 
         for p in range(fragments):
             where = [(i, s[p]) for i, s in enumerate(slices) if s[p] is not None]
+            if not where:
+                continue
 
             def send(pending, where=where):
                 delta = jnp.concatenate([(theta[i][s] - leaves[i][s].astype(jnp.float32)).ravel() for i, s in where])

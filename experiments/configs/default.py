@@ -1,6 +1,6 @@
 """Default run: the `tiny` model with AdamW on the standard-library corpus, on whatever devices exist.
 
-    python -m experiments.train --config=experiments/configs/default.py --config.steps=200
+    python -m experiments.train --config=experiments/configs/default.py --config.steps=400
 """
 
 import ml_collections
@@ -31,8 +31,8 @@ def optimizer_config(name: str = "adamw", learning_rate: float | None = None) ->
 def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.seed = 0
-    config.steps = 300
-    config.batch_size = 32  # global batch, sequences
+    config.steps = 200
+    config.batch_size = 16  # global batch, sequences
     config.grad_accum_steps = 1  # micro-batches per step; batch_size must divide by it
 
     config.model = ml_collections.ConfigDict()

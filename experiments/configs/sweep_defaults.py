@@ -1,6 +1,6 @@
 """The sweep that sets every registered optimizer's default learning rate: the default job's model,
-data and batch (`default.py`: `tiny`, 32 x 128 tokens), 200 steps, seed 0, three learning rates per
-optimizer around the centres of `compare.py`.
+data, batch and length (`default.py`: `tiny`, 16 x 128 tokens, 200 steps), seed 0, three learning
+rates per optimizer around the centres of `compare.py`.
 
     python -m experiments.compare_optimizers --config=experiments/configs/sweep_defaults.py \
         --workdir=runs/sweep_defaults
@@ -16,7 +16,6 @@ from optim import registry
 
 def get_config() -> ml_collections.ConfigDict:
     config = default.get_config()
-    config.steps = 200
     config.eval_every = 100
     config.log_every = 100
     config.checkpoint_every = 1000

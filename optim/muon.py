@@ -115,7 +115,8 @@ class NewtonSchulz:
     Attributes:
       ns_coeffs: preset (``"jordan"``, ``"polar_express"``, ``"turbo"``) or a table of (a, b, c) rows.
       ns_steps: Newton-Schulz steps; 0 means the preset's own count (5, 5, 4).
-      ns_dtype: ``"float32"`` or ``"bfloat16"`` for the iteration.
+      ns_dtype: ``"float32"``, ``"bfloat16"`` (fp32 coefficients and accumulation) or ``"auto"``:
+        float32 on CPU, where bf16 matmuls are not faster, bfloat16 on GPU and TPU.
       ns_eps: added to the Frobenius norm before the iteration.
       ns_batching: ``"same_shape"`` (one call per group of equal-shape matrices), ``"none"`` (one per
         leaf) or ``"auto"`` (``"none"`` on CPU, else ``"same_shape"``).
@@ -124,13 +125,13 @@ class NewtonSchulz:
 
     ns_coeffs: ns.Coeffs = "jordan"
     ns_steps: int = 0
-    ns_dtype: str = "float32"
+    ns_dtype: str = "auto"
     ns_eps: float = 1e-7
     ns_batching: str = "auto"
     ns_sharding: str = "as_is"
 
     def __post_init__(self) -> None:
-        common.check_choice("ns_dtype", self.ns_dtype, DTYPES)
+        common.check_choice("ns_dtype", self.ns_dtype, ns.DTYPES)
         common.check_choice("ns_sharding", self.ns_sharding, ns.SHARDING_MODES)
         common.check_choice("ns_batching", self.ns_batching, ns.BATCHING_MODES)
         ns.resolve(self.ns_coeffs)

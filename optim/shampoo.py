@@ -123,6 +123,8 @@ class ShampooDirection:
       merge_dims: merge adjacent small dims up to ``block_size`` (`blocking.merge_small_dims`).
       batch_leading_axes: axes before the last two are batch axes (scan-stacked layers): each entry
         gets its own statistics. False: every axis is a tensor dim.
+      matmul_precision: statistics and preconditioning matmuls, ``"auto"`` | ``"highest"`` |
+        ``"high"`` (`blocking.matmul_precision`; roots always in full fp32).
     """
 
     block_size: int = 1024
@@ -143,6 +145,7 @@ class ShampooDirection:
     graft_per_block: bool = False
     merge_dims: bool = True
     batch_leading_axes: bool = spec.code_only(True)
+    matmul_precision: str = "auto"
 
     static_args: ClassVar[tuple[str, ...]] = STATIC_ARGS
 
@@ -161,6 +164,7 @@ def _scale_by_shampoo(h: ShampooDirection) -> optax.GradientTransformation:
         )
     common.check_choice("graft_type", h.graft_type, GRAFT_TYPES)
     common.check_choice("root_method", h.root_method, matrix_roots.METHODS)
+    precision = blocking.matmul_precision(h.matmul_precision)
     has_nu = h.graft_type in ("adam", "adagrad", "rmsprop")
 
     def make_layout(leaf: jax.Array) -> blocking.TensorLayout | None:
@@ -229,7 +233,7 @@ def _scale_by_shampoo(h: ShampooDirection) -> optax.GradientTransformation:
         grafts = [_graft(h.graft_type, g, nu, t, h.graft_beta2, h.graft_eps) for g, nu in zip(g32, nus, strict=True)]
 
         blocks = [None if lay is None else lay.to_blocks(g) for g, lay in zip(g32, tensors, strict=True)]
-        outer = blocking.factor_statistics(stack, blocks)
+        outer = blocking.factor_statistics(stack, blocks, precision)
         w2 = jnp.where(h.beta2 == 1.0, 1.0, 1.0 - h.beta2)
         stats = blocking.BlockStacks(
             {k: blocking.constrain_blocks(h.beta2 * state.stats[k] + w2 * outer[k]) for k in state.stats}
@@ -250,7 +254,7 @@ def _scale_by_shampoo(h: ShampooDirection) -> optax.GradientTransformation:
             if lay is None:
                 directions.append(graft_dir)
                 continue
-            pre = blocking.apply_factors(leaf_blocks, leaf_mats)
+            pre = blocking.apply_factors(leaf_blocks, leaf_mats, precision=precision)
             if h.graft_type == "none":
                 shampoo_dir = lay.from_blocks(pre)
             elif h.graft_per_block:

@@ -57,9 +57,11 @@ class SoapState(NamedTuple):
     bases: blocking.BlockStacks  # eigenbases Q_L, Q_R, same layout
 
 
-def _rotate(layout: blocking.TensorLayout, x: jax.Array, mats: list, *, into: bool) -> jax.Array:
+def _rotate(
+    layout: blocking.TensorLayout, x: jax.Array, mats: list, *, into: bool, precision: jax.lax.Precision
+) -> jax.Array:
     """``Q_L^T X Q_R`` (``into``, projection) or ``Q_L X Q_R^T`` (back) on every block of ``x``."""
-    return layout.from_blocks(blocking.apply_factors(layout.to_blocks(x), mats, transpose=into))
+    return layout.from_blocks(blocking.apply_factors(layout.to_blocks(x), mats, transpose=into, precision=precision))
 
 
 def _permute(layout: blocking.TensorLayout, x: jax.Array, orders: list) -> jax.Array:
@@ -105,6 +107,8 @@ class SoapDirection:
       precondition_1d: rotate 1-D parameters too (a full ``(n, n)`` statistic).
       batch_leading_axes: axes before the last two are batch axes (scan-stacked layers). False:
         every axis is a tensor dim, as in the reference.
+      matmul_precision: statistics and rotation matmuls, ``"auto"`` | ``"highest"`` | ``"high"``
+        (`blocking.matmul_precision`; eigh, QR and the power step always in full fp32).
     """
 
     b1: float = 0.95
@@ -116,6 +120,7 @@ class SoapDirection:
     merge_dims: bool = False
     precondition_1d: bool = False
     batch_leading_axes: bool = spec.code_only(True)
+    matmul_precision: str = "auto"
 
     static_args: ClassVar[tuple[str, ...]] = STATIC_ARGS
 
@@ -127,6 +132,7 @@ def _scale_by_soap(h: SoapDirection) -> optax.GradientTransformation:
     max_precond_dim = common.static_int("max_precond_dim", h.max_precond_dim, STATIC_ARGS)
     if max_precond_dim < 1:
         raise ValueError(f"max_precond_dim={max_precond_dim} must be >= 1")
+    precision = blocking.matmul_precision(h.matmul_precision)
 
     def make_layout(leaf: jax.Array) -> blocking.TensorLayout | None:
         if leaf.ndim < 1 or (leaf.ndim == 1 and not h.precondition_1d):
@@ -168,7 +174,7 @@ def _scale_by_soap(h: SoapDirection) -> optax.GradientTransformation:
         old_mats = blocking.unstack(stack, state.bases)
 
         def rotate(x, lay, mats, into):
-            return x if lay is None else _rotate(lay, x, mats, into=into)
+            return x if lay is None else _rotate(lay, x, mats, into=into, precision=precision)
 
         mu, nu, direction = [], [], []
         leaves = zip(g32, treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu), tensors, old_mats, strict=True)
@@ -182,7 +188,7 @@ def _scale_by_soap(h: SoapDirection) -> optax.GradientTransformation:
             direction.append(jnp.where(first, 0.0, d * (jnp.sqrt(1 - h.b2**s) / (1 - h.b1**s))))
 
         blocks = [None if lay is None else lay.to_blocks(g) for g, lay in zip(g32, tensors, strict=True)]
-        outer = blocking.factor_statistics(stack, blocks)
+        outer = blocking.factor_statistics(stack, blocks, precision)
         beta_s = jnp.where(h.shampoo_beta < 0, h.b2, h.shampoo_beta)
         stats = blocking.BlockStacks(
             {k: blocking.constrain_blocks(beta_s * state.stats[k] + (1 - beta_s) * outer[k]) for k in state.stats}

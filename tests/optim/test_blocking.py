@@ -66,3 +66,20 @@ def test_spread_blocks_pads_to_the_device_count_and_cuts_back():
     np.testing.assert_allclose(inverse, np.linalg.inv(np.asarray(x)), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(trace, np.trace(np.asarray(x), axis1=1, axis2=2), rtol=1e-6)
     assert blocking.spread_blocks(fn, x)[0].shape == (5, 4, 4) and seen[-1] == 5  # no mesh: no padding
+
+
+@pytest.mark.parametrize("make", [scale_by_shampoo, scale_by_soap], ids=["shampoo", "soap"])
+def test_matmul_precision_reaches_the_statistics_and_preconditioning_matmuls(make):
+    """"auto" keeps full fp32 products on CPU; "high" lowers every block matmul at HIGH precision."""
+    params = {"w": jnp.ones((8, 16))}
+    kwargs = {"precondition_every": 1, "start_preconditioning_step": 1} if make is scale_by_shampoo else {}
+
+    def block_dot_precisions(precision):
+        tx = make(matmul_precision=precision, **kwargs)
+        text = jax.jit(tx.update).lower(params, tx.init(params), params).as_text()
+        return {line.split("precision = [")[1].split("]")[0] for line in text.splitlines() if "dot_general" in line}
+
+    assert block_dot_precisions("auto") == block_dot_precisions("highest") == {"HIGHEST, HIGHEST"}
+    assert "HIGH, HIGH" in block_dot_precisions("high")
+    with pytest.raises(ValueError, match="matmul_precision must be one of auto, highest, high"):
+        make(matmul_precision="fast")

@@ -213,7 +213,7 @@ def test_wraps_injected_hyperparams_and_rejects_bad_bits():
 def _lm_config(state_bits):
     config = default.get_config()
     config.steps = 300
-    config.data.seq_len = 64
+    config.data.seq_len = 32
     config.batch_size = 16
     config.eval_every = 300
     config.eval_batches = 4
@@ -231,7 +231,10 @@ def fp32_adamw_loss(tmp_path_factory):
 
 @pytest.mark.parametrize("bits,tolerance", [(8, 0.01), (4, 0.02)])
 def test_tiny_lm_300_steps_matches_fp32_adamw(bits, tolerance, fp32_adamw_loss, tmp_path):
-    """Validation loss after 300 steps of the `tiny` LM (seq 64, batch 16) within 1% (8-bit) / 2% (4-bit) of fp32."""
+    """Validation loss after 300 steps of the `tiny` LM (seq 32, batch 16) within 1% (8-bit) / 2% (4-bit) of fp32.
+
+    Measured (2-core CPU, 2026-11-23): fp32 2.0601, 8-bit 2.0650 (0.24%), 4-bit 2.0475 (0.61%).
+    """
     loss = train.run(_lm_config(bits), tmp_path)["final_val_loss"]
     assert abs(loss - fp32_adamw_loss) <= tolerance * fp32_adamw_loss
 

@@ -2,8 +2,8 @@
 
 Compilation is the cost, so each cross-replica optimizer compiles one train step (built through
 the registry as `experiments.train` builds it, on ``data:8``), trains, checkpoints at step 2,
-restores, and continues with the same program; only DiLoCo also goes through `train.run` (an
-interrupted run, then a resume on another replica count, which is refused).
+restores, and continues with the same program. `train.run` with replicas end to end, checkpointing
+and resuming across processes, runs in tests/sharding/test_multihost_and_resharding.py.
 """
 
 import functools
@@ -16,11 +16,11 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from experiments import train, train_lib
+from experiments import checkpointing, train, train_lib
 from experiments.configs import default
 from lm import config as config_lib
 from lm import model as model_lib
-from optim import cross_replica, registry
+from optim import cross_replica, diloco, registry
 from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib
@@ -104,14 +104,19 @@ def test_diloco_replicas_agree_after_a_synchronisation_and_keep_their_own_inner_
     final = _trained("diloco")[2]  # after 4 steps, H = 2: just synchronised
     for leaf in jax.tree.leaves(final["params"]):  # each replica lands on theta up to one rounding
         np.testing.assert_allclose(leaf, np.broadcast_to(leaf[:1], leaf.shape), rtol=1e-6, atol=1e-9)
-    # AdamW's moments saw each replica's own data.
-    moments = [x for x in jax.tree.leaves(final["opt_state"]) if x.ndim > 2]
+    # The inner AdamW's moments saw each replica's own data.
+    is_diloco = lambda x: isinstance(x, diloco.DiLoCoState)  # noqa: E731
+    (state,) = [x for x in jax.tree.leaves(final["opt_state"], is_leaf=is_diloco) if is_diloco(x)]
+    moments = [x for x in jax.tree.leaves(state.inner) if x.ndim > 2]
     assert moments and all(np.any(x[0] != x[1]) for x in moments)
 
 
-def test_diloco_resumes_through_train_run_only_on_the_same_replica_count(tmp_path):
-    interrupted = train.run(_config("diloco"), tmp_path, interrupt_at=SAVED_AT)
-    assert interrupted["interrupted"]
+def test_a_replica_local_checkpoint_resumes_only_on_the_same_replica_count(tmp_path):
+    """`train.run` refuses a checkpoint of 8 replicas on 4 (before compiling anything)."""
+    *_, final, _, spec = _trained("diloco")
+    mgr = checkpointing.manager(tmp_path, keep=1, every=1)
+    checkpointing.save(mgr, STEPS, final, {}, train._run_meta(_config("diloco"), spec.cfg, 8), force=True)
+    mgr.wait_until_finished()
     with pytest.raises(train.UsageError, match="replicas.count: checkpoint 8 vs now 4"):
         train.run(_config("diloco", mesh="data:4,fsdp:2"), tmp_path)
 

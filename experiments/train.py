@@ -75,16 +75,26 @@ STATE_SHAPING_KEYS = ("state_bits", "cautious")
 _RESUMABLE_MODEL_CHANGES = ("attention", "dtype", "remat", "scan_unroll", "track_attn_logits")
 
 
-def _run_meta(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConfig) -> dict:
-    """What a checkpoint must agree with to be resumed by this run."""
+def _run_meta(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConfig, replicas: int = 1) -> dict:
+    """What a checkpoint must agree with to be resumed by this run.
+
+    A wrapper's inner optimizer shapes the state too, so its block is included. A replica-local
+    run's state holds one slice per replica, so it resumes only with the same replica axis and count
+    (a different count is refused with the difference named).
+    """
     name = config.optimizer.name
     family = config.optimizer.get(name)
+    family = family.to_dict() if family is not None else {}
+    inner = registry.inner_name(config.optimizer)
+    if inner is not None and config.optimizer.get(inner) is not None:
+        family[inner] = config.optimizer[inner].to_dict()
     model = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _RESUMABLE_MODEL_CHANGES}
-    return {
+    meta = {"replicas": {"axis": config.replicas, "count": replicas}} if config.get("replicas") else {}
+    return meta | {
         "model": model,
         "optimizer": {
             "name": name,
-            **(family.to_dict() if family is not None else {}),
+            **family,
             **{k: config.optimizer[k] for k in STATE_SHAPING_KEYS if k in config.optimizer},
         },
     }
@@ -126,9 +136,11 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
                 f"the micro-batch of {config.batch_size // config.grad_accum_steps} sequences cannot be split over "
                 f"{n_batch_shards} batch shards of mesh {dict(mesh.shape)}; use a batch_size divisible by {n_batch_shards * config.grad_accum_steps}"
             )
-        tx = registry.build(config.optimizer, config.steps)
+        replica_axis = config.get("replicas") or None
+        tx = registry.build(config.optimizer, config.steps, replica_axis=replica_axis)
         model_def = model_lib.define(cfg)
-        shardings = train_lib.make_shardings(model_def, tx, mesh, rules)
+        shardings = train_lib.make_shardings(model_def, tx, mesh, rules, replica_axis)
+        registry.check_layout(config.optimizer, model_def.abstract_params, shardings.params, replica_axis)
     except (ValueError, KeyError) as e:
         raise UsageError(str(e).strip("'\"")) from e
     return RunSpec(cfg, model_def, tx, mesh, rules, shardings)
@@ -181,9 +193,10 @@ def run(
     shardings = spec.shardings
     lr_fn = registry.learning_rate_fn(config.optimizer, config.steps)
     step_fn = train_lib.make_train_step(
-        spec.model_def, spec.tx, grad_accum_steps=config.grad_accum_steps, z_loss=config.loss.z_loss, learning_rate=lr_fn
-    )
-    meta = _run_meta(config, spec.cfg)
+        spec.model_def, spec.tx, grad_accum_steps=config.grad_accum_steps, z_loss=config.loss.z_loss, learning_rate=lr_fn,
+        replica_axis=shardings.replica_axis,
+    )  # fmt: skip
+    meta = _run_meta(config, spec.cfg, shardings.replicas)
     mgr = checkpointing.manager(workdir, keep=config.keep_checkpoints, every=config.checkpoint_every)
     stop = _Stop()
     handlers = {}

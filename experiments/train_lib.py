@@ -8,6 +8,19 @@ optimizer state when the loss, the gradients, the update or the new optimizer st
 *skipped* step; finite gradients can overflow a second moment while the update stays finite).
 ``bad_streak`` counts consecutive skipped steps; the loop stops the run when it grows too long.
 The same function runs on one device or a pod slice: shardings come from logical names.
+
+**Replica-local step** (``replica_axis``, e.g. ``"data"``): the mesh axis is split into replicas.
+Each replica computes the gradient of its own share of the batch inside a `jax.shard_map` that
+makes only that axis manual (other axes, ``fsdp`` / ``tensor`` inside a replica, stay
+GSPMD-partitioned), and the optimizer receives these *local* gradients: an optimizer built for
+replicas (DeMo, DiLoCo, PowerSGD; ``axis_name=replica_axis``) does its own collectives, any other
+is given the replica mean first (`optim.cross_replica.mean_over_replicas`, i.e. data parallelism).
+Every leaf of ``params`` and ``opt_state`` then carries a leading axis of one slice per replica,
+sharded over ``replica_axis``: per-device memory is that of replicated parameters, and state that
+differs between replicas (local momenta, DiLoCo's drifting parameters) is ordinary state that
+checkpoints and restores like any other (onto the same replica count; `experiments.train` refuses
+another). Skipping a non-finite step is decided jointly (one bad replica skips the step
+everywhere), metrics are replica means, and evaluation uses the replica mean of the parameters.
 """
 
 from __future__ import annotations
@@ -35,23 +48,60 @@ class Shardings:
 
     mesh: jax.sharding.Mesh
     rules: rules_lib.Rules
-    params: Any
+    params: Any  # one model's parameters (per replica in a replica-local run)
     state: Any
     batch: jax.NamedSharding
+    replica_axis: str | None = None
+
+    @property
+    def replicas(self) -> int:
+        return self.mesh.shape[self.replica_axis] if self.replica_axis else 1
+
+
+def check_replica_axis(axis: str, mesh: jax.sharding.Mesh, rules: rules_lib.Rules, param_shardings: Any) -> None:
+    """Raises a ValueError naming the fix unless mesh axis ``axis`` can hold replicas of the model."""
+    if axis not in mesh.shape:
+        raise ValueError(
+            f"replicas={axis!r} is not an axis of mesh {dict(mesh.shape)}; name a mesh axis, e.g. "
+            f"--config.mesh={axis}:{mesh.size} or {axis}:{max(mesh.size // 2, 1)},fsdp:2"
+        )
+    inner = {a: n for a, n in mesh.shape.items() if a != axis and n > 1}
+    if len(inner) > 1:
+        raise ValueError(
+            f"replicas={axis!r} leaves {len(inner)} mesh axes of size > 1 inside a replica ({inner}); XLA's SPMD "
+            f"partitioner aborts on that (jax 0.10), so keep one, e.g. --config.mesh={axis}:{mesh.shape[axis]},fsdp:{mesh.size // mesh.shape[axis]}"
+        )
+    if axis not in partition.mesh_axes_of(rules_lib.logical_to_mesh_spec(("batch",), rules.activations, mesh.axis_names)[0]):
+        raise ValueError(f"replicas={axis!r}: the batch is not split over mesh axis {axis!r} by the rules; add it to the batch rule")
+    for sharding in jax.tree.leaves(param_shardings):
+        if any(axis in partition.mesh_axes_of(axes) for axes in sharding.spec):
+            raise ValueError(
+                f"replicas={axis!r}: the rules shard parameters over {axis!r} (spec {sharding.spec}); replicas hold whole "
+                "models, so shard parameters over another axis (fsdp, tensor) or override the rule"
+            )
 
 
 def make_shardings(
-    model_def: model_lib.ModelDef, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, rules: rules_lib.Rules
+    model_def: model_lib.ModelDef,
+    tx: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    rules: rules_lib.Rules,
+    replica_axis: str | None = None,
 ) -> Shardings:
     params = partition.named_shardings(model_def.logical_specs, mesh, rules)
     partition.check_divisible(model_def.abstract_params, params)
-    # Optimizers that stack blocks (Shampoo, SOAP) spread the stacks over all devices.
-    abstract_opt = blocking.annotate_block_shardings(jax.eval_shape(tx.init, model_def.abstract_params), mesh)
+    if replica_axis:
+        check_replica_axis(replica_axis, mesh, rules, params)
+    # Optimizers that stack blocks (Shampoo, SOAP) spread the stacks over all devices (of a replica).
+    abstract_opt = blocking.annotate_block_shardings(jax.eval_shape(tx.init, model_def.abstract_params), mesh, replica_axis)
     opt = partition.state_shardings(abstract_opt, model_def.abstract_params, params, mesh)
+    state_params = params
+    if replica_axis:
+        state_params, opt = (jax.tree.map(lambda s: partition.stacked(s, replica_axis), t) for t in (params, opt))
     replicated = jax.NamedSharding(mesh, jax.P())
-    state = {"params": params, "opt_state": opt, "step": replicated, "bad_streak": replicated, "skipped": replicated}
+    state = {"params": state_params, "opt_state": opt, "step": replicated, "bad_streak": replicated, "skipped": replicated}
     batch_spec = rules_lib.logical_to_mesh_spec(("batch", None), rules.activations, mesh.axis_names)
-    return Shardings(mesh, rules, params, state, jax.NamedSharding(mesh, batch_spec))
+    return Shardings(mesh, rules, params, state, jax.NamedSharding(mesh, batch_spec), replica_axis)
 
 
 def abstract_state(model_def: model_lib.ModelDef, tx: optax.GradientTransformation, shardings: Shardings) -> TrainState:
@@ -63,13 +113,21 @@ def abstract_state(model_def: model_lib.ModelDef, tx: optax.GradientTransformati
         "bad_streak": jax.ShapeDtypeStruct((), jnp.int32),
         "skipped": jax.ShapeDtypeStruct((), jnp.int32),
     }
+    if shardings.replica_axis:
+        per_replica = lambda s: jax.ShapeDtypeStruct((shardings.replicas, *s.shape), s.dtype)  # noqa: E731
+        shapes |= {k: jax.tree.map(per_replica, shapes[k]) for k in _PER_REPLICA}
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings.state)
 
 
 def init_state(model_def: model_lib.ModelDef, tx: optax.GradientTransformation, seed: int, shardings: Shardings) -> TrainState:
-    """Fresh train state, created directly in its shardings."""
+    """Fresh train state, created directly in its shardings (every replica starts from the same state)."""
     params = model_lib.init_params(model_def, seed, shardings.params)
-    opt_state = jax.jit(tx.init, out_shardings=shardings.state["opt_state"])(params)
+    if shardings.replica_axis:
+        copies = lambda p: jax.tree.map(lambda x: jnp.broadcast_to(x, (shardings.replicas, *x.shape)), (p, tx.init(p)))  # noqa: E731
+        out = (shardings.state["params"], shardings.state["opt_state"])
+        params, opt_state = jax.jit(copies, out_shardings=out)(params)
+    else:
+        opt_state = jax.jit(tx.init, out_shardings=shardings.state["opt_state"])(params)
     counters = {k: jax.device_put(jnp.zeros((), jnp.int32), shardings.state[k]) for k in ("step", "bad_streak", "skipped")}
     return {"params": params, "opt_state": opt_state, **counters}
 
@@ -86,11 +144,16 @@ def make_train_step(
     grad_accum_steps: int = 1,
     z_loss: float = 0.0,
     learning_rate: Callable[[Any], Any] | None = None,
+    replica_axis: str | None = None,
 ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
     """Returns the (unjitted) train step for batches of shape ``(batch, seq_len + 1)``.
 
     The model's auxiliary outputs (e.g. ``attn_max_logits``) reach the optimizer as extra
     arguments of ``tx.update``; transforms that do not take them ignore them.
+
+    With ``replica_axis`` the step is replica-local (see the module docstring) and must be called
+    under ``jax.set_mesh``; ``tx`` then sees each replica's own gradients, so it is either built for
+    replicas or preceded by `optim.cross_replica.mean_over_replicas` (`optim.registry.build` does both).
     """
     tx = optax.with_extra_args_support(tx)
 
@@ -118,12 +181,21 @@ def make_train_step(
         aux = jax.tree.map(lambda x: jnp.max(x, axis=0), aux)  # max logits over micro-batches
         return (loss * scale, (jax.tree.map(lambda m: m * scale, metrics), aux)), jax.tree.map(lambda g: g * scale, grads)
 
-    def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
+    # Reductions over replicas; identities when GSPMD already sees the whole batch.
+    if replica_axis:
+        mean = lambda x: jax.lax.pmean(x, replica_axis)  # noqa: E731
+        maximum = lambda x: jax.lax.pmax(x, replica_axis)  # noqa: E731
+        every = lambda ok: jax.lax.pmin(ok.astype(jnp.int32), replica_axis).astype(bool)  # noqa: E731
+    else:
+        mean = maximum = every = lambda x: x  # noqa: E731
+
+    def local_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
         params, opt_state = state["params"], state["opt_state"]
         (loss, (metrics, aux)), grads = accumulate(params, batch)
+        aux = jax.tree.map(maximum, aux)  # per-head max logits of the whole batch
         updates, new_opt_state = tx.update(grads, opt_state, params, **aux)
         new_params = optax.apply_updates(params, updates)
-        ok = jnp.isfinite(loss) & _all_finite(grads, updates, new_opt_state)
+        ok = every(jnp.isfinite(loss) & _all_finite(grads, updates, new_opt_state))
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
         bad = (~ok).astype(jnp.int32)
         new_state = {
@@ -138,13 +210,33 @@ def make_train_step(
             **metrics,
             "grad_norm": optax.tree.norm(grads),
             "update_norm": optax.tree.norm(updates),
-            "finite": ok,
-            "bad_streak": new_state["bad_streak"],
-            "skipped": new_state["skipped"],
         }
+        metrics = {k: mean(v) for k, v in metrics.items()}
+        metrics |= {"finite": ok, "bad_streak": new_state["bad_streak"], "skipped": new_state["skipped"]}
         if learning_rate is not None:
             metrics["lr"] = learning_rate(state["step"])
         return new_state, metrics
+
+    if not replica_axis:
+        return local_step
+    return _replica_local(local_step, replica_axis)
+
+
+_PER_REPLICA = ("params", "opt_state")
+
+
+def _replica_local(local_step: Callable, axis: str) -> Callable:
+    """``local_step`` run once per replica of mesh ``axis``, on that replica's slice of the state and batch."""
+    spec = {k: jax.P(axis) if k in _PER_REPLICA else jax.P() for k in ("params", "opt_state", "step", "bad_streak", "skipped")}
+
+    def body(state, batch):
+        state = {k: jax.tree.map(lambda x: x[0], v) if k in _PER_REPLICA else v for k, v in state.items()}
+        new_state, metrics = local_step(state, batch)
+        return {k: jax.tree.map(lambda x: x[None], v) if k in _PER_REPLICA else v for k, v in new_state.items()}, metrics
+
+    def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
+        step = jax.shard_map(body, in_specs=(spec, jax.P(axis)), out_specs=(spec, jax.P()), axis_names={axis})
+        return step(state, batch)
 
     return train_step
 
@@ -166,7 +258,15 @@ def jit_train_step(step_fn, shardings: Shardings):
 
 
 def jit_eval_step(eval_fn, shardings: Shardings):
-    return jax.jit(eval_fn, in_shardings=(shardings.params, shardings.batch))
+    """``eval_fn`` on the train state's parameters; in a replica-local run, on their replica mean."""
+    if not shardings.replica_axis:
+        return jax.jit(eval_fn, in_shardings=(shardings.params, shardings.batch))
+
+    def on_mean(params, batch):
+        mean = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.mean(p, axis=0), s), params, shardings.params)
+        return eval_fn(mean, batch)
+
+    return jax.jit(on_mean, in_shardings=(shardings.state["params"], shardings.batch))
 
 
 def global_batch(local_rows, shardings: Shardings) -> jax.Array:

@@ -47,6 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharding import partition
+
 HIGHEST = jax.lax.Precision.HIGHEST
 # Precision of the statistics and preconditioning matmuls (`matmul_precision`).
 MATMUL_PRECISIONS = ("auto", "highest", "high")
@@ -234,11 +236,15 @@ jax.tree_util.register_pytree_with_keys(
 
 
 def mesh_axes() -> tuple[tuple[str, ...], int]:
-    """The ambient mesh's axis names and device count (``(), 1`` without a mesh)."""
+    """The ambient mesh's axes that GSPMD partitions and their device count (``(), 1`` without a mesh).
+
+    Inside a `jax.shard_map` (a replica-local train step) the manual axes are left out.
+    """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return (), 1
-    return tuple(mesh.axis_names), mesh.size
+    axes = partition.auto_axes(mesh)
+    return axes, math.prod(mesh.shape[a] for a in axes)
 
 
 def stack_spec(shape: Sequence[int], mesh_shape: Mapping[str, int]) -> jax.P:
@@ -258,15 +264,16 @@ def stack_spec(shape: Sequence[int], mesh_shape: Mapping[str, int]) -> jax.P:
 
 def constrain_blocks(x: jax.Array) -> jax.Array:
     """Pins a stack ``x`` to its storage layout (`stack_spec`) on the ambient mesh; no-op without one."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    axes, _ = mesh_axes()
+    if not axes:
         return x
-    return jax.lax.with_sharding_constraint(x, stack_spec(x.shape, mesh.shape))
+    mesh_shape = jax.sharding.get_abstract_mesh().shape
+    return jax.lax.with_sharding_constraint(x, stack_spec(x.shape, {a: mesh_shape[a] for a in axes}))
 
 
-def block_sharding(mesh: jax.sharding.Mesh, shape: Sequence[int]) -> jax.NamedSharding:
-    """The sharding of a ``(n_blocks, b, b)`` stack stored on ``mesh`` (`stack_spec`)."""
-    return jax.NamedSharding(mesh, stack_spec(shape, mesh.shape))
+def block_sharding(mesh: jax.sharding.Mesh, shape: Sequence[int], replica_axis: str | None = None) -> jax.NamedSharding:
+    """The sharding of a ``(n_blocks, b, b)`` stack stored on ``mesh`` (`stack_spec`), never over ``replica_axis``."""
+    return jax.NamedSharding(mesh, stack_spec(shape, {a: n for a, n in mesh.shape.items() if a != replica_axis}))
 
 
 def spread_blocks(fn: Callable[..., Any], *stacks: jax.Array) -> Any:
@@ -286,8 +293,11 @@ def spread_blocks(fn: Callable[..., Any], *stacks: jax.Array) -> Any:
     return jax.tree.map(lambda y: y[:n], fn(*stacks))
 
 
-def annotate_block_shardings(abstract_state: Any, mesh: jax.sharding.Mesh) -> Any:
+def annotate_block_shardings(abstract_state: Any, mesh: jax.sharding.Mesh, replica_axis: str | None = None) -> Any:
     """Gives every array inside a `BlockStacks` of ``abstract_state`` its `block_sharding` on ``mesh``.
+
+    With ``replica_axis`` (a replica-local run, where each replica holds its own stacks) the stacks
+    are spread over the other axes only, as `constrain_blocks` places them inside the replica.
 
     Other leaves are returned unchanged. Feed the result to `sharding.partition.state_shardings`
     (which keeps a leaf's own ``.sharding``) to get ``out_shardings`` for ``jit(tx.init)``::
@@ -302,7 +312,7 @@ def annotate_block_shardings(abstract_state: Any, mesh: jax.sharding.Mesh) -> An
             return node
         return BlockStacks(
             {
-                k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=block_sharding(mesh, v.shape))
+                k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=block_sharding(mesh, v.shape, replica_axis))
                 for k, v in node.items()
             }
         )

@@ -73,6 +73,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharding import partition
+
 
 class NSPreset(NamedTuple):
     """A Newton-Schulz recipe."""
@@ -277,7 +279,7 @@ def _place(stack: jax.Array, sharding: str) -> jax.Array:
         return stack
     if sharding == "replicated":
         return jax.lax.with_sharding_constraint(stack, jax.P())
-    return jax.lax.with_sharding_constraint(stack, jax.P(tuple(mesh.axis_names), None, None))
+    return jax.lax.with_sharding_constraint(stack, jax.P(partition.auto_axes(mesh), None, None))
 
 
 def orthogonalize(

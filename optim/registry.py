@@ -8,6 +8,14 @@ optimizer with its family keys, e.g. ``optimizer.sgd.momentum``: the spec's fiel
 common keys and the code-only fields (`family_defaults`). ``learning_rate`` and ``weight_decay`` left
 unset (None) take the spec's defaults. Adding an optimizer is its file in `optim/` and one line in
 `OPTIMIZERS`.
+
+*Wrappers* (`optim.spec.WrapperSpec`: DiLoCo, Streaming DiLoCo, PowerSGD) name their inner optimizer
+in ``optimizer.<wrapper>.inner``; it is built like a top-level optimizer from its own block and the
+common keys (learning rate and schedule, weight decay, ``state_bits``, ``cautious``), and the clip
+stays outside the wrapper. In a replica-local run (``build(..., replica_axis=...)``) an optimizer
+built for replicas (a spec with an ``axis_name`` field: DeMo, DiLoCo, PowerSGD) gets the replica
+axis and does its own collectives; any other gets the replica mean of the gradients first (data
+parallelism).
 """
 
 from __future__ import annotations
@@ -18,14 +26,17 @@ from typing import Any
 
 import optax
 
-from optim import common, labels, schedules, spec
+from optim import common, cross_replica, labels, schedules, spec
 from optim.cautious import cautious
 from optim.came import Came
+from optim.demo import DeMo, check_chunk_layout
+from optim.diloco import DiLoCo, StreamingDiLoCo
 from optim.lion import Lion
 from optim.mars_muon import MarsMuon
 from optim.muon import Muon
 from optim.muon_clip import MuonClip
 from optim.normuon import NorMuon
+from optim.powersgd import PowerSGD
 from optim.quantize_state import quantize_state
 from optim.shampoo import Shampoo
 from optim.soap import Soap
@@ -70,7 +81,9 @@ class SGD(common.DirectionOptimizer):
 adamw = spec.function(AdamW, name="adamw")
 sgd = spec.function(SGD, name="sgd")
 
-OPTIMIZERS: dict[str, type[spec.OptimizerSpec]] = {
+Spec = spec.OptimizerSpec | spec.WrapperSpec
+
+OPTIMIZERS: dict[str, type[Spec]] = {
     "adamw": AdamW,
     "sgd": SGD,
     "muon": Muon,
@@ -81,10 +94,16 @@ OPTIMIZERS: dict[str, type[spec.OptimizerSpec]] = {
     "came": Came,
     "shampoo": Shampoo,
     "soap": Soap,
+    "demo": DeMo,
+    "diloco": DiLoCo,
+    "streaming_diloco": StreamingDiLoCo,
+    "powersgd": PowerSGD,
 }
 
 # Optimizers whose update takes the model's per-head max attention logits (``attn_max_logits``).
 NEEDS_ATTN_LOGITS = frozenset(name for name, cls in OPTIMIZERS.items() if "attn_max_logits" in cls.extra_args)
+# Optimizers built for replicas (`optim.cross_replica`): their update does its own collectives.
+CROSS_REPLICA = frozenset(name for name, cls in OPTIMIZERS.items() if "axis_name" in spec.defaults(cls))
 
 COMMON_KEYS = (
     "name",
@@ -100,7 +119,7 @@ COMMON_KEYS = (
 )
 
 
-def spec_class(name: str) -> type[spec.OptimizerSpec]:
+def spec_class(name: str) -> type[Spec]:
     """The spec class registered as ``name``; a ValueError listing the names otherwise."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; set optimizer.name to one of {', '.join(sorted(OPTIMIZERS))}")
@@ -112,8 +131,29 @@ def family_defaults(name: str) -> dict[str, Any]:
     return spec.config_defaults(spec_class(name))
 
 
-def make_spec(config: Mapping[str, Any], total_steps: int) -> spec.OptimizerSpec:
-    """The spec an ``optimizer`` config block describes: family keys, common keys it takes, the schedule."""
+def is_wrapper(name: str) -> bool:
+    return issubclass(spec_class(name), spec.WrapperSpec)
+
+
+def inner_name(config: Mapping[str, Any]) -> str | None:
+    """The registered name of a wrapper's inner optimizer (None when ``config`` is no wrapper)."""
+    name = config["name"]
+    if not is_wrapper(name):
+        return None
+    inner = (config.get(name) or {}).get("inner") or spec.defaults(spec_class(name))["inner"]
+    if inner not in OPTIMIZERS or is_wrapper(inner) or inner in NEEDS_ATTN_LOGITS or inner in CROSS_REPLICA:
+        raise ValueError(
+            f"optimizer.{name}.inner={inner!r} cannot run inside {name}; name a single-replica optimizer, e.g. adamw or sgd"
+        )
+    return inner
+
+
+def make_spec(config: Mapping[str, Any], total_steps: int, *, replica_axis: str | None = None) -> Spec:
+    """The spec an ``optimizer`` config block describes: family keys, common keys it takes, the schedule.
+
+    A wrapper's ``inner`` becomes that optimizer's transform, built by `build`; a spec built for
+    replicas gets ``axis_name=replica_axis``.
+    """
     name = config["name"]
     cls = spec_class(name)
     family = dict(config.get(name, {}) or {})
@@ -122,6 +162,12 @@ def make_spec(config: Mapping[str, Any], total_steps: int) -> spec.OptimizerSpec
     if unknown:
         raise ValueError(f"optimizer.{name} has no key(s) {', '.join(unknown)}; its keys: {', '.join(sorted(keys))}")
     fields = spec.defaults(cls)
+    if "axis_name" in fields:
+        family["axis_name"] = replica_axis
+    inner = inner_name(config)
+    if inner is not None:
+        family["inner"] = build({**config, "name": inner, "grad_clip_norm": None}, total_steps)
+        return cls(**family)
     weight_decay = config.get("weight_decay")  # None: the spec's own default
     if weight_decay is not None:
         if "weight_decay" not in fields:
@@ -132,7 +178,7 @@ def make_spec(config: Mapping[str, Any], total_steps: int) -> spec.OptimizerSpec
     return cls(learning_rate=learning_rate_fn(config, total_steps), **family)
 
 
-def build(config: Mapping[str, Any], total_steps: int) -> optax.GradientTransformation:
+def build(config: Mapping[str, Any], total_steps: int, *, replica_axis: str | None = None) -> optax.GradientTransformation:
     """The optimizer described by an ``optimizer`` config block, for a run of ``total_steps``.
 
     The result is ``chain(clip_by_global_norm, <spec>.transform())``; no clipping when
@@ -140,28 +186,45 @@ def build(config: Mapping[str, Any], total_steps: int) -> optax.GradientTransfor
     `optim.quantize_state.quantize_state` (0: fp32 state); ``cautious=True`` then wraps it in
     `optim.cautious.cautious` (its whole update, weight decay included), or is passed to a spec with
     a ``cautious`` field. The clip stays outside both: it scales the gradient by one positive
-    factor, so the cautious sign mask is unchanged by it.
+    factor, so the cautious sign mask is unchanged by it. A wrapper's inner optimizer gets
+    ``state_bits`` and ``cautious`` instead of the wrapper.
+
+    With ``replica_axis`` (the replica-local train step) a spec built for replicas receives it; any
+    other optimizer is preceded by `optim.cross_replica.mean_over_replicas` (before the clip).
     """
     state_bits = int(config.get("state_bits") or 0)
     if state_bits not in (0, 4, 8):
         raise ValueError(f"optimizer.state_bits={state_bits}: use 0 (fp32 state), 8 or 4")
-    optimizer = make_spec(config, total_steps)
+    optimizer = make_spec(config, total_steps, replica_axis=replica_axis)
     tx = optimizer.transform()
-    if state_bits:
-        tx = quantize_state(tx, bits=state_bits)
-    if config.get("cautious") and not hasattr(optimizer, "cautious"):
-        tx = cautious(tx)
+    if not isinstance(optimizer, spec.WrapperSpec):
+        if state_bits:
+            tx = quantize_state(tx, bits=state_bits)
+        if config.get("cautious") and not hasattr(optimizer, "cautious"):
+            tx = cautious(tx)
     clip = config.get("grad_clip_norm")
     if clip:
         tx = optax.chain(optax.clip_by_global_norm(float(clip)), tx)
+    if replica_axis and config["name"] not in CROSS_REPLICA:
+        tx = optax.chain(cross_replica.mean_over_replicas(replica_axis), tx)
     return tx
+
+
+def check_layout(config: Mapping[str, Any], params: Any, shardings: Any, replica_axis: str | None = None) -> None:
+    """Raises a ValueError naming the fix when the parameters' layout does not suit the optimizer.
+
+    DeMo's DCT chunks must not straddle shards (`optim.demo.check_chunk_layout`).
+    """
+    if config["name"] == "demo":
+        chunk = (config.get("demo") or {}).get("chunk", spec.defaults(DeMo)["chunk"])
+        check_chunk_layout(params, shardings, int(chunk), replica_axis=replica_axis)
 
 
 def learning_rate_fn(config: Mapping[str, Any], total_steps: int) -> optax.Schedule:
     """The schedule `build` uses, for logging the learning rate; peak ``learning_rate`` or the spec's default."""
     peak = config.get("learning_rate")
-    if peak is None:
-        peak = spec.defaults(spec_class(config["name"]))["learning_rate"]
+    if peak is None:  # a wrapper's learning rate is its inner optimizer's
+        peak = spec.defaults(spec_class(inner_name(config) or config["name"]))["learning_rate"]
     return schedules.make_schedule(
         config.get("schedule", "cosine"),
         float(peak),

@@ -19,6 +19,11 @@ must supply; ``static_args``, the fields that set array shapes and must stay Pyt
 ``weight_decay`` by every optimizer that has one, ``cautious`` by MuonClip (which masks Muon's update
 but not its QK-clip); the registry wraps the other common keys around the optimizer.
 
+*Wrappers* (`WrapperSpec`: DiLoCo, PowerSGD) run another optimizer, ``inner``: a registered name in
+a config (``optimizer.diloco.inner = "sgd"``, that optimizer's own block configuring it), or an optax
+transform from code. Specs with an ``axis_name`` field are built for replicas (`optim.cross_replica`):
+the replica-local train step gives them its replica axis.
+
 Adding an optimizer: one file in `optim/` with its spec (fields, defaults, ``transform``) and one
 line in `optim.registry.OPTIMIZERS`.
 """
@@ -58,6 +63,31 @@ class OptimizerSpec:
         raise NotImplementedError(f"{type(self).__name__} must define transform()")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WrapperSpec:
+    """An optimizer around another one, ``inner``: a registered optimizer's name or an optax transform.
+
+    A name builds that optimizer at its spec's defaults (`optim.registry.build` builds it from its
+    config block instead, with the run's schedule); its learning rate is the wrapper's.
+    """
+
+    inner: str | optax.GradientTransformation = "adamw"
+
+    extra_args: ClassVar[tuple[str, ...]] = ()
+    static_args: ClassVar[tuple[str, ...]] = ()
+
+    def inner_transform(self) -> optax.GradientTransformation:
+        if not isinstance(self.inner, str):
+            return self.inner
+        from optim import registry  # the registry imports every optimizer module, this one's users included
+
+        cls = registry.spec_class(self.inner)
+        return cls(learning_rate=defaults(cls)["learning_rate"]).transform()
+
+    def transform(self) -> optax.GradientTransformation:
+        raise NotImplementedError(f"{type(self).__name__} must define transform()")
+
+
 def defaults(cls: type) -> dict[str, Any]:
     """Every field of the spec class ``cls`` with its default (`dataclasses.MISSING` where it has none)."""
     return {f.name: f.default for f in dataclasses.fields(cls)}
@@ -81,14 +111,17 @@ def config_defaults(cls: type[OptimizerSpec]) -> dict[str, Any]:
 
 
 def function(
-    cls: type, method: str = "transform", *, name: str, positional: Sequence[str] = ("learning_rate",)
+    cls: type, method: str = "transform", *, name: str, positional: Sequence[str] | None = None
 ) -> Callable[..., optax.GradientTransformation]:
     """The public function ``name(*positional, **other_fields) -> cls(...).<method>()``.
 
+    ``positional`` defaults to ``learning_rate`` (``inner`` for a `WrapperSpec`).
     Its signature lists every field of ``cls`` with its default (``positional`` first, the rest
     keyword-only), which is what `optax.inject_hyperparams` reads; its docstring is the class's.
     """
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    if positional is None:
+        positional = ("inner",) if issubclass(cls, WrapperSpec) else ("learning_rate",)
 
     def parameter(field: dataclasses.Field, kind: Any) -> inspect.Parameter:
         default = inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default

@@ -35,12 +35,22 @@ def current_rules() -> rules_lib.Rules:
     return _RULES.get()
 
 
+def auto_axes(mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh) -> tuple[str, ...]:
+    """The axes of ``mesh`` that GSPMD partitions: all but those an enclosing `jax.shard_map` made manual."""
+    manual = set(getattr(mesh, "manual_axes", ()))
+    return tuple(a for a in mesh.axis_names if a not in manual)
+
+
 def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
-    """`with_sharding_constraint` on ``x`` from logical axis names, under the ambient mesh."""
+    """`with_sharding_constraint` on ``x`` from logical axis names, under the ambient mesh.
+
+    Inside a `jax.shard_map` (e.g. the replica-local train step) the manual axes are left out: each
+    replica constrains only its own slice over the axes that remain automatic.
+    """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    spec = rules_lib.logical_to_mesh_spec(logical, current_rules().activations, mesh.axis_names)
+    spec = rules_lib.logical_to_mesh_spec(logical, current_rules().activations, auto_axes(mesh))
     return jax.lax.with_sharding_constraint(x, spec)
 
 
@@ -60,12 +70,7 @@ def logical_mesh_axes(name: str) -> tuple[str, ...]:
     if mesh.empty:
         return ()
     spec = rules_lib.logical_to_mesh_spec((name,), current_rules().activations, mesh.axis_names)
-    return _mesh_axes(spec[0])
-
-
-def _free_axes(mesh: jax.sharding.AbstractMesh) -> tuple[str, ...]:
-    """Mesh axes not already manual (inside an enclosing `shard_map`)."""
-    return tuple(a for a in mesh.axis_names if a not in set(mesh.manual_axes))
+    return mesh_axes_of(spec[0])
 
 
 def logical_shard_map(
@@ -94,7 +99,7 @@ def logical_shard_map(
 
     def sharded(*args):
         mesh = jax.sharding.get_abstract_mesh()
-        free = _free_axes(mesh) if not mesh.empty else ()
+        free = auto_axes(mesh) if not mesh.empty else ()
         if not free:
             return fn(*args)
         if len(args) != len(in_logical):
@@ -104,19 +109,19 @@ def logical_shard_map(
         name = getattr(fn, "__name__", repr(fn))
         for logical in (*in_logical, *jax.tree.leaves(out_logical, is_leaf=_is_logical)):
             for axis_name, axes in zip(logical, to_spec(logical), strict=True):
-                ways = int(np.prod([mesh.shape[a] for a in _mesh_axes(axes)]))
+                ways = int(np.prod([mesh.shape[a] for a in mesh_axes_of(axes)]))
                 if axis_name in whole and ways > 1:
                     raise ValueError(
                         f"{name} needs logical axis {axis_name!r} whole on each device, but the rules shard it over mesh "
-                        f"axes {_mesh_axes(axes)}; use rules that leave it unsharded (--config.rule_overrides='{axis_name}=')"
+                        f"axes {mesh_axes_of(axes)}; use rules that leave it unsharded (--config.rule_overrides='{axis_name}=')"
                     )
         for index, (arg, logical) in enumerate(zip(args, in_logical, strict=True)):
             for dim, (size, axes) in enumerate(zip(arg.shape, to_spec(logical), strict=True)):
-                ways = int(np.prod([mesh.shape[a] for a in _mesh_axes(axes)]))
+                ways = int(np.prod([mesh.shape[a] for a in mesh_axes_of(axes)]))
                 if size % ways:
                     raise ValueError(
                         f"{name}: argument {index} has shape {arg.shape}; dimension {dim} ({logical[dim]!r}, {size}) does not "
-                        f"split over mesh axes {_mesh_axes(axes)} of size {ways}; change the mesh or override the rule for {logical[dim]!r}"
+                        f"split over mesh axes {mesh_axes_of(axes)} of size {ways}; change the mesh or override the rule for {logical[dim]!r}"
                     )
         in_specs = tuple(to_spec(logical) for logical in in_logical)
         out_specs = jax.tree.map(to_spec, out_logical, is_leaf=_is_logical)
@@ -155,7 +160,8 @@ def _names(path: Any) -> tuple[str, ...]:
     return tuple(jax.tree_util.keystr((key,), simple=True) for key in path)
 
 
-def _mesh_axes(axes: Any) -> tuple[str, ...]:
+def mesh_axes_of(axes: Any) -> tuple[str, ...]:
+    """The mesh axes of one entry of a `PartitionSpec` (None, a name, or a tuple of names)."""
     return (axes,) if isinstance(axes, str) else tuple(axes or ())
 
 
@@ -167,12 +173,12 @@ def _spec_like(shape: tuple[int, ...], sharding: jax.NamedSharding) -> jax.P:
     they split evenly, so a row statistic of a column-sharded matrix is spread over the same devices.
     """
     spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-    ways = lambda axes: int(np.prod([sharding.mesh.shape[a] for a in _mesh_axes(axes)]))  # noqa: E731
+    ways = lambda axes: int(np.prod([sharding.mesh.shape[a] for a in mesh_axes_of(axes)]))  # noqa: E731
     out, freed = [], []
     for dim, axes in zip(shape, spec, strict=True):
-        fits = bool(_mesh_axes(axes)) and dim > 0 and dim % ways(axes) == 0
+        fits = bool(mesh_axes_of(axes)) and dim > 0 and dim % ways(axes) == 0
         out.append(axes if fits else None)
-        freed += [] if fits else list(_mesh_axes(axes))
+        freed += [] if fits else list(mesh_axes_of(axes))
     for i in reversed(range(len(shape))):
         if freed and out[i] is None and shape[i] > 0 and shape[i] % ways(freed) == 0:
             out[i] = freed[0] if len(freed) == 1 else tuple(freed)
@@ -222,6 +228,19 @@ def state_shardings(
         return replicated
 
     return jax.tree_util.tree_map_with_path(pick, abstract_state)
+
+
+def stacked(sharding: jax.NamedSharding, axis: str) -> jax.NamedSharding:
+    """The sharding of an array with one more leading axis, split over mesh ``axis`` (one slice per replica).
+
+    ``axis`` is removed from the other dimensions' specs (a block stack spread over every mesh axis
+    keeps the axes left inside a replica).
+    """
+    rest = []
+    for axes in sharding.spec:
+        kept = tuple(a for a in mesh_axes_of(axes) if a != axis)
+        rest.append(kept[0] if len(kept) == 1 else (kept or None))
+    return jax.NamedSharding(sharding.mesh, jax.P(axis, *rest))
 
 
 def per_device_bytes(tree: Any) -> int:

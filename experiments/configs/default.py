@@ -66,6 +66,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.devices = 0  # 0: all devices; N: the first N (single process), e.g. 1 to debug on one GPU
     config.rules = "fsdp"  # logical-to-mesh rule preset: dp | fsdp | tp | sp (sharding/rules.py)
     config.rule_overrides = ""  # e.g. "mlp=tensor,params.vocab=" (logical=mesh_axis[+mesh_axis])
+    # A mesh axis (e.g. "data") whose slices are replicas that each keep their own gradients and state
+    # (replica-local step, for DeMo / DiLoCo / PowerSGD); empty: gradients averaged by GSPMD.
+    config.replicas = ""
 
     config.eval_every = 100
     config.eval_batches = 8

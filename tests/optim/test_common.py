@@ -36,7 +36,12 @@ from optim import blocking, registry, spec
 from optim import quantization as qz
 from sharding import partition
 
-NAMES = sorted(registry.OPTIMIZERS)
+# Optimizers built for replicas (DeMo, DiLoCo, PowerSGD) are checked where replicas exist: their
+# rules on W replicas in a `jax.shard_map` (tests/optim/test_{demo,diloco,powersgd}.py, with
+# tests/optim/replica_harness.py), training, resuming and refusing another replica count through the
+# registry on data:8 (tests/experiments/test_replica_local.py). The wrappers have no learning rate of
+# their own to inject (it is their inner optimizer's, which is checked here).
+NAMES = sorted(set(registry.OPTIMIZERS) - registry.CROSS_REPLICA)
 LAYERS, D, VOCAB, HEADS = 2, 48, 64, 4  # a stacked kernel of 2 x 48 x 48 = 4608 >= 4096: state_bits quantizes it
 STEPS = 3
 DEVICE = jax.devices()[0]

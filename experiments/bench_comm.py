@@ -1,0 +1,275 @@
+r"""Bytes on the wire per training step, read from the compiled HLO, next to the loss each method reaches.
+
+    python -m experiments.bench_comm --cpu_devices=8 --steps=300 --json_out=/tmp/comm.json
+    python -m experiments.bench_comm --rows=adamw,demo --train=false   # bytes only
+
+Each row is a real training step of `experiments.train` on a ``data:8`` mesh (8 replicas): AdamW
+data parallelism under GSPMD, and the replica-local step (``--config.replicas=data``) with DeMo,
+DiLoCo (H = 10, 50, 500), Streaming DiLoCo and PowerSGD (r = 1, 4). The step is compiled and every
+collective of the optimised HLO module (all-reduce, all-gather, all-to-all, reduce-scatter,
+collective-permute; async ``-start`` forms included) is counted from its result shape:
+
+- **payload**: the bytes one device puts into the collective (all-reduce / all-to-all /
+  collective-permute: the buffer; all-gather: its own piece; reduce-scatter: the whole input);
+- **ring**: the bytes one device sends under the usual ring algorithms, from the payload ``S`` and
+  group size ``n``: all-reduce ``2 (n-1)/n S``, all-gather ``(n-1) S``, reduce-scatter and all-to-all
+  ``(n-1)/n S``, collective-permute ``S``. This is a model of the algorithm, not a measurement.
+
+A collective inside a ``while`` body counts once per iteration (XLA's known trip count; an unknown
+count is an error). One inside a ``conditional`` branch (DiLoCo's synchronisation, a Streaming
+DiLoCo fragment) runs on some steps only: the table gives its bytes per synchronisation, and the
+amortised per-step figure adds them once every ``H`` steps (each such branch of these methods runs
+once per ``H`` steps). Per token divides by the tokens of one step (all replicas).
+
+With ``--train`` each row also trains ``tiny`` for ``--steps`` steps (same data, batch, schedule
+and seed) and reports the final validation loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from absl import app, flags, logging
+
+from experiments import train, train_lib
+from sharding import partition
+
+KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+# name -> config overrides; "sync_every" is H for the amortisation of conditional collectives.
+ROWS: dict[str, dict[str, Any]] = {
+    "adamw": {"optimizer.name": "adamw", "replicas": ""},
+    "demo": {"optimizer.name": "demo", "optimizer.learning_rate": 1e-3},
+    "demo_lr3e-4": {"optimizer.name": "demo", "optimizer.learning_rate": 3e-4},
+    "demo_lr3e-3": {"optimizer.name": "demo", "optimizer.learning_rate": 3e-3},
+    "demo_bf16_int16": {
+        "optimizer.name": "demo", "optimizer.learning_rate": 1e-3, "optimizer.demo.value_dtype": "bfloat16",
+        "optimizer.demo.index_dtype": "int16",
+    },
+    "diloco_h10": {"optimizer.name": "diloco", "optimizer.diloco.sync_every": 10},
+    "diloco_h50": {"optimizer.name": "diloco", "optimizer.diloco.sync_every": 50},
+    "diloco_h500": {"optimizer.name": "diloco", "optimizer.diloco.sync_every": 500},
+    "streaming_diloco_h50": {
+        "optimizer.name": "streaming_diloco", "optimizer.streaming_diloco.sync_every": 50,
+        "optimizer.streaming_diloco.fragments": 4, "optimizer.streaming_diloco.overlap": 1,
+        "optimizer.streaming_diloco.mixing": 0.5, "optimizer.streaming_diloco.exchange": "int4",
+    },
+    "powersgd_r1": {"optimizer.name": "powersgd", "optimizer.powersgd.rank": 1},
+    "powersgd_r4": {"optimizer.name": "powersgd", "optimizer.powersgd.rank": 4},
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str
+    payload: int  # bytes one device puts in
+    group: int  # devices taking part
+    count: int  # executions per step (while trip counts)
+    conditional: bool  # inside a conditional branch
+
+    @property
+    def ring(self) -> float:
+        n, s = self.group, self.payload
+        return {"all-reduce": 2 * (n - 1) / n * s, "all-gather": (n - 1) * s, "collective-permute": s}.get(self.kind, (n - 1) / n * s)
+
+
+def _shape_bytes(text: str) -> int:
+    """Bytes of every array type in ``text`` (a shape or a tuple of shapes)."""
+    total = 0
+    for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", text):
+        if dtype in _BYTES:
+            total += _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def _group_size(line: str, devices: int) -> int:
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:  # replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}
+        sizes = {k.strip("'"): int(v) for k, v in re.findall(r"('[^']+')=(\d+)", m.group(1))}
+        return math.prod(sizes[a.strip().strip("'")] for a in m.group(2).split(",") if a.strip())
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
+    if m:  # iota form [groups, size]<=[...]
+        return int(m.group(2))
+    m = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
+    if m:
+        return len(m.group(1).split(","))
+    m = re.search(r"source_target_pairs=\{(.*?)\}\s*[,}]", line)
+    return devices if m is None else 2
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    """Instruction lines per computation name, and the entry computation's name."""
+    comps: dict[str, list[str]] = {}
+    entry, current = "", None
+    for line in hlo.splitlines():
+        header = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$", line)
+        if header:
+            current = header.group(2)
+            comps[current] = []
+            entry = current if header.group(1) else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            comps[current].append(line)
+    return comps, entry
+
+
+def collectives(hlo: str, devices: int) -> list[Collective]:
+    """Every collective of an optimised HLO module, with how often and where it runs."""
+    comps, entry = _computations(hlo)
+    found: list[Collective] = []
+
+    def visit(name: str, count: int, conditional: bool, seen: tuple[str, ...]) -> None:
+        for line in comps.get(name, ()):
+            op = re.search(r"=\s*(.*?)\s+([\w\-]+)\(", line)
+            kind = op.group(2).removesuffix("-start") if op else ""
+            if kind in KINDS and not (op and op.group(2).endswith("-done")):
+                result = _shape_bytes(op.group(1))
+                n = _group_size(line, devices)
+                if op.group(2).endswith("-start"):  # async result tuples hold input and output buffers
+                    result //= 2 if kind in ("all-reduce", "collective-permute", "all-to-all") else 1
+                payload = {"all-gather": result // max(n, 1), "reduce-scatter": result * n}.get(kind, result)
+                found.append(Collective(kind, payload, n, count, conditional))
+            if op and op.group(2) == "while":
+                trip = re.search(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', line)
+                body = re.search(r"body=%?([\w.\-]+)", line)
+                if trip is None:
+                    raise ValueError(f"a while loop without a known trip count: {line.strip()[:120]}")
+                if body and body.group(1) not in seen:
+                    visit(body.group(1), count * int(trip.group(1)), conditional, (*seen, body.group(1)))
+            elif op and op.group(2) == "conditional":
+                branches = re.findall(r"(?:true_computation|false_computation)=%?([\w.\-]+)", line)
+                listed = re.search(r"branch_computations=\{([^}]*)\}", line)
+                branches += [b.strip().lstrip("%") for b in listed.group(1).split(",")] if listed else []
+                for b in branches:
+                    if b not in seen:
+                        visit(b, count, True, (*seen, b))
+            else:
+                for callee in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", line):
+                    if callee not in seen:
+                        visit(callee, count, conditional, (*seen, callee))
+
+    visit(entry, 1, False, (entry,))
+    return found
+
+
+def summarize(found: list[Collective], sync_every: int, tokens_per_step: int) -> dict[str, Any]:
+    """Bytes per step (every step / per synchronisation / amortised) and per token, payload and ring."""
+    out: dict[str, Any] = {"ops": {}}
+    for measure in ("payload", "ring"):
+        always = sum(getattr(c, measure) * c.count for c in found if not c.conditional)
+        per_sync = sum(getattr(c, measure) * c.count for c in found if c.conditional)
+        amortised = always + per_sync / sync_every
+        out[measure] = {"every_step": always, "per_sync": per_sync, "per_step": amortised, "per_token": amortised / tokens_per_step}
+    for c in found:
+        out["ops"][c.kind] = out["ops"].get(c.kind, 0) + c.count
+    return out
+
+
+def row_config(name: str, base: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict(base.to_dict())
+    config.replicas = "data"
+    for key, value in ROWS[name].items():
+        target = config
+        *path, last = key.split(".")
+        for p in path:
+            target = target[p]
+        target[last] = value
+    return config
+
+
+def compiled_hlo(config: ml_collections.ConfigDict) -> str:
+    """The optimised HLO text of ``config``'s training step (compiled, not run)."""
+    spec = train.build_run(config)
+    shardings = spec.shardings
+    step_fn = train_lib.make_train_step(spec.model_def, spec.tx, replica_axis=shardings.replica_axis)
+    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
+        state = train_lib.abstract_state(spec.model_def, spec.tx, shardings)
+        batch = jax.ShapeDtypeStruct((config.batch_size, config.data.seq_len + 1), jnp.int32, sharding=shardings.batch)
+        return train_lib.jit_train_step(step_fn, shardings).lower(state, batch).compile().as_text()
+
+
+def sync_every(config: ml_collections.ConfigDict) -> int:
+    family = config.optimizer.get(config.optimizer.name) or {}
+    return int(family.get("sync_every", 1))
+
+
+def measure_row(name: str, base: ml_collections.ConfigDict, *, train_run: bool, workdir: Path) -> dict[str, Any]:
+    config = row_config(name, base)
+    tokens = config.batch_size * config.data.seq_len
+    found = collectives(compiled_hlo(config), jax.device_count())
+    result = {"row": name, "sync_every": sync_every(config), **summarize(found, sync_every(config), tokens)}
+    if train_run:
+        summary = train.run(config, workdir / name)
+        result |= {"final_val_loss": summary["final_val_loss"], "final_train_loss": summary["final_train_loss"]}
+    return result
+
+
+def print_table(results: list[dict[str, Any]], baseline: str = "adamw") -> None:
+    base = next((r for r in results if r["row"] == baseline), None)
+    header = "| row | H | payload B/step | payload B/token | ring B/step | ring B/token | vs AdamW (payload / ring) | val loss | vs AdamW |"
+    print(header)
+    print("|" + " --- |" * header.count(" | ") + " --- |")
+    for r in results:
+        ratio = "" if base is None else f"1/{base['payload']['per_step'] / r['payload']['per_step']:.0f} / 1/{base['ring']['per_step'] / r['ring']['per_step']:.0f}"
+        loss = r.get("final_val_loss")
+        rel = "" if base is None or loss is None or base.get("final_val_loss") is None else f"{100 * (loss / base['final_val_loss'] - 1):+.1f}%"
+        print(
+            f"| {r['row']} | {r['sync_every']} | {r['payload']['per_step']:,.0f} | {r['payload']['per_token']:,.1f} | "
+            f"{r['ring']['per_step']:,.0f} | {r['ring']['per_token']:,.1f} | {ratio} | {'' if loss is None else f'{loss:.4f}'} | {rel} |"
+        )
+
+
+def main(config_flag, argv: list[str]) -> None:
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    base = config_flag.value
+    names = list(ROWS) if flags.FLAGS.rows == "all" else [n.strip() for n in flags.FLAGS.rows.split(",")]
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        train.usage_exit(f"unknown row(s) {unknown}; rows: {', '.join(ROWS)}")
+    workdir = Path(flags.FLAGS.workdir or tempfile.mkdtemp(prefix="bench_comm-"))
+    results = []
+    for name in names:
+        try:
+            results.append(measure_row(name, base, train_run=flags.FLAGS.train, workdir=workdir))
+        except train.UsageError as e:
+            train.usage_exit(f"row {name}: {e}")
+        print(json.dumps({k: results[-1][k] for k in ("row", "payload", "ring") } | {"val": results[-1].get("final_val_loss")}), file=sys.stderr, flush=True)
+    print_table(results)
+    if flags.FLAGS.json_out:
+        Path(flags.FLAGS.json_out).write_text(json.dumps(results, indent=2))
+
+
+def define_flags() -> flags.FlagHolder:
+    flags.DEFINE_string("rows", "all", f"Comma-separated rows: {', '.join(ROWS)}, or 'all'.")
+    flags.DEFINE_bool("train", True, "Also train each row and report its final validation loss.")
+    flags.DEFINE_integer("cpu_devices", 8, "Fake CPU devices (0: the real devices).")
+    flags.DEFINE_string("workdir", "", "Where the training runs go (default: a fresh temporary folder).")
+    flags.DEFINE_string("json_out", "", "Write the results here as JSON.")
+    return train.define_config_flag(str(Path(__file__).parent / "configs" / "bench_comm.py"))
+
+
+if __name__ == "__main__":
+    holder = define_flags()
+
+    def _main(argv):
+        if flags.FLAGS.cpu_devices:
+            jax.config.update("jax_num_cpu_devices", flags.FLAGS.cpu_devices)
+        # Each row's step is compiled for its HLO and again by the training run: let the second one hit a cache.
+        jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="bench_comm-xla-"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        main(holder, argv)
+
+    app.run(_main, flags_parser=train.parse_flags)

@@ -1,0 +1,288 @@
+r"""DiLoCo and Streaming DiLoCo: replicas train alone for H steps, then average where they went.
+
+**DiLoCo** (Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models",
+arXiv:2311.08105, Algorithm 1). Every replica ``w`` runs an inner optimizer (AdamW in the paper; any
+optax transform here) on its own data and parameters ``theta_w``, its inner state kept across rounds.
+Every ``H`` inner steps the replicas exchange the *outer gradient* and take one outer step from the
+last synchronised parameters ``theta``:
+
+    Delta = mean_w (theta - theta_w)                 # one all-reduce of the parameters every H steps
+    m     = mu m + Delta                             # outer Nesterov SGD (PyTorch's nesterov=True,
+    theta = theta - eta (Delta + mu m)               #   as in the paper): eta = 0.7, mu = 0.9
+    theta_w = theta                                  # every replica restarts from the new theta
+
+With one replica, ``H = 1``, ``eta = 1`` and ``mu = 0`` the outer step undoes nothing and DiLoCo is
+its inner optimizer; with ``eta = 1``, ``mu = 0`` it is parameter averaging every ``H`` steps.
+
+**Streaming DiLoCo** (Douillard et al., "Streaming DiLoCo with overlapping communication",
+arXiv:2501.18512, Algorithm 2). The parameters are cut into ``P`` fragments, strided over layers
+(layer ``l`` of the stack under ``layer_key`` is in fragment ``l mod P``; leaves outside the stack go
+with fragment 0). Fragment ``p`` is synchronised every ``H`` steps, offset by ``t_p = floor(p H / P)``,
+so only ``1/P`` of the model crosses the network at a time. Its outer gradient is *sent* at step
+``t`` (``t = t_p mod H``) and *received* ``tau`` steps later, while the replicas keep training:
+
+    send    (t):        Delta_p = mean_w (theta_p - theta_{w,p}(t))       # exchanged in `exchange` precision
+    receive (t + tau):  m_p = mu m_p + Delta_p;  theta_p = theta_p - eta (Delta_p + mu m_p)
+                        theta_{w,p} = alpha theta_{w,p}(t + tau) + (1 - alpha) theta_p
+
+The overlap is simulated in SPMD: the all-reduce runs (blocking) at the send step and its result
+waits in the state for ``tau`` steps, which is the algorithm an overlapped implementation computes.
+``P = 1``, ``tau = 0``, ``alpha = 0`` is DiLoCo. Outer gradients may travel as bfloat16, int8 or int4
+codes with fp32 accumulation (`optim.cross_replica.quantized_mean`); the paper's 4-bit format is FP4
+(E3M0), ours the 4-bit dynamic code of `optim.quantization`.
+
+Both are wrappers: ``inner`` sees the replica's *local* gradients, and the update returned moves the
+parameters to ``theta_w`` (after ``theta + (theta_w - theta)``, one rounding from it). Build them with
+``axis_name`` = the replica axis of the enclosing `jax.shard_map` (None: one replica).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optim import cross_replica, labels, spec
+
+
+class DiLoCoState(NamedTuple):
+    """State of `diloco` (per replica; all but ``inner`` agree across replicas)."""
+
+    count: jax.Array  # inner steps taken
+    outer_params: optax.Params  # theta: the parameters of the last synchronisation
+    outer_momentum: optax.Params  # m of the outer Nesterov SGD
+    inner: optax.OptState  # the inner optimizer's state, kept across rounds
+
+
+class StreamingDiLoCoState(NamedTuple):
+    """State of `streaming_diloco`: `DiLoCoState` plus outer gradients waiting for their receive step."""
+
+    count: jax.Array
+    outer_params: optax.Params
+    outer_momentum: optax.Params
+    pending: optax.Params  # Delta_p of fragments sent but not yet received
+    inner: optax.OptState
+
+
+def outer_nesterov(theta: Any, m: Any, delta: Any, lr: float, momentum: float) -> tuple[Any, Any]:
+    """One outer Nesterov SGD step on outer gradient ``delta`` (arrays or pytrees): returns ``(theta, m)``."""
+    m = jax.tree.map(lambda m, d: momentum * m + d, m, delta)
+    return jax.tree.map(lambda t, m, d: t - lr * (d + momentum * m), theta, m, delta), m
+
+
+def _check(sync_every: int, outer_learning_rate: float, outer_momentum: float) -> None:
+    if sync_every < 1:
+        raise ValueError(f"sync_every={sync_every} must be >= 1 (inner steps between synchronisations)")
+    if outer_learning_rate <= 0 or not 0 <= outer_momentum < 1:
+        raise ValueError(f"outer_learning_rate={outer_learning_rate} must be > 0 and outer_momentum={outer_momentum} in [0, 1)")
+
+
+def _inner_step(inner, grads, inner_state, params):
+    updates, inner_state = inner.update(grads, inner_state, params)
+    return optax.apply_updates(params, updates), inner_state
+
+
+def _outer_init(params: optax.Params) -> tuple[optax.Params, optax.Params]:
+    as_f32 = lambda p: jnp.asarray(p, jnp.float32)  # noqa: E731
+    return jax.tree.map(as_f32, params), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DiLoCo(spec.WrapperSpec):
+    """DiLoCo around ``inner``: ``sync_every`` (H) local steps, then the averaged outer Nesterov step.
+
+    The registry builds ``inner`` from ``optimizer.diloco.inner`` (default ``adamw``) with that
+    optimizer's own keys and the run's learning-rate schedule.
+
+    Attributes:
+      inner: the replicas' optimizer (a registered name or an optax transform).
+      sync_every: ``H``, inner steps between two synchronisations.
+      outer_learning_rate: ``eta`` of the outer Nesterov SGD.
+      outer_momentum: ``mu`` of the outer Nesterov SGD.
+      axis_name: the replica axis of the enclosing `jax.shard_map` (None: one replica).
+    """
+
+    sync_every: int = 500
+    outer_learning_rate: float = 0.7
+    outer_momentum: float = 0.9
+    axis_name: str | None = spec.code_only()
+
+    def transform(self) -> optax.GradientTransformation:
+        return _diloco(self.inner_transform(), self.sync_every, self.outer_learning_rate, self.outer_momentum, self.axis_name)
+
+
+def _diloco(
+    inner: optax.GradientTransformation, sync_every: int, outer_learning_rate: float, outer_momentum: float, axis_name: str | None
+) -> optax.GradientTransformation:
+    _check(sync_every, outer_learning_rate, outer_momentum)
+    mean = (lambda t: t) if axis_name is None else (lambda t: jax.lax.pmean(t, axis_name))  # noqa: E731
+
+    def init_fn(params):
+        theta, momentum = _outer_init(params)
+        return DiLoCoState(jnp.zeros((), jnp.int32), theta, momentum, inner.init(params))
+
+    def update_fn(grads, state, params=None):
+        if params is None:
+            raise ValueError("diloco needs params: call update(grads, state, params)")
+        local, inner_state = _inner_step(inner, grads, state.inner, params)
+        count = state.count + 1
+
+        def synchronise(local, theta, momentum):
+            delta = mean(jax.tree.map(lambda t, x: t - x.astype(jnp.float32), theta, local))
+            theta, momentum = outer_nesterov(theta, momentum, delta, outer_learning_rate, outer_momentum)
+            return jax.tree.map(lambda t, x: t.astype(x.dtype), theta, local), theta, momentum
+
+        keep = lambda local, theta, momentum: (local, theta, momentum)  # noqa: E731
+        new, theta, momentum = jax.lax.cond(
+            count % sync_every == 0, synchronise, keep, local, state.outer_params, state.outer_momentum
+        )
+        updates = jax.tree.map(lambda n, p: n - p, new, params)
+        return updates, DiLoCoState(count, theta, momentum, inner_state)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def fragment_slices(params: Any, fragments: int, layer_key: str = "blocks") -> list[list[Any]]:
+    """Per leaf of ``params`` (flattened order), per fragment: the index of its part, or None.
+
+    A fragment may hold nothing (more fragments than layers): its synchronisations are no-ops.
+
+    A leaf under ``layer_key`` with an integer index after it (unscanned layers) belongs whole to
+    fragment ``index mod P``; one without (scan-stacked, layers on axis 0) is split: slice ``l`` to
+    fragment ``l mod P``; other leaves belong to fragment 0.
+    """
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = labels.path_names(path)
+        where = names.index(layer_key) if layer_key in names else None
+        parts: list[Any] = [None] * fragments
+        if where is None:
+            parts[0] = ...
+        elif where + 1 < len(names) and names[where + 1].isdigit():
+            parts[int(names[where + 1]) % fragments] = ...
+        else:
+            for p in range(min(fragments, leaf.shape[0])):
+                parts[p] = slice(p, None, fragments)
+        out.append(parts)
+    return out
+
+
+def _offsets(sync_every: int, fragments: int) -> Sequence[int]:
+    return [p * sync_every // fragments for p in range(fragments)]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StreamingDiLoCo(DiLoCo):
+    """Streaming DiLoCo around ``inner`` (see the module docstring for the rule).
+
+    Attributes:
+      inner: the replicas' optimizer (the registry builds it from ``optimizer.streaming_diloco.inner``).
+      sync_every: ``H``, inner steps between two synchronisations of one fragment.
+      fragments: ``P``; fragment ``p`` is sent at steps ``floor(p H / P) mod H``.
+      overlap: ``tau`` in ``[0, H)``, steps between sending an outer gradient and applying it.
+      mixing: ``alpha``, the weight of the replica's own parameters when a fragment is received.
+      exchange: outer-gradient precision on the wire: float32, bfloat16, int8 or int4.
+      outer_learning_rate, outer_momentum: the outer Nesterov SGD.
+      layer_key: the path name of the layer stack that fragments stride over.
+      axis_name: the replica axis (None: one replica).
+    """
+
+    sync_every: int = 100
+    fragments: int = 2
+    overlap: int = 1
+    mixing: float = 0.5
+    exchange: str = "int4"
+    layer_key: str = "blocks"
+
+    def transform(self) -> optax.GradientTransformation:
+        fields = spec.values(self, StreamingDiLoCo)
+        del fields["inner"]
+        return _streaming_diloco(self.inner_transform(), **fields)
+
+
+def _streaming_diloco(
+    inner: optax.GradientTransformation,
+    *,
+    sync_every: int,
+    fragments: int,
+    overlap: int,
+    mixing: float,
+    exchange: str,
+    outer_learning_rate: float,
+    outer_momentum: float,
+    layer_key: str,
+    axis_name: str | None,
+) -> optax.GradientTransformation:
+    _check(sync_every, outer_learning_rate, outer_momentum)
+    if fragments < 1 or not 0 <= overlap < sync_every or not 0 <= mixing <= 1:
+        raise ValueError(
+            f"streaming_diloco needs fragments >= 1 (got {fragments}), 0 <= overlap < sync_every "
+            f"(got {overlap}, {sync_every}) and 0 <= mixing <= 1 (got {mixing})"
+        )
+    cross_replica.check_exchange(exchange)
+    offsets = _offsets(sync_every, fragments)
+
+    def init_fn(params):
+        theta, momentum = _outer_init(params)
+        pending = jax.tree.map(jnp.zeros_like, momentum)
+        return StreamingDiLoCoState(jnp.zeros((), jnp.int32), theta, momentum, pending, inner.init(params))
+
+    def due(count, offset, delay):
+        """Whether ``count`` is ``offset + delay`` plus a multiple of H (and the first such step has come)."""
+        since = count - offset - delay
+        return (since >= 0) & (since % sync_every == 0) & (count - delay > 0)
+
+    def update_fn(grads, state, params=None):
+        if params is None:
+            raise ValueError("streaming_diloco needs params: call update(grads, state, params)")
+        local, inner_state = _inner_step(inner, grads, state.inner, params)
+        count = state.count + 1
+        leaves, treedef = jax.tree.flatten(local)
+        theta, momentum, pending = (treedef.flatten_up_to(t) for t in (state.outer_params, state.outer_momentum, state.pending))
+        slices = fragment_slices(local, fragments, layer_key)
+
+        for p in range(fragments):
+            where = [(i, s[p]) for i, s in enumerate(slices) if s[p] is not None]
+            if not where:
+                continue
+
+            def send(args, where=where):
+                leaves, theta, pending = args
+                delta = jnp.concatenate([(theta[i][s] - leaves[i][s].astype(jnp.float32)).ravel() for i, s in where])
+                delta = cross_replica.quantized_mean(delta, axis_name, exchange)
+                pending, start = list(pending), 0
+                for i, s in where:
+                    size = int(np.prod(pending[i][s].shape))
+                    pending[i] = pending[i].at[s].set(delta[start : start + size].reshape(pending[i][s].shape))
+                    start += size
+                return pending
+
+            def receive(args, where=where):
+                leaves, theta, momentum, pending = (list(a) for a in args)
+                for i, s in where:
+                    t, m = outer_nesterov(theta[i][s], momentum[i][s], pending[i][s], outer_learning_rate, outer_momentum)
+                    theta[i], momentum[i] = theta[i].at[s].set(t), momentum[i].at[s].set(m)
+                    mixed = mixing * leaves[i][s].astype(jnp.float32) + (1 - mixing) * t
+                    leaves[i] = leaves[i].at[s].set(mixed.astype(leaves[i].dtype))
+                return leaves, theta, momentum, pending
+
+            pending = jax.lax.cond(due(count, offsets[p], 0), send, lambda a: list(a[2]), (leaves, theta, pending))
+            leaves, theta, momentum, pending = jax.lax.cond(
+                due(count, offsets[p], overlap), receive, lambda a: tuple(list(x) for x in a), (leaves, theta, momentum, pending)
+            )
+
+        new = treedef.unflatten(leaves)
+        updates = jax.tree.map(lambda n, p: n - p, new, params)
+        state = StreamingDiLoCoState(count, *(treedef.unflatten(t) for t in (theta, momentum, pending)), inner_state)
+        return updates, state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+diloco = spec.function(DiLoCo, name="diloco")
+streaming_diloco = spec.function(StreamingDiLoCo, name="streaming_diloco")

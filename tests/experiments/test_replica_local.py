@@ -1,0 +1,198 @@
+"""The replica-local train step: each replica's gradient inside `jax.shard_map`, per-replica state.
+
+Compilation is the cost, so each cross-replica optimizer compiles one train step (built through
+the registry as `experiments.train` builds it, on ``data:8``), trains, checkpoints at step 2,
+restores, and continues with the same program. `train.run` with replicas end to end, checkpointing
+and resuming across processes, runs in tests/sharding/test_multihost_and_resharding.py.
+"""
+
+import functools
+import math
+import tempfile
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+from experiments import checkpointing, train, train_lib
+from experiments.configs import default
+from lm import config as config_lib
+from lm import model as model_lib
+from optim import cross_replica, diloco, registry
+from sharding import mesh as mesh_lib
+from sharding import partition
+from sharding import rules as rules_lib
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+SMALL_MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "head_dim": 16, "mlp_dim": 64}
+CROSS_REPLICA = {
+    "demo": {"optimizer.learning_rate": 3e-3, "optimizer.demo.chunk": 16, "optimizer.demo.topk": 8},
+    "diloco": {"optimizer.diloco.sync_every": 2},
+    "streaming_diloco": {"optimizer.streaming_diloco.sync_every": 2, "optimizer.streaming_diloco.exchange": "bfloat16"},
+    "powersgd": {"optimizer.powersgd.rank": 2},
+}
+STEPS, SAVED_AT = 4, 2
+
+
+def _config(name, mesh="data:8", **overrides):
+    config = default.get_config()
+    config.steps, config.batch_size, config.data.seq_len = STEPS, 8, 16
+    config.eval_every, config.eval_batches, config.log_every, config.checkpoint_every = STEPS, 1, 1, 100
+    config.model.update(SMALL_MODEL)
+    config.mesh, config.replicas = mesh, "data"
+    config.optimizer.name = name
+    config.optimizer.warmup_steps = 0
+    for key, value in {**CROSS_REPLICA[name], **overrides}.items():
+        target = config
+        *path, last = key.split(".")
+        for p in path:
+            target = target[p]
+        target[last] = value
+    return config
+
+
+def test_cross_replica_optimizers_are_registered_with_the_replica_axis():
+    assert registry.CROSS_REPLICA == set(CROSS_REPLICA)
+    assert set(CROSS_REPLICA) <= set(registry.OPTIMIZERS)
+
+
+@functools.cache
+def _trained(name):
+    """(straight losses, resumed losses, straight final state, resumed final state, run spec)."""
+    spec = train.build_run(_config(name))
+    shardings = spec.shardings
+    step_fn = train_lib.make_train_step(spec.model_def, spec.tx, replica_axis=shardings.replica_axis)
+    step = jax.jit(step_fn, in_shardings=(shardings.state, shardings.batch), out_shardings=(shardings.state, None),
+                   compiler_options=FAST_COMPILE)  # fmt: skip
+    batches = [np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)] * STEPS  # loss falls on it
+    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
+
+        def run(state, batches):
+            losses = []
+            for b in batches:
+                state, metrics = step(state, train_lib.global_batch(b, shardings))
+                assert bool(metrics["finite"])
+                losses.append(float(metrics["loss"]))
+            return state, losses
+
+        state, straight = run(train_lib.init_state(spec.model_def, spec.tx, 0, shardings), batches[:SAVED_AT])
+        with tempfile.TemporaryDirectory() as tmp, ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(f"{tmp}/state", state)
+            checkpointer.wait_until_finished()
+            restored = checkpointer.restore(f"{tmp}/state", train_lib.abstract_state(spec.model_def, spec.tx, shardings))
+        final, rest = run(state, batches[SAVED_AT:])
+        resumed_final, resumed = run(restored, batches[SAVED_AT:])
+    return straight + rest, straight + resumed, jax.device_get(final), jax.device_get(resumed_final), spec
+
+
+@pytest.mark.parametrize("name", sorted(CROSS_REPLICA))
+def test_cross_replica_optimizer_trains_on_8_replicas_and_resumes_bit_exactly(name):
+    losses, resumed, final, resumed_final, spec = _trained(name)
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0] - 0.01  # it learned something
+    assert resumed == losses
+    jax.tree.map(np.testing.assert_array_equal, resumed_final, final)
+    # Per-replica state: a leading axis of one slice per replica, sharded over the replica axis.
+    for leaf in jax.tree.leaves(spec.shardings.state["opt_state"]):
+        assert leaf.spec[0] == "data"
+    for leaf in jax.tree.leaves(final["params"]):
+        assert leaf.shape[0] == 8
+
+
+def test_diloco_replicas_agree_after_a_synchronisation_and_keep_their_own_inner_state():
+    final = _trained("diloco")[2]  # after 4 steps, H = 2: just synchronised
+    for leaf in jax.tree.leaves(final["params"]):  # each replica lands on theta up to one rounding
+        np.testing.assert_allclose(leaf, np.broadcast_to(leaf[:1], leaf.shape), rtol=1e-6, atol=1e-9)
+    # The inner AdamW's moments saw each replica's own data.
+    is_diloco = lambda x: isinstance(x, diloco.DiLoCoState)  # noqa: E731
+    (state,) = [x for x in jax.tree.leaves(final["opt_state"], is_leaf=is_diloco) if is_diloco(x)]
+    moments = [x for x in jax.tree.leaves(state.inner) if x.ndim > 2]
+    assert moments and all(np.any(x[0] != x[1]) for x in moments)
+
+
+def test_a_replica_local_checkpoint_resumes_only_on_the_same_replica_count(tmp_path):
+    """`train.run` refuses a checkpoint of 8 replicas on 4 (before compiling anything)."""
+    *_, final, _, spec = _trained("diloco")
+    mgr = checkpointing.manager(tmp_path, keep=1, every=1)
+    checkpointing.save(mgr, STEPS, final, {}, train._run_meta(_config("diloco"), spec.cfg, 8), force=True)
+    mgr.wait_until_finished()
+    with pytest.raises(train.UsageError, match="replicas.count: checkpoint 8 vs now 4"):
+        train.run(_config("diloco", mesh="data:4,fsdp:2"), tmp_path)
+
+
+def _sgd_steps(mesh_spec, replica_axis, batches):
+    """SGD steps on ``batches`` (with the replica mean when the step is replica-local): the params,
+    the losses, and ``evaluate(params)``, the jitted eval step on ``batches[0]``."""
+    model_def = model_lib.define(config_lib.from_preset("tiny", **SMALL_MODEL))
+    tx = optax.sgd(0.5, momentum=0.9)
+    if replica_axis:
+        tx = optax.chain(cross_replica.mean_over_replicas(replica_axis), tx)
+    mesh = mesh_lib.make_mesh(mesh_spec, None if replica_axis else jax.devices()[:1])
+    rules = rules_lib.make_rules()
+    shardings = train_lib.make_shardings(model_def, tx, mesh, rules, replica_axis)
+    with jax.set_mesh(mesh), partition.use_rules(rules):
+        state = train_lib.init_state(model_def, tx, 0, shardings)
+        step_fn = train_lib.make_train_step(model_def, tx, replica_axis=replica_axis)
+        step = jax.jit(step_fn, in_shardings=(shardings.state, shardings.batch), compiler_options=FAST_COMPILE)
+        losses = []
+        for batch in batches:
+            state, metrics = step(state, train_lib.global_batch(batch, shardings))
+            losses.append(float(metrics["loss"]))
+    eval_step = train_lib.jit_eval_step(train_lib.make_eval_step(model_def), shardings)
+
+    def evaluate(params):
+        with jax.set_mesh(mesh), partition.use_rules(rules):
+            placed = jax.device_put(params, shardings.state["params"])
+            return float(eval_step(placed, train_lib.global_batch(batches[0], shardings)))
+
+    return jax.tree.map(np.asarray, state["params"]), losses, evaluate, shardings
+
+
+def test_replica_local_data_parallel_matches_one_device_and_evaluates_the_replica_mean():
+    """4 replicas of 2 FSDP shards each, gradients averaged over replicas == the whole batch on one
+    device; evaluation of replicas that differ is evaluation of their mean."""
+    batches = [np.random.default_rng(i).integers(0, 256, (8, 17)).astype(np.int32) for i in range(2)]
+    ref_params, ref_losses, ref_evaluate, _ = _sgd_steps("data:1", None, batches)
+    params, losses, evaluate, shardings = _sgd_steps("data:4,fsdp:2", "data", batches)
+    for leaf, ref in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+        assert leaf.shape == (4, *ref.shape)
+        assert np.all(leaf == leaf[:1])  # replicas stay identical
+        np.testing.assert_allclose(leaf[0], ref, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    # One slice per replica: a device holds one copy of the model, as with replicated parameters.
+    assert shardings.state["params"]["embed"]["embedding"].spec == jax.P("data", None, "fsdp")
+    rng = np.random.default_rng(1)
+    spread = jax.tree.map(lambda p: p + 0.01 * rng.normal(size=p.shape).astype(p.dtype), params)
+    mean = jax.tree.map(lambda p: p.mean(0), spread)
+    np.testing.assert_allclose(evaluate(spread), ref_evaluate(mean), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "mesh_spec, rules, overrides, message",
+    [
+        ("fsdp:8", "fsdp", "", "not an axis of mesh"),
+        ("data:8", "fsdp", "embed=data", "shard parameters over 'data'"),
+        ("data:8", "fsdp", "batch=fsdp", "batch is not split over mesh axis 'data'"),
+        ("data:2,fsdp:2,tensor:2", "tp", "", "keep one, e.g. --config.mesh=data:2,fsdp:4"),
+    ],
+)
+def test_bad_replica_setups_are_usage_errors_naming_the_fix(mesh_spec, rules, overrides, message):
+    config = default.get_config()
+    config.mesh, config.rules, config.rule_overrides, config.replicas = mesh_spec, rules, overrides, "data"
+    with pytest.raises(train.UsageError, match=message):
+        train.build_run(config)
+
+
+def test_demo_chunks_straddling_shards_are_a_usage_error():
+    config = _config("demo", mesh="data:2,fsdp:4", **{"optimizer.demo.chunk": 64})
+    config.model.update({"d_model": 96, "head_dim": 24})  # 96 / 4 = 24 per shard, chunk 48 straddles
+    with pytest.raises(train.UsageError, match="would straddle shards of .*; set optimizer.demo.chunk to a divisor"):
+        train.build_run(config)
+
+
+def test_a_wrapper_inner_optimizer_is_configured_by_its_own_block():
+    config = _config("diloco", **{"optimizer.diloco.inner": "sgd", "optimizer.sgd.momentum": 0.0})
+    assert "sgd" in train._run_meta(config, train.build_run(config).cfg, 8)["optimizer"]
+    with pytest.raises(train.UsageError, match="optimizer.diloco.inner='muon_clip' cannot run inside diloco"):
+        train.build_run(_config("diloco", **{"optimizer.diloco.inner": "muon_clip"}))

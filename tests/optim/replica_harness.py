@@ -1,0 +1,52 @@
+"""Runs an optimizer on W replicas inside `jax.shard_map`, as the replica-local train step does."""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+AXIS = "replicas"
+
+
+def run_replicas(
+    tx: optax.GradientTransformation,
+    params: Any,
+    data: Any,
+    grad_fn: Callable[[Any, Any], Any] = lambda params, grads: grads,
+) -> tuple[Any, Any, Any]:
+    """Steps every replica ``w`` with gradients ``grad_fn(params_w, data[w, t])`` for ``t < T``.
+
+    As in training, the state is made outside, every replica gets a copy (one slice each), and one
+    jitted step runs per ``t``.
+
+    Args:
+      tx: the optimizer; build it with ``axis_name=AXIS`` to let it talk across replicas.
+      params: the common starting point (one model).
+      data: pytree of arrays ``(W, T, ...)``: replica ``w``'s input at step ``t``.
+      grad_fn: gradient of the loss at ``params`` on one input; default: the input is the gradient.
+
+    Returns:
+      ``(params, updates, state)``: params after each step ``(W, T, ...)``, the updates ``(W, T, ...)``
+      and the final optimizer state ``(W, ...)``, as NumPy arrays.
+    """
+    leaf = jax.tree.leaves(data)[0]
+    n, steps = leaf.shape[:2]
+    mesh = jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
+
+    def body(params, state, inputs):
+        params, state, inputs = jax.tree.map(lambda x: x[0], (params, state, inputs))
+        updates, state = tx.update(grad_fn(params, inputs), state, params)
+        return jax.tree.map(lambda x: x[None], (optax.apply_updates(params, updates), updates, state))
+
+    spec = jax.P(AXIS)
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec))
+    params, state = jax.tree.map(lambda x: np.broadcast_to(x, (n, *np.shape(x))), (params, jax.jit(tx.init)(params)))
+    trajectory, updates = [], []
+    for t in range(steps):
+        params, u, state = step(params, state, jax.tree.map(lambda x: x[:, t], data))
+        trajectory.append(params)
+        updates.append(u)
+    stack = lambda trees: jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs], axis=1), *trees)  # noqa: E731
+    return stack(trajectory), stack(updates), jax.tree.map(np.asarray, state)

@@ -9,6 +9,8 @@ Under a mesh, pass the parameter's `PartitionSpec` and the kernel runs per shard
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -27,21 +29,32 @@ def available(target: str | None = None) -> bool:
     return (target or platform()) in ("gpu", "cuda", "rocm")
 
 
-def _rank1_maxima(rule, p3, g3, moments, layouts, scalars, shape):
-    """New row / column maxima of the rank-1 moments: XLA reduces the fused decode-and-update."""
+def _rank1_maxima(rule, p3, g3, moments, layouts, scalars, shape, split_axes):
+    """New row / column maxima of the rank-1 moments: XLA reduces the fused decode-and-update.
+
+    ``split_axes``: the mesh axes splitting rows and columns (a shard's maxima are partial there).
+    """
+    if all(m.tile for m in layouts):
+        return [None] * len(layouts)
     values = [reference.decode(m, q, shape) for m, q in zip(layouts, moments, strict=True)]
     _, values = rule.step(p3, g3, values, scalars)
-    return [
-        (jnp.max(jnp.abs(x), axis=-1, keepdims=True), jnp.max(jnp.abs(x), axis=-2, keepdims=True)) if m.tile is None else None
-        for m, x in zip(layouts, values, strict=True)
-    ]
+    row_axes, col_axes = split_axes
+    maxima = []
+    for m, x in zip(layouts, values, strict=True):
+        if m.tile:
+            maxima.append(None)
+            continue
+        row, col = jnp.max(jnp.abs(x), axis=-1, keepdims=True), jnp.max(jnp.abs(x), axis=-2, keepdims=True)
+        maxima.append((jax.lax.pmax(row, col_axes) if col_axes else row, jax.lax.pmax(col, row_axes) if row_axes else col))
+    return maxima
 
 
-def _local_update(rule, layouts, scalars, param, grad, moments, noise, *, block_sizes, backend, interpret):
+def _local_update(rule, layouts, scalars, param, grad, moments, noise, *, block_sizes, backend, interpret, split_axes=((), ())):
     shape = param.shape
     b, rows, cols = shape3 = base.as_3d(shape)
     p3, g3 = param.reshape(shape3), grad.reshape(shape3)
-    maxima = _rank1_maxima(rule, p3.astype(jnp.float32), g3.astype(jnp.float32), moments, layouts, scalars, shape)
+    noise = [u.reshape(shape3) for u in noise] if noise else None
+    maxima = _rank1_maxima(rule, p3.astype(jnp.float32), g3.astype(jnp.float32), moments, layouts, scalars, shape, split_axes)
     as3 = []
     for m, q, new in zip(layouts, moments, maxima, strict=True):
         codes = q[0].reshape(b, rows, -1)
@@ -77,6 +90,7 @@ def quantized_update(
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
     backend: str | None = None,
+    spec: jax.P | None = None,
 ) -> tuple[jax.Array, list[reference.QMoment]]:
     """`reference.quantized_update` in one Pallas kernel per parameter; same arguments and results.
 
@@ -85,6 +99,9 @@ def quantized_update(
       interpret: run in Pallas interpret mode (any platform; slow, for tests).
       backend: ``"triton"``; default from `platform()`. Naming it lets a CPU host lower the kernel
         for a GPU (``.lower(lowering_platforms=("cuda",))``).
+      spec: the parameter's `PartitionSpec` under the mesh in context: the kernel runs per shard in
+        `jax.shard_map`, codes and block scales split like the parameter, rank-1 maxima all-reduced
+        (``pmax``) over the mesh axes of the other matrix axis.
     """
     if param.shape != grad.shape or param.ndim == 0:
         raise ValueError(f"quantized_update: param {param.shape} and grad {grad.shape} must share one non-scalar shape")
@@ -97,7 +114,29 @@ def quantized_update(
         backend = _PLATFORM_BACKENDS.get(target)
     if backend not in BACKENDS:
         raise ValueError(f"no quantized-update kernel {backend!r} for platform {target!r}; use reference.quantized_update")
-    return _local_update(
-        rule, layouts, scalars, param, grad, moments, noise,
-        block_sizes=block_sizes or BlockSizes(), backend=backend, interpret=interpret,
+    local = functools.partial(
+        _local_update, rule, layouts, block_sizes=block_sizes or BlockSizes(), backend=backend, interpret=interpret
     )
+    if spec is None or jax.sharding.get_abstract_mesh().empty:
+        return local(scalars, param, grad, moments, noise)
+    return _sharded(local, spec, layouts, scalars, param, grad, moments, noise)
+
+
+def _sharded(local, spec, layouts, scalars, param, grad, moments, noise):
+    """``local`` per shard: every stored array split like the parameter (`optim.quantization`'s layout)."""
+    full = (*spec, *(None,) * (param.ndim - len(spec)))
+    lead, (row_axes, col_axes) = full[:-2], (full[-2:] if param.ndim >= 2 else (None, full[-1]))
+    moment_specs = [
+        (jax.P(*full), jax.P(*full)) if m.tile else (jax.P(*full), jax.P(*lead, row_axes, None), jax.P(*lead, None, col_axes))
+        for m in layouts
+    ]
+    noise = [u.reshape(param.shape) for u in noise or ()]
+    noise_specs = [jax.P(*full)] * len(noise)
+    names = lambda axes: () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)  # noqa: E731
+    per_shard = functools.partial(local, split_axes=(names(row_axes), names(col_axes)))
+    return jax.shard_map(
+        per_shard,
+        in_specs=(jax.P(), jax.P(*full), jax.P(*full), moment_specs, noise_specs),
+        out_specs=(jax.P(*full), moment_specs),
+        check_vma=False,
+    )(scalars, param, grad, moments, noise)

@@ -82,7 +82,7 @@ def encode(
     moment: base.Moment, x: jax.Array, shape: tuple[int, ...], noise: jax.Array | None = None
 ) -> QMoment:
     """Quantizes ``x`` ``(B, R, C)`` fp32 into ``moment``'s layout for an array of ``shape``."""
-    b, rows, cols = x.shape
+    cols = x.shape[-1]
     if moment.tile is None:
         row = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
         col = jnp.max(jnp.abs(x), axis=-2, keepdims=True)

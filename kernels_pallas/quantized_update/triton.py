@@ -161,10 +161,11 @@ def _kernel(*refs, spec: Spec):
         codes = 0
         for part, (x, scale) in enumerate(zip(xs, scales)):
             y = x / jnp.where(scale > 0, scale, 1.0)
-            c = base.nearest_code(y, lambda k: tables[2 * idx + 1][k], m.bits)
+            points, values = tables[2 * idx + 1], tables[2 * idx]
+            c = base.nearest_code(y, lambda k, points=points: points[k], m.bits)
             if noise[idx] is not None:
                 u = load(noise[idx], part, valid[part])
-                c = base.stochastic_code(y, c, lambda k: tables[2 * idx][k], len(m.table), u)
+                c = base.stochastic_code(y, c, lambda k, values=values: values[k], len(m.table), u)
             codes = codes | (jnp.where(valid[part], c, 0) << (4 * part))
         write(next(out), codes.astype(jnp.uint8), code_valid)
         if m.tile:

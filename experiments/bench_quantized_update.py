@@ -4,8 +4,8 @@ Run through `experiments.bench_kernels` (``--sections=quantized_update``). Each 
 optimizer step on a set of parameter matrices, ``update`` then ``apply_updates``, jitted, with the
 state and parameters donated so that XLA may update them in place. ``bytes/param`` is the least
 traffic such a step needs per parameter (fp32 gradient and parameter read, parameter written; each
-moment read and written at its stored width, scales included): 28 for fp32 AdamW, ~16.1 for 8-bit,
-~14.1 for 4-bit. ``GB/s`` is that count over the measured time: compare it with the device's copy
+moment read and written at its stored width, scales included): 28 for fp32 AdamW, 16.06 for 8-bit,
+~14.07 for 4-bit. ``GB/s`` is that count over the measured time: compare it with the device's copy
 bandwidth. The kernel returns the update (optax's contract), so the step moves one more fp32 write and
 read than this minimum. Rows that cannot run here (the kernel off a GPU) say why.
 """
@@ -33,10 +33,10 @@ def bytes_per_param(variant: str, shape: tuple[int, ...]) -> float:
         return 4 + 4 + 4 + 2 * 2 * 4
     bits = int(variant[0])
     block = 256 if bits == 8 else 128
-    moments = 2 * 2 * bits / 8 + 2 * 4 / block  # codes and block scales of mu (and nu at 8 bits), read and written
-    if bits == 4:  # nu: rank-1 maxima instead of block scales
-        moments = 2 * 2 * 0.5 + 2 * 4 / block + 2 * 4 * (1 / shape[-1] + 1 / shape[-2])
-    return 12 + moments
+    if bits == 8:  # codes and block scales of both moments, read and written
+        return 12 + 2 * 2 * (1 + 4 / block)
+    # mu: codes and block scales; nu: codes and rank-1 maxima (R + C floats per matrix); read and written
+    return 12 + 2 * (0.5 + 4 / block) + 2 * (0.5 + 4 * (1 / shape[-1] + 1 / shape[-2]))
 
 
 def _step(variant: str, interpret: bool):

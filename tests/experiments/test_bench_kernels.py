@@ -41,7 +41,7 @@ def test_quantized_update_section_rows_on_cpu():
     by = {r["variant"]: r for r in rows}
     assert "no quantized-update kernel on cpu" in by["8bit_pallas"]["unavailable"]
     assert by["fp32"]["bytes_per_param"] == 28 and by["fp32"]["vs_fp32"] == 1.0
-    assert by["8bit_xla"]["bytes_per_param"] == pytest.approx(16 + 8 / 256)
+    assert by["8bit_xla"]["bytes_per_param"] == pytest.approx(16 + 16 / 256)
     assert 14 < by["4bit_xla"]["bytes_per_param"] < by["8bit_xla"]["bytes_per_param"]
     assert by["8bit_xla"]["gb_per_s"] > 0
     assert "| 8bit_pallas | 4,096 | not run" in bq.format_table(rows)

@@ -74,6 +74,7 @@ def _lm_config(kernel, workdir):
     config.log_every = 1
     config.checkpoint_every = 1000
     config.optimizer.name = "lion"
+    config.optimizer.warmup_steps = 0
     config.optimizer.state_bits = 8
     config.optimizer.state_kernel = kernel
     config.devices = 1

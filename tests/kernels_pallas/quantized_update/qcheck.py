@@ -29,8 +29,9 @@ def problem(rule, shape, bits, *, seed, stochastic=False, zero_rows=0):
     rng = np.random.default_rng(seed)
     p, g, m = (rng.normal(size=shape).astype(np.float32) for _ in range(3))
     v = rng.random(size=shape).astype(np.float32)
-    for x in (p, g, m, v):
-        x[..., :zero_rows, :] = 0
+    if zero_rows:
+        for x in (p, g, m, v):
+            x[..., :zero_rows, :] = 0
     nodes = [qz.quantize_blockwise(jnp.asarray(m), bits=bits, code="signed", block_size=256 if bits == 8 else 128)]
     if isinstance(rule, qu.AdamW):
         if bits == 4 and len(shape) >= 2:

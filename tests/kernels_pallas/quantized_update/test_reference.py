@@ -28,22 +28,22 @@ def test_reference_is_quantize_state_bit_for_bit(name, bits, shape, stochastic):
     tx = quantize_state(inner, bits, mask=lambda p: {"w": True}, stochastic_rounding=stochastic, seed=3)
     params = {"w": jnp.asarray(rng.normal(size=shape), jnp.float32)}
     state = tx.init(params)
-    step = jax.jit(tx.update)
-    reference = jax.jit(qu.quantized_update_reference, static_argnums=(0, 4))
+    # Both op by op: under jit, XLA:CPU may contract a multiply-add into an FMA in one program and not
+    # in the other, which moves fp32 values by an ulp (the kernel tests allow for that).
     for _ in range(2):
         grads = {"w": jnp.asarray(rng.normal(size=shape), jnp.float32)}
         nodes = jax.tree.leaves(state.inner, is_leaf=qz.is_quantized)
         index = [i for i, n in enumerate(nodes) if qz.is_quantized(n)]
-        layouts = tuple(qcheck.layout(nodes[i]) for i in index)
+        layouts = [qcheck.layout(nodes[i]) for i in index]
         noise = None
         if stochastic:
             key = jax.random.fold_in(jax.random.key(3), state.count)
             noise = [qu.rounding_noise(jax.random.fold_in(key, i), m, shape) for i, m in zip(index, layouts)]
         scalars = rule.scalars(state.count + 1, 1e-2)
-        want = reference(
+        want = qu.quantized_update_reference(
             rule, params["w"], grads["w"], [qcheck.arrays(nodes[i]) for i in index], layouts, scalars, noise
         )
-        updates, state = step(grads, state, params)
+        updates, state = tx.update(grads, state, params)
         nodes = jax.tree.leaves(state.inner, is_leaf=qz.is_quantized)
         for got, node in zip(want[1], [nodes[i] for i in index], strict=True):
             for a, b in zip(got, qcheck.arrays(node), strict=True):

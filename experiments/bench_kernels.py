@@ -1,7 +1,9 @@
-r"""Attention kernels: time forward and forward+backward of every implementation, check them against XLA.
+r"""Kernels: attention (forward and forward+backward of every implementation, checked against XLA) and
+the quantized optimizer-state update (`experiments.bench_quantized_update`).
 
     python -m experiments.bench_kernels --json_out=/tmp/kernels.json             # on a GPU
     python -m experiments.bench_kernels --shapes=1x64x2x32 --implementations=pallas,xla   # CPU smoke run
+    python -m experiments.bench_kernels --sections=quantized_update   # the update on gpt2-124m's block matrices
 
 Implementations (causal self-attention, ``(batch, seq, heads, head_dim)``):
 
@@ -34,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
+from experiments import bench_quantized_update
 from kernels_pallas.attention import BlockSizes, flash_attention
 
 DEFAULT_SHAPES = ["16x1024x12x64", "4x4096x16x128", "1x16384x8x128"]
@@ -47,10 +50,22 @@ _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed calls first (compilation in
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per row.")
 _PEAK = flags.DEFINE_float("peak_tflops", 989.0, "Dense peak TFLOP/s of the device in --dtype (H100 SXM bf16: 989).")
 _JSON_OUT = flags.DEFINE_string("json_out", "", "Write the rows as JSON here.")
+_SECTIONS = flags.DEFINE_list("sections", ["attention"], "attention and/or quantized_update.")
+_Q_SHAPES = flags.DEFINE_list(
+    "quantized_shapes", bench_quantized_update.GPT2_124M_MATRICES, "Parameter shapes (AxBxC) of the quantized-update section."
+)
+_Q_VARIANTS = flags.DEFINE_list("quantized_variants", list(bench_quantized_update.VARIANTS), "Rows of the quantized-update section.")
 _BLOCKS = {
     name: flags.DEFINE_integer(name, 0, f"BlockSizes.{name} of the pallas rows (0: the backend's default).")
     for name in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_q_dkv", "block_kv_dkv", "num_warps", "num_stages")
 }
+
+
+def parse_dims(text: str) -> tuple[int, ...]:
+    parts = text.strip().split("x")
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise app.UsageError(f"shape {text!r} is not positive sizes joined by x, e.g. 12x768x3072")
+    return tuple(int(p) for p in parts)
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int]:
@@ -193,6 +208,26 @@ def environment() -> dict:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    unknown = sorted(set(_SECTIONS.value) - {"attention", "quantized_update"})
+    if unknown:
+        raise app.UsageError(f"unknown section(s) {unknown}; use attention and/or quantized_update")
+    env = environment()
+    out = {**env}
+    if "quantized_update" in _SECTIONS.value:
+        q_rows = bench_quantized_update.bench(
+            [parse_dims(s) for s in _Q_SHAPES.value], _Q_VARIANTS.value, warmup=_WARMUP.value, iters=_ITERS.value
+        )
+        print(f"{env['device_kind']} ({env['backend']}), jax {env['jax']}, {env['date']}: quantized AdamW update")
+        print(bench_quantized_update.format_table(q_rows))
+        out["quantized_update_rows"] = q_rows
+    if "attention" in _SECTIONS.value:
+        out.update(_attention(env))
+    if _JSON_OUT.value:
+        with open(_JSON_OUT.value, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def _attention(env: dict) -> dict:
     for mode in _MODES.value:
         if mode not in ("fwd", "fwd_bwd"):
             raise app.UsageError(f"unknown mode {mode!r}; use fwd and/or fwd_bwd")
@@ -202,12 +237,9 @@ def main(argv):
         shapes, _IMPLEMENTATIONS.value, _MODES.value, dtype=_DTYPE.value, warmup=_WARMUP.value, iters=_ITERS.value,
         peak_tflops=_PEAK.value, block_sizes=BlockSizes(**sizes),
     )  # fmt: skip
-    env = environment()
     print(f"{env['device_kind']} ({env['backend']}), jax {env['jax']}, {env['date']}, {_DTYPE.value}, peak {_PEAK.value} TFLOP/s")
     print(format_table(rows))
-    if _JSON_OUT.value:
-        with open(_JSON_OUT.value, "w") as f:
-            json.dump({**env, "peak_tflops": _PEAK.value, "block_sizes": sizes, "rows": rows}, f, indent=1)
+    return {"peak_tflops": _PEAK.value, "block_sizes": sizes, "rows": rows}
 
 
 if __name__ == "__main__":

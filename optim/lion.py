@@ -24,7 +24,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import kernels_pallas.quantized_update as qu
 from optim import common, spec
+from optim.quantize_state import Fused
 
 
 class ScaleByLionState(NamedTuple):
@@ -70,6 +72,10 @@ class Lion(LionDirection, common.DirectionOptimizer):
 
     learning_rate: optax.ScalarOrSchedule = 1.2e-3  # docs/benchmarks.md, "Default learning rates"
     weight_decay: float = 1.0
+
+    def fused_update(self) -> Fused:
+        """This optimizer for `optim.quantize_state`'s fused kernel."""
+        return Fused(qu.Lion(b1=self.b1, b2=self.b2, weight_decay=self.weight_decay), self.learning_rate)
 
 
 scale_by_lion = spec.function(LionDirection, "direction", name="scale_by_lion", positional=("b1", "b2"))

@@ -30,12 +30,23 @@ piece the parameter's mesh axes (a state-sharding rule that only matches paramet
 replicate the scales and the 4-bit codes). The initial state is quantized behind an optimization
 barrier, so XLA does not constant-fold the quantization of all-zero moments (seconds of compile time).
 
+Fused kernel (``kernel=``): when ``fused`` says what ``inner`` is (`Fused`: AdamW or Lion, its
+learning rate and decay mask; `optim.registry` passes it), every parameter whose moments are all
+quantized takes its step in one Pallas kernel (`kernels_pallas.quantized_update`): codes and scales
+in, update and new codes and scales out, no fp32 moment in device memory. ``inner`` still runs for
+everything else (its counters, unquantized leaves); its work on the kernel's leaves is dead code
+that XLA removes under ``jit``. The stored state is the same either way, so checkpoints move between
+the two. ``"auto"`` takes the kernel on GPUs when ``fused`` is given and no multi-device mesh is in
+context (under a mesh, ``param_specs`` runs the kernel per shard in `jax.shard_map`), XLA otherwise;
+``"pallas"`` forces it (``interpret=True`` on a CPU); ``"xla"`` never uses it.
+
 Memory per parameter of AdamW's two moments: 8 bytes in fp32; 2 + 2 * 4/256 = 2.03 in 8 bits;
 1 + 4/128 + rank-1 maxima ~ 1.04 in 4 bits (`optim.memory.state_bytes` counts it exactly).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -43,11 +54,29 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import kernels_pallas.quantized_update as qu
 from optim import labels
 from optim import quantization as qz
 
 NONNEGATIVE_FIELDS: tuple[str, ...] = ("nu", "nu_max", "v", "exp_avg_sq", "graft_nu")
 DEFAULT_BLOCK = {8: 256, 4: 128}
+KERNELS = ("auto", "xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fused:
+    """What the fused kernel must know of an inner optimizer to take its step on quantized leaves.
+
+    Attributes:
+      rule: `kernels_pallas.quantized_update.AdamW` or ``.Lion`` with the inner optimizer's
+        hyper-parameters, ``weight_decay`` included.
+      learning_rate: the inner optimizer's learning rate or schedule (of the step count).
+      decay_mask: ``params -> pytree of bool``, where weight decay applies.
+    """
+
+    rule: qu.AdamW | qu.Lion
+    learning_rate: optax.ScalarOrSchedule
+    decay_mask: Callable[[Any], Any] = labels.decay_mask
 
 
 class QuantizedState(NamedTuple):
@@ -74,6 +103,10 @@ def quantize_state(
     nonnegative_fields: tuple[str, ...] = NONNEGATIVE_FIELDS,
     stochastic_rounding: bool = False,
     seed: int = 0,
+    kernel: str = "auto",
+    fused: Fused | None = None,
+    param_specs: Any = None,
+    interpret: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` so that its parameter-shaped float state is stored in ``bits`` bits.
 
@@ -87,11 +120,20 @@ def quantize_state(
       nonnegative_fields: state keys that mark second moments.
       stochastic_rounding: round to a random neighbouring code with probability given by distance.
       seed: seed of the stochastic rounding.
+      kernel: ``"auto"``, ``"xla"`` or ``"pallas"``: who takes the step on quantized leaves (module
+        docstring).
+      fused: the description of ``inner`` the kernel needs; None (any other optimizer): XLA.
+      param_specs: the parameters' `PartitionSpec` tree; under a mesh the kernel runs per shard.
+      interpret: run the kernel in Pallas interpret mode (CPU tests).
     """
     if bits not in DEFAULT_BLOCK:
         raise ValueError(f"quantize_state: bits must be 8 or 4, got {bits}")
     block = block_size or DEFAULT_BLOCK[bits]
     qz.check_block_size(block)
+    if kernel not in KERNELS:
+        raise ValueError(f"quantize_state: kernel={kernel!r}; use one of {', '.join(KERNELS)}")
+    if kernel == "pallas" and fused is None:
+        raise ValueError("quantize_state: kernel='pallas' needs fused= (AdamW or Lion); use kernel='auto' to fall back to XLA")
     inner = optax.with_extra_args_support(inner)
 
     def quantize_new(x: jax.Array, nonnegative: bool) -> qz.Quantized:
@@ -129,15 +171,96 @@ def quantize_state(
             inner=jax.tree_util.tree_map_with_path(convert, jax.lax.optimization_barrier(inner.init(params))),
         )
 
+    def use_kernel() -> bool:
+        if fused is None or kernel == "xla":
+            return False
+        if kernel == "pallas":
+            return True
+        return qu.available() and (param_specs is not None or jax.sharding.get_abstract_mesh().size <= 1)
+
     def update_fn(updates, state: QuantizedState, params=None, **extra_args):
-        nodes, treedef = jax.tree.flatten(state.inner, is_leaf=qz.is_quantized)
-        inner_state = treedef.unflatten([qz.dequantize(n) if qz.is_quantized(n) else n for n in nodes])
-        updates, new_inner = inner.update(updates, inner_state, params, **extra_args)
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(state.inner, is_leaf=qz.is_quantized)
+        nodes = [n for _, n in with_paths]
         key = jax.random.fold_in(jax.random.key(seed), state.count) if stochastic_rounding else None
+        node_key = lambda i: None if key is None else jax.random.fold_in(key, i)  # noqa: E731
+        fused_steps = {}
+        if use_kernel():
+            if params is None:
+                raise ValueError("quantize_state with a fused kernel needs params in update(grads, state, params)")
+            fused_steps = fused_kernel_steps(updates, state.count, params, with_paths, node_key)
+        fused_nodes = {i: node for _, new in fused_steps.values() for i, node in new.items()}
+        # The kernel's leaves enter ``inner`` as zeros: their fp32 work there is dead code under jit.
+        inner_state = treedef.unflatten([
+            jnp.zeros(n.shape, n.dtype) if i in fused_nodes else qz.dequantize(n) if qz.is_quantized(n) else n
+            for i, n in enumerate(nodes)
+        ])
+        new_updates, new_inner = inner.update(updates, inner_state, params, **extra_args)
         stored = [
-            requantize(n, x, None if key is None else jax.random.fold_in(key, i)) if qz.is_quantized(n) else x
+            fused_nodes[i] if i in fused_nodes else requantize(n, x, node_key(i)) if qz.is_quantized(n) else x
             for i, (n, x) in enumerate(zip(nodes, treedef.flatten_up_to(new_inner), strict=True))
         ]
-        return updates, QuantizedState(count=optax.safe_increment(state.count), inner=treedef.unflatten(stored))
+        if fused_steps:
+            flat, update_def = jax.tree_util.tree_flatten(new_updates)
+            flat = [fused_steps[j][0] if j in fused_steps else u for j, u in enumerate(flat)]
+            new_updates = update_def.unflatten(flat)
+        return new_updates, QuantizedState(count=optax.safe_increment(state.count), inner=treedef.unflatten(stored))
+
+    def fused_kernel_steps(grads, count, params, with_paths, node_key):
+        """``{param index: (update, {node index: new node})}`` for parameters whose moments are all quantized."""
+        flat_params, param_def = jax.tree_util.tree_flatten_with_path(params)
+        by_path = {labels.path_names(path): j for j, (path, _) in enumerate(flat_params)}
+        moments: dict[int, dict[str, int]] = {}
+        for i, (path, node) in enumerate(with_paths):
+            if not qz.is_quantized(node):
+                continue
+            names = labels.path_names(path)
+            for start in range(1, len(names)):
+                j = by_path.get(names[start:])
+                if j is not None and tuple(flat_params[j][1].shape) == tuple(node.shape):
+                    moments.setdefault(j, {})[names[start - 1]] = i
+                    break
+        decay = param_def.flatten_up_to(fused.decay_mask(params))
+        grads_flat = param_def.flatten_up_to(grads)
+        specs = None if param_specs is None else param_def.flatten_up_to(param_specs)
+        lr = fused.learning_rate(count) if callable(fused.learning_rate) else fused.learning_rate
+        steps = {}
+        for j, fields in moments.items():
+            if not set(fused.rule.moments) <= set(fields):
+                continue
+            index = [fields[name] for name in fused.rule.moments]
+            node_list = [with_paths[i][1] for i in index]
+            rule = fused.rule if decay[j] else dataclasses.replace(fused.rule, weight_decay=0.0)
+            layouts = [_layout(n) for n in node_list]
+            noise = None
+            if stochastic_rounding:
+                noise = [qu.rounding_noise(node_key(i), m, n.shape) for i, m, n in zip(index, layouts, node_list)]
+            update, new = qu.quantized_update(
+                rule,
+                flat_params[j][1],
+                grads_flat[j],
+                [_arrays(n) for n in node_list],
+                layouts,
+                rule.scalars(optax.safe_increment(count), lr),
+                noise,
+                interpret=interpret,
+                spec=None if specs is None else specs[j],
+            )
+            steps[j] = (update, {i: _node_like(n, q) for i, n, q in zip(index, node_list, new)})
+        return steps
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _layout(node: qz.Quantized) -> qu.Moment:
+    table = tuple(float(v) for v in qz.code_table(node.code, node.bits))
+    return qu.Moment(table, node.tile if isinstance(node, qz.BlockQuantized) else None)
+
+
+def _arrays(node: qz.Quantized) -> tuple[jax.Array, ...]:
+    return (node.codes, node.absmax) if isinstance(node, qz.BlockQuantized) else (node.codes, node.row, node.col)
+
+
+def _node_like(node: qz.Quantized, arrays: tuple[jax.Array, ...]) -> qz.Quantized:
+    if isinstance(node, qz.BlockQuantized):
+        return dataclasses.replace(node, codes=arrays[0], absmax=arrays[1])
+    return dataclasses.replace(node, codes=arrays[0], row=arrays[1], col=arrays[2])

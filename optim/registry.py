@@ -3,7 +3,7 @@
 Each registered optimizer is a spec class (`optim.spec`): a frozen dataclass of its hyperparameters
 with their defaults, which builds the optax transform. The config block has common keys (``name``,
 ``learning_rate``, ``schedule``, ``warmup_steps``, ``min_lr_ratio``, ``decay_fraction``,
-``weight_decay``, ``grad_clip_norm``, ``cautious``, ``state_bits``) and one sub-block per registered
+``weight_decay``, ``grad_clip_norm``, ``cautious``, ``state_bits``, ``state_kernel``) and one sub-block per registered
 optimizer with its family keys, e.g. ``optimizer.sgd.momentum``: the spec's fields other than the
 common keys and the code-only fields (`family_defaults`). ``learning_rate`` and ``weight_decay`` left
 unset (None) take the spec's defaults. Adding an optimizer is its file in `optim/` and one line in
@@ -26,6 +26,7 @@ from typing import Any
 
 import optax
 
+import kernels_pallas.quantized_update as qu
 from optim import common, cross_replica, labels, schedules, spec
 from optim.cautious import cautious
 from optim.came import Came
@@ -37,7 +38,7 @@ from optim.muon import Muon
 from optim.muon_clip import MuonClip
 from optim.normuon import NorMuon
 from optim.powersgd import PowerSGD
-from optim.quantize_state import quantize_state
+from optim.quantize_state import Fused, quantize_state
 from optim.shampoo import Shampoo
 from optim.soap import Soap
 
@@ -61,6 +62,10 @@ class AdamW(spec.OptimizerSpec):
             weight_decay=self.weight_decay,
             mask=labels.decay_mask,
         )
+
+    def fused_update(self) -> Fused:
+        """This optimizer for `quantize_state`'s fused kernel."""
+        return Fused(qu.AdamW(b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay), self.learning_rate)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,6 +121,7 @@ COMMON_KEYS = (
     "grad_clip_norm",
     "cautious",
     "state_bits",
+    "state_kernel",
 )
 
 
@@ -183,7 +189,9 @@ def build(config: Mapping[str, Any], total_steps: int, *, replica_axis: str | No
 
     The result is ``chain(clip_by_global_norm, <spec>.transform())``; no clipping when
     ``grad_clip_norm`` is 0 or None. ``state_bits`` 8 or 4 wraps the optimizer in
-    `optim.quantize_state.quantize_state` (0: fp32 state); ``cautious=True`` then wraps it in
+    `optim.quantize_state.quantize_state` (0: fp32 state), its step taken by the fused kernel per
+    ``state_kernel`` (auto, xla, pallas; pallas on a CPU runs in interpret mode, for tests) where the
+    spec has ``fused_update`` (AdamW, Lion); ``cautious=True`` then wraps it in
     `optim.cautious.cautious` (its whole update, weight decay included), or is passed to a spec with
     a ``cautious`` field. The clip stays outside both: it scales the gradient by one positive
     factor, so the cautious sign mask is unchanged by it. A wrapper's inner optimizer gets
@@ -199,7 +207,9 @@ def build(config: Mapping[str, Any], total_steps: int, *, replica_axis: str | No
     tx = optimizer.transform()
     if not isinstance(optimizer, spec.WrapperSpec):
         if state_bits:
-            tx = quantize_state(tx, bits=state_bits)
+            kernel = config.get("state_kernel") or "auto"
+            fused = optimizer.fused_update() if hasattr(optimizer, "fused_update") else None
+            tx = quantize_state(tx, bits=state_bits, kernel=kernel, fused=fused, interpret=qu.api.platform() == "cpu")
         if config.get("cautious") and not hasattr(optimizer, "cautious"):
             tx = cautious(tx)
     clip = config.get("grad_clip_norm")

@@ -23,6 +23,7 @@ def optimizer_config(name: str = "adamw", learning_rate: float | None = None) ->
     opt.grad_clip_norm = 1.0
     opt.cautious = False  # mask update entries that disagree in sign with the gradient
     opt.state_bits = 0  # optimizer state in 8 or 4 bits; 0: fp32
+    opt.state_kernel = "auto"  # quantized step: auto, xla, or pallas (the fused kernel; AdamW, Lion)
     for family in sorted(registry.OPTIMIZERS):
         opt[family] = registry.family_defaults(family)
     return opt

@@ -32,3 +32,17 @@ def test_shapes_are_checked():
     with pytest.raises(app.UsageError, match="BATCHxSEQxHEADSxHEAD_DIM"):
         bench_kernels.parse_shape("16x1024x12")
     assert bench_kernels.attention_flops((1, 2, 1, 1), "fwd") == 8  # 4 B H T^2 D, halved by the causal mask
+
+
+def test_quantized_update_section_rows_on_cpu():
+    from experiments import bench_quantized_update as bq
+
+    rows = bq.bench([(2, 32, 64)], ["fp32", "8bit_xla", "8bit_pallas"], warmup=0, iters=1)
+    by = {r["variant"]: r for r in rows}
+    assert "no quantized-update kernel on cpu" in by["8bit_pallas"]["unavailable"]
+    assert by["fp32"]["bytes_per_param"] == 28 and by["fp32"]["vs_fp32"] == 1.0
+    assert by["8bit_xla"]["bytes_per_param"] == pytest.approx(16 + 16 / 256)
+    assert bq.bytes_per_param("4bit_xla", (32, 64)) == pytest.approx(12 + 2 * (0.5 + 4 / 128) + 2 * (0.5 + 4 / 64 + 4 / 32))
+    assert by["8bit_xla"]["gb_per_s"] > 0
+    assert "| 8bit_pallas | 4,096 | not run" in bq.format_table(rows)
+    json.dumps(rows)

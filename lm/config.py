@@ -35,6 +35,15 @@ class ModelConfig:
     remat: str = "none"  # what the backward pass recomputes, a policy in lm/remat.py (true: "full")
     track_attn_logits: bool = False  # report per-layer, per-head max pre-softmax logits
     attention: str = "auto"  # auto | xla | cudnn | pallas (lm/attention.py)
+    # Mixture of experts (lm/moe.py); n_experts = 0: every block has a dense SwiGLU.
+    n_experts: int = 0
+    experts_per_token: int = 2
+    n_shared_experts: int = 0  # always-on experts of expert_mlp_dim each
+    moe_every: int = 1  # every moe_every-th block is MoE (the last of each group), the rest dense
+    expert_mlp_dim: int = 0  # 0: mlp_dim
+    router_score: str = "softmax"  # softmax | sigmoid
+    normalize_router_weights: bool = False  # divide the top-k gates by their sum (DeepSeek)
+    capacity_factor: float = 0.0  # <= 0: dropless
 
     def __post_init__(self):
         object.__setattr__(self, "remat", remat_lib.canonical(self.remat))
@@ -55,8 +64,27 @@ class ModelConfig:
             problems.append(f"model.dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             problems.append(f"model.attention={self.attention!r} must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+        if self.n_experts:
+            problems += self._moe_problems()
         if problems:
             raise ValueError("; ".join(problems))
+
+    def _moe_problems(self) -> list[str]:
+        problems = []
+        if not 1 <= self.experts_per_token <= self.n_experts:
+            problems.append(f"model.experts_per_token={self.experts_per_token} must be in [1, model.n_experts={self.n_experts}]")
+        if self.router_score not in ("softmax", "sigmoid"):
+            problems.append(f"model.router_score={self.router_score!r} must be 'softmax' or 'sigmoid'")
+        if self.moe_every < 1 or self.n_layers % self.moe_every:
+            problems.append(f"model.moe_every={self.moe_every} must be >= 1 and divide model.n_layers={self.n_layers}")
+        if self.moe_every > 1 and self.scan_layers:
+            problems.append("model.moe_every > 1 mixes dense and MoE blocks, which cannot be scanned; set model.scan_layers=False")
+        if self.n_shared_experts < 0 or self.expert_mlp_dim < 0:
+            problems.append("model.n_shared_experts and model.expert_mlp_dim must be >= 0")
+        return problems
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_experts > 0 and (layer + 1) % self.moe_every == 0
 
     @property
     def compute_dtype(self) -> jnp.dtype:

@@ -46,15 +46,17 @@ def init_params(model_def: ModelDef, seed: int, shardings: Params | None = None)
 
     Blocks are always initialised stacked, by one initialiser vmapped over depth, and unstacked for
     an unrolled model: the program stays small at any depth (an unrolled one compiles an initialiser
-    per layer), and a seed gives the same values with and without ``scan_layers``.
+    per layer), and a seed gives the same values with and without ``scan_layers``. Blocks that
+    differ (dense and MoE, ``moe_every > 1``) cannot be stacked and are initialised one by one.
     """
     cfg = model_def.config
-    stacked = dataclasses.replace(cfg, scan_layers=True)
+    uniform = cfg.n_experts == 0 or cfg.moe_every == 1
+    stacked = dataclasses.replace(cfg, scan_layers=True) if uniform else cfg
 
     def init() -> Params:
         with nnx.use_eager_sharding(False):
             params = nnx.to_pure_dict(nnx.split(Transformer(stacked, rngs=nnx.Rngs(seed)))[1])
-        if not cfg.scan_layers:
+        if not cfg.scan_layers and uniform:
             params["blocks"] = unstack_layers(params["blocks"], cfg.n_layers)
         return params
 

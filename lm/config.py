@@ -91,12 +91,16 @@ class ModelConfig:
         return jnp.dtype(self.dtype)
 
     def num_params(self) -> int:
-        """Parameter count (embedding counted once when tied)."""
-        d, hd = self.d_model, self.head_dim
-        attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + (2 * hd if self.qk_norm else 0)
-        block = attn + 3 * d * self.mlp_dim + 2 * d
-        head = 0 if self.tie_embeddings else d * self.vocab_size
-        return self.vocab_size * d + self.n_layers * block + d + head
+        """Parameter count, read off the parameter tree (`lm.model.param_counts`; tied embedding once)."""
+        from lm import model  # noqa: PLC0415 (lm.model imports this module)
+
+        return model.param_counts(self).total
+
+    def num_active_params(self) -> int:
+        """Parameters used per token: routed experts count ``experts_per_token / n_experts``."""
+        from lm import model  # noqa: PLC0415
+
+        return model.param_counts(self).active
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -121,7 +125,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=500_000.0,
         norm_eps=1e-5,
     ),
-}
+    # Mixture-of-experts presets (lm/moe.py). Each routed expert is mlp_dim / experts_per_token wide,
+    # so the active parameters match the dense preset of the same shape (tiny, small).
+    "moe-tiny": dict(
+        d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, mlp_dim=384, max_seq_len=1024,
+        n_experts=8, experts_per_token=2, expert_mlp_dim=192,
+    ),
+    "moe-small": dict(
+        d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, mlp_dim=1152, max_seq_len=1024,
+        n_experts=16, experts_per_token=2, n_shared_experts=1, expert_mlp_dim=384,
+    ),
+}  # fmt: skip
 
 
 def from_preset(name: str, **overrides: Any) -> ModelConfig:

@@ -294,14 +294,19 @@ def _is_router_bias(path: Any) -> bool:
     return names[-2:] == ["router", "bias"]
 
 
-def update_router_bias(params: Any, counts: jax.Array, rate: float) -> Any:
-    """``params`` with every router bias moved by `bias_step`; ``counts`` ``(moe_layers, E)`` in layer order."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+def update_router_bias(new_params: Any, old_params: Any, counts: jax.Array, rate: float) -> Any:
+    """``new_params`` with every router bias set to `bias_step` of its value in ``old_params``.
+
+    The biases are not trained by gradient: whatever the optimizer did to them is replaced.
+    ``counts`` is ``(moe_layers, E)``, the step's slots per expert in layer order.
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(new_params)
+    old = jax.tree.leaves(old_params)
     leaves, row = [], 0
-    for path, leaf in flat:
+    for (path, leaf), before in zip(flat, old, strict=True):
         if _is_router_bias(path):
             rows = leaf.shape[0] if leaf.ndim == 2 else 1
-            step = bias_step(leaf.reshape(rows, -1), counts[row : row + rows], rate).reshape(leaf.shape)
+            step = bias_step(before.reshape(rows, -1), counts[row : row + rows], rate).reshape(leaf.shape)
             leaves.append(step.astype(leaf.dtype))
             row += rows
         else:

@@ -135,6 +135,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, mlp_dim=1152, max_seq_len=1024,
         n_experts=16, experts_per_token=2, n_shared_experts=1, expert_mlp_dim=384,
     ),
+    # Mixtral 8x7B's shape (46.7B parameters, 12.9B active): for the memory planner on expert + fsdp meshes.
+    "mixtral-8x7b": dict(
+        vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, mlp_dim=14336,
+        max_seq_len=32768, rope_theta=1_000_000.0, norm_eps=1e-5, tie_embeddings=False, n_experts=8, experts_per_token=2,
+    ),
 }  # fmt: skip
 
 

@@ -113,3 +113,19 @@ def test_bias_update_matches_hand_computed_case():
     new = moe.update_router_bias(unrolled, unrolled, counts2, 0.5)
     np.testing.assert_allclose(new["blocks"][0]["mlp"]["router"]["bias"], [0.5, -0.5, 0.5, -0.5])
     np.testing.assert_allclose(new["blocks"][1]["mlp"]["router"]["bias"], np.zeros(4))
+
+
+def test_parameter_counts_and_flops_count_routed_experts_by_use():
+    from lm import config as config_lib
+    from lm import loss, model
+
+    dense, sparse = config_lib.from_preset("tiny"), config_lib.from_preset("moe-tiny")
+    layers, d, f, n, k = sparse.n_layers, sparse.d_model, sparse.expert_mlp_dim, sparse.n_experts, sparse.experts_per_token
+    router = d * n + n
+    experts = 3 * d * f * n
+    assert sparse.num_params() == dense.num_params() + layers * (experts + router - 3 * d * dense.mlp_dim)
+    # k f = the dense mlp_dim: the active count is the dense model's plus the routers.
+    assert sparse.num_active_params() == dense.num_params() + layers * router
+    assert loss.flops_per_token(sparse, 128) == loss.flops_per_token(dense, 128) + 6 * layers * d * n
+    mixtral = model.param_counts(config_lib.from_preset("mixtral-8x7b"))
+    assert 46.6e9 < mixtral.total < 46.8e9 and 12.8e9 < mixtral.active < 13.0e9  # Mixtral's published 46.7B / 12.9B

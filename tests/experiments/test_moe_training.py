@@ -14,7 +14,7 @@ from lm import model as model_lib
 from lm import moe
 from optim import registry
 
-STEPS = 25
+STEPS = 20
 
 
 def _state(model_def, tx):

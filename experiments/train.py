@@ -33,6 +33,7 @@ from experiments import checkpointing, hardware, host_memory, metrics_io, train_
 from lm import config as model_config_lib
 from lm import corpus, data
 from lm import model as model_lib
+from lm import moe
 from lm.loss import flops_per_token
 from optim import registry
 from sharding import mesh as mesh_lib
@@ -68,8 +69,18 @@ def model_config(config: ml_collections.ConfigDict) -> model_config_lib.ModelCon
     return model_config_lib.from_preset(config.model.preset, **overrides)
 
 
+def balancing(config: ml_collections.ConfigDict) -> moe.Balancing:
+    """The MoE balancing of ``config.moe`` (defaults where a config has no ``moe`` block)."""
+    block = config.get("moe") or {}
+    names = {"balance_loss": "balance_loss", "router_z_loss": "router_z_loss", "balance_scope": "scope", "bias_rate": "bias_rate"}
+    return moe.Balancing(**{field: block[key] for key, field in names.items() if key in block})
+
+
 # Common optimizer keys that change the optimizer state's structure.
 STATE_SHAPING_KEYS = ("state_bits", "cautious")
+
+# Per-step metrics of an MoE model (lm/moe.py) written with the loss.
+MOE_METRICS = ("moe_balance_loss", "router_z_loss", "expert_load_max", "dropped_fraction")
 
 # Model fields a resumed run may change: they alter how the step computes, not what the state is.
 _RESUMABLE_MODEL_CHANGES = ("attention", "dtype", "remat", "scan_unroll", "track_attn_logits")
@@ -137,6 +148,7 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
                 f"{n_batch_shards} batch shards of mesh {dict(mesh.shape)}; use a batch_size divisible by {n_batch_shards * config.grad_accum_steps}"
             )
         replica_axis = config.get("replicas") or None
+        balancing(config)  # checked here so a bad value is a usage error
         tx = registry.build(config.optimizer, config.steps, replica_axis=replica_axis)
         model_def = model_lib.define(cfg)
         shardings = train_lib.make_shardings(model_def, tx, mesh, rules, replica_axis)
@@ -193,9 +205,14 @@ def run(
     shardings = spec.shardings
     lr_fn = registry.learning_rate_fn(config.optimizer, config.steps)
     step_fn = train_lib.make_train_step(
-        spec.model_def, spec.tx, grad_accum_steps=config.grad_accum_steps, z_loss=config.loss.z_loss, learning_rate=lr_fn,
+        spec.model_def,
+        spec.tx,
+        grad_accum_steps=config.grad_accum_steps,
+        z_loss=config.loss.z_loss,
+        learning_rate=lr_fn,
+        balancing=balancing(config),
         replica_axis=shardings.replica_axis,
-    )  # fmt: skip
+    )
     meta = _run_meta(config, spec.cfg, shardings.replicas)
     mgr = checkpointing.manager(workdir, keep=config.keep_checkpoints, every=config.checkpoint_every)
     stop = _Stop()
@@ -269,6 +286,7 @@ def _loop(config, workdir, spec, train_iter, val_batches, step_fn, state, start,
                     "grad_norm": float(metrics["grad_norm"]),
                     "tokens_per_second": tokens_per_step / step_times[-1],
                     "skipped_steps": int(metrics["skipped"]),
+                    **{k: float(metrics[k]) for k in MOE_METRICS if k in metrics},
                 }
                 if record_step == done and evaluating:
                     val_loss = _evaluate(eval_step, state["params"], val_batches, shardings)
@@ -319,6 +337,7 @@ def _summarize(config, workdir, spec, step_times, last, val_loss, start, lead) -
         "peak_memory_source": peak_source,
         "skipped_steps": last.get("skipped_steps", 0),
         "num_params": spec.cfg.num_params(),
+        "num_active_params": spec.cfg.num_active_params(),
         "devices": spec.mesh.size,
         "mesh": dict(spec.mesh.shape),
     }

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from lm import model as model_lib
+from lm import moe as moe_lib
 from lm.loss import cross_entropy
 from optim import blocking
 from sharding import partition
@@ -137,6 +138,12 @@ def _all_finite(*trees: Any) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
+# Auxiliary model outputs that reach `tx.update` as extra arguments, and how each combines over
+# gradient-accumulation micro-batches. Every other aux output is routed by the step itself.
+OPTIMIZER_AUX = {"attn_max_logits": jnp.max}
+_MOE_AUX = {"moe_counts": jnp.sum, "moe_dropped": jnp.sum}
+
+
 def make_train_step(
     model_def: model_lib.ModelDef,
     tx: optax.GradientTransformation,
@@ -144,23 +151,36 @@ def make_train_step(
     grad_accum_steps: int = 1,
     z_loss: float = 0.0,
     learning_rate: Callable[[Any], Any] | None = None,
+    balancing: moe_lib.Balancing | None = None,
     replica_axis: str | None = None,
 ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
     """Returns the (unjitted) train step for batches of shape ``(batch, seq_len + 1)``.
 
-    The model's auxiliary outputs (e.g. ``attn_max_logits``) reach the optimizer as extra
-    arguments of ``tx.update``; transforms that do not take them ignore them.
+    Auxiliary model outputs are routed explicitly: those named in `OPTIMIZER_AUX` (e.g.
+    ``attn_max_logits``) reach the optimizer as extra arguments of ``tx.update`` (transforms that do
+    not take them ignore them); an MoE model's statistics go through the balancing hook
+    (`lm.moe.balancing_losses`, weights and scope from ``balancing``, default `lm.moe.Balancing()`)
+    into the loss, and their expert counts, summed over the step, drive the router-bias update.
 
     With ``replica_axis`` the step is replica-local (see the module docstring) and must be called
     under ``jax.set_mesh``; ``tx`` then sees each replica's own gradients, so it is either built for
     replicas or preceded by `optim.cross_replica.mean_over_replicas` (`optim.registry.build` does both).
     """
     tx = optax.with_extra_args_support(tx)
+    balancing = balancing or moe_lib.Balancing()
 
-    def loss_fn(params, tokens):
+    def loss_fn(params, tokens, prior_counts=None):
         logits, aux = model_lib.apply(model_def, params, tokens[:, :-1], return_aux=True)
         loss, metrics = cross_entropy(logits, tokens[:, 1:], z_loss=z_loss)
-        return loss, (metrics, aux)
+        routed = {k: v for k, v in aux.items() if k in OPTIMIZER_AUX}
+        if "moe" in aux:
+            stats = aux["moe"]
+            if prior_counts is None:
+                prior_counts = jnp.zeros_like(stats["expert_counts"][:, 0])
+            extra, moe_metrics = moe_lib.balancing_losses(stats, prior_counts, balancing)
+            loss, metrics = loss + extra, {**metrics, **moe_metrics}
+            routed |= {"moe_counts": jnp.sum(stats["expert_counts"], axis=1), "moe_dropped": jnp.sum(stats["dropped_slots"])}
+        return loss, (metrics, routed)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -172,13 +192,18 @@ def make_train_step(
         micro = batch.reshape(b // grad_accum_steps, grad_accum_steps, -1).swapaxes(0, 1)
 
         def body(carry, tokens):
-            (loss, (metrics, aux)), grads = grad_fn(params, partition.constrain(tokens, ("batch", None)))
-            return jax.tree.map(jnp.add, carry, (loss, metrics, grads)), aux
+            totals, counts = carry
+            (loss, (metrics, aux)), grads = grad_fn(params, partition.constrain(tokens, ("batch", None)), counts)
+            if counts is not None:  # the global balancing scope sees the step's earlier micro-batches
+                counts = counts + aux["moe_counts"]
+            return (jax.tree.map(jnp.add, totals, (loss, metrics, grads)), counts), aux
 
-        zeros = jax.tree.map(jnp.zeros_like, (jnp.float32(0), {"nll": jnp.float32(0), "z_loss": jnp.float32(0)}, params))
-        (loss, metrics, grads), aux = jax.lax.scan(body, zeros, micro)
+        (_, (metric_shapes, aux_shapes)), _ = jax.eval_shape(grad_fn, params, micro[0])
+        zeros = jax.tree.map(jnp.zeros_like, (jnp.float32(0), metric_shapes, params))
+        counts = jnp.zeros_like(aux_shapes["moe_counts"]) if "moe_counts" in aux_shapes else None
+        ((loss, metrics, grads), _), aux = jax.lax.scan(body, (zeros, counts), micro)
         scale = 1.0 / grad_accum_steps
-        aux = jax.tree.map(lambda x: jnp.max(x, axis=0), aux)  # max logits over micro-batches
+        aux = {k: (OPTIMIZER_AUX | _MOE_AUX)[k](v, axis=0) for k, v in aux.items()}
         return (loss * scale, (jax.tree.map(lambda m: m * scale, metrics), aux)), jax.tree.map(lambda g: g * scale, grads)
 
     # Reductions over replicas; identities when GSPMD already sees the whole batch.
@@ -192,9 +217,13 @@ def make_train_step(
     def local_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
         params, opt_state = state["params"], state["opt_state"]
         (loss, (metrics, aux)), grads = accumulate(params, batch)
-        aux = jax.tree.map(maximum, aux)  # per-head max logits of the whole batch
-        updates, new_opt_state = tx.update(grads, opt_state, params, **aux)
+        # Per-head max logits of the whole batch (identity without replicas).
+        aux = {k: maximum(v) if k in OPTIMIZER_AUX else v for k, v in aux.items()}
+        updates, new_opt_state = tx.update(grads, opt_state, params, **{k: aux[k] for k in OPTIMIZER_AUX if k in aux})
         new_params = optax.apply_updates(params, updates)
+        if "moe_counts" in aux:
+            new_params = moe_lib.update_router_bias(new_params, params, aux["moe_counts"], balancing.bias_rate)
+            metrics = {**metrics, **moe_lib.load_metrics(aux["moe_counts"], aux["moe_dropped"])}
         ok = every(jnp.isfinite(loss) & _all_finite(grads, updates, new_opt_state))
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
         bad = (~ok).astype(jnp.int32)

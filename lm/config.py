@@ -35,6 +35,15 @@ class ModelConfig:
     remat: str = "none"  # what the backward pass recomputes, a policy in lm/remat.py (true: "full")
     track_attn_logits: bool = False  # report per-layer, per-head max pre-softmax logits
     attention: str = "auto"  # auto | xla | cudnn | pallas (lm/attention.py)
+    # Mixture of experts (lm/moe.py); n_experts = 0: every block has a dense SwiGLU.
+    n_experts: int = 0
+    experts_per_token: int = 2
+    n_shared_experts: int = 0  # always-on experts of expert_mlp_dim each
+    moe_every: int = 1  # every moe_every-th block is MoE (the last of each group), the rest dense
+    expert_mlp_dim: int = 0  # 0: mlp_dim
+    router_score: str = "softmax"  # softmax | sigmoid
+    normalize_router_weights: bool = False  # divide the top-k gates by their sum (DeepSeek)
+    capacity_factor: float = 0.0  # <= 0: dropless
 
     def __post_init__(self):
         object.__setattr__(self, "remat", remat_lib.canonical(self.remat))
@@ -55,20 +64,43 @@ class ModelConfig:
             problems.append(f"model.dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             problems.append(f"model.attention={self.attention!r} must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+        if self.n_experts:
+            problems += self._moe_problems()
         if problems:
             raise ValueError("; ".join(problems))
+
+    def _moe_problems(self) -> list[str]:
+        problems = []
+        if not 1 <= self.experts_per_token <= self.n_experts:
+            problems.append(f"model.experts_per_token={self.experts_per_token} must be in [1, model.n_experts={self.n_experts}]")
+        if self.router_score not in ("softmax", "sigmoid"):
+            problems.append(f"model.router_score={self.router_score!r} must be 'softmax' or 'sigmoid'")
+        if self.moe_every < 1 or self.n_layers % self.moe_every:
+            problems.append(f"model.moe_every={self.moe_every} must be >= 1 and divide model.n_layers={self.n_layers}")
+        if self.moe_every > 1 and self.scan_layers:
+            problems.append("model.moe_every > 1 mixes dense and MoE blocks, which cannot be scanned; set model.scan_layers=False")
+        if self.n_shared_experts < 0 or self.expert_mlp_dim < 0:
+            problems.append("model.n_shared_experts and model.expert_mlp_dim must be >= 0")
+        return problems
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_experts > 0 and (layer + 1) % self.moe_every == 0
 
     @property
     def compute_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.dtype)
 
     def num_params(self) -> int:
-        """Parameter count (embedding counted once when tied)."""
-        d, hd = self.d_model, self.head_dim
-        attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + (2 * hd if self.qk_norm else 0)
-        block = attn + 3 * d * self.mlp_dim + 2 * d
-        head = 0 if self.tie_embeddings else d * self.vocab_size
-        return self.vocab_size * d + self.n_layers * block + d + head
+        """Parameter count, read off the parameter tree (`lm.model.param_counts`; tied embedding once)."""
+        from lm import model  # noqa: PLC0415 (lm.model imports this module)
+
+        return model.param_counts(self).total
+
+    def num_active_params(self) -> int:
+        """Parameters used per token: routed experts count ``experts_per_token / n_experts``."""
+        from lm import model  # noqa: PLC0415
+
+        return model.param_counts(self).active
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -93,7 +125,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=500_000.0,
         norm_eps=1e-5,
     ),
-}
+    # Mixture-of-experts presets (lm/moe.py). Each routed expert is mlp_dim / experts_per_token wide,
+    # so the active parameters match the dense preset of the same shape (tiny, small).
+    "moe-tiny": dict(
+        d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, mlp_dim=384, max_seq_len=1024,
+        n_experts=8, experts_per_token=2, expert_mlp_dim=192,
+    ),
+    "moe-small": dict(
+        d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, mlp_dim=1152, max_seq_len=1024,
+        n_experts=16, experts_per_token=2, n_shared_experts=1, expert_mlp_dim=384,
+    ),
+    # Mixtral 8x7B's shape (46.7B parameters, 12.9B active): for the memory planner on expert + fsdp meshes.
+    "mixtral-8x7b": dict(
+        vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, mlp_dim=14336,
+        max_seq_len=32768, rope_theta=1_000_000.0, norm_eps=1e-5, tie_embeddings=False, n_experts=8, experts_per_token=2,
+    ),
+}  # fmt: skip
 
 
 def from_preset(name: str, **overrides: Any) -> ModelConfig:

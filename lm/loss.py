@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from lm.config import ModelConfig
+from lm.model import param_counts
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, *, z_loss: float = 0.0) -> tuple[jax.Array, dict]:
@@ -27,11 +28,11 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, *, z_loss: float = 0.0)
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward): ``6 N + 12 L H d_head T``.
 
-    ``N`` counts matrix-multiply parameters (the embedding lookup is free, the LM head is not),
-    ``12 L H d_head T`` is attention's score and value products (PaLM, arXiv:2204.02311, App. B;
-    the causal mask's savings are not counted, as is customary for MFU).
+    ``N`` counts the active matrix-multiply parameters, read off the parameter tree
+    (`lm.model.param_counts`: the embedding lookup is free, the LM head is not, a routed expert
+    stack counts ``experts_per_token / n_experts``), ``12 L H d_head T`` is attention's score and
+    value products (PaLM, arXiv:2204.02311, App. B; the causal mask's savings are not counted, as
+    is customary for MFU).
     """
-    d, hd = cfg.d_model, cfg.head_dim
-    per_layer = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.mlp_dim
-    matmul_params = cfg.n_layers * per_layer + d * cfg.vocab_size
-    return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.n_heads * hd * seq_len
+    matmul_params = param_counts(cfg).active_matmul
+    return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len

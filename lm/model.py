@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -36,6 +38,37 @@ def define(cfg: ModelConfig) -> ModelDef:
     return ModelDef(cfg, graphdef, nnx.to_pure_dict(state), specs)
 
 
+class ParamCounts(NamedTuple):
+    """Parameter counts read off the parameter tree."""
+
+    total: int
+    active: int  # used per token: a routed expert stack counts experts_per_token / n_experts of its size
+    active_matmul: int  # active weights of matrix multiplies: no norms, biases, or embedding lookup; the LM head counts
+
+
+@functools.lru_cache(maxsize=64)
+def param_counts(cfg: ModelConfig) -> ParamCounts:
+    """Counts the parameters of ``cfg``'s model from its abstract parameter tree and logical axes.
+
+    A leaf is a matrix multiply's weight when it has two or more logical axes besides ``layers``;
+    the ``(vocab, embed)`` table counts as one only when it is tied (it is then the LM head). A leaf
+    with both ``experts`` and ``mlp`` axes is a routed expert stack.
+    """
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):  # callable under a run's mesh
+        model_def = define(cfg)
+    total = active = matmul = 0
+    specs = jax.tree.leaves(model_def.logical_specs, is_leaf=lambda x: isinstance(x, jax.P))
+    for spec, leaf in zip(specs, jax.tree.leaves(model_def.abstract_params), strict=True):
+        names = tuple(n for n in spec if n != "layers")
+        size = math.prod(leaf.shape)
+        used = size * cfg.experts_per_token // cfg.n_experts if {"experts", "mlp"} <= set(names) else size
+        total += size
+        active += used
+        lookup_only = names == ("vocab", "embed") and not cfg.tie_embeddings
+        matmul += used if len(names) >= 2 and not lookup_only else 0
+    return ParamCounts(total, active, matmul)
+
+
 def unstack_layers(blocks: Params, n_layers: int) -> Params:
     """Stacked block parameters (leading ``layers`` axis) as the unrolled model's ``{layer: block}``."""
     return {i: jax.tree.map(lambda x: x[i], blocks) for i in range(n_layers)}
@@ -46,15 +79,17 @@ def init_params(model_def: ModelDef, seed: int, shardings: Params | None = None)
 
     Blocks are always initialised stacked, by one initialiser vmapped over depth, and unstacked for
     an unrolled model: the program stays small at any depth (an unrolled one compiles an initialiser
-    per layer), and a seed gives the same values with and without ``scan_layers``.
+    per layer), and a seed gives the same values with and without ``scan_layers``. Blocks that
+    differ (dense and MoE, ``moe_every > 1``) cannot be stacked and are initialised one by one.
     """
     cfg = model_def.config
-    stacked = dataclasses.replace(cfg, scan_layers=True)
+    uniform = cfg.n_experts == 0 or cfg.moe_every == 1
+    stacked = dataclasses.replace(cfg, scan_layers=True) if uniform else cfg
 
     def init() -> Params:
         with nnx.use_eager_sharding(False):
             params = nnx.to_pure_dict(nnx.split(Transformer(stacked, rngs=nnx.Rngs(seed)))[1])
-        if not cfg.scan_layers:
+        if not cfg.scan_layers and uniform:
             params["blocks"] = unstack_layers(params["blocks"], cfg.n_layers)
         return params
 

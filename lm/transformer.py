@@ -18,24 +18,33 @@ from lm import remat as remat_lib
 from lm.attention import Attention
 from lm.config import ModelConfig
 from lm.layers import RMSNorm, SwiGLU, linear
+from lm.moe import MoE
 from sharding.partition import constrain
 
 ACTIVATION = ("batch", "seq", "embed")
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    """One pre-norm block; its MLP is a routed MoE (`lm/moe.py`) when ``moe``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
         dtype = cfg.compute_dtype
         self.attn_norm = RMSNorm(cfg.d_model, "embed", eps=cfg.norm_eps, dtype=dtype)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, "embed", eps=cfg.norm_eps, dtype=dtype)
-        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_dim, out_scale=(2 * cfg.n_layers) ** -0.5, dtype=dtype, rngs=rngs)
+        if moe:
+            self.mlp = MoE(cfg, rngs=rngs)
+        else:
+            self.mlp = SwiGLU(cfg.d_model, cfg.mlp_dim, out_scale=(2 * cfg.n_layers) ** -0.5, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array):
+        """``x -> (x', (attention max logits or None, MoE statistics or None))``."""
         attn_out, max_logits = self.attn(self.attn_norm(x))
         x = constrain(x + attn_out, ACTIVATION)
-        x = constrain(x + self.mlp(self.mlp_norm(x)), ACTIVATION)
-        return x, max_logits
+        mlp_out = self.mlp(self.mlp_norm(x))
+        mlp_out, moe_stats = mlp_out if isinstance(self.mlp, MoE) else (mlp_out, None)
+        x = constrain(x + mlp_out, ACTIVATION)
+        return x, (max_logits, moe_stats)
 
 
 def _block_fn(cfg: ModelConfig):
@@ -65,11 +74,11 @@ class Transformer(nnx.Module):
             @nnx.split_rngs(splits=cfg.n_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
             def make_blocks(rngs: nnx.Rngs) -> Block:
-                return Block(cfg, rngs=rngs)
+                return Block(cfg, rngs=rngs, moe=cfg.n_experts > 0)
 
             self.blocks = make_blocks(rngs)
         else:
-            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+            self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=cfg.is_moe_layer(i)) for i in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, "embed", eps=cfg.norm_eps, dtype=dtype)
         if not cfg.tie_embeddings:
             self.lm_head = linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
@@ -78,7 +87,8 @@ class Transformer(nnx.Module):
         """Logits ``(batch, seq, vocab)`` for ``tokens`` ``(batch, seq)``.
 
         With ``return_aux`` returns ``(logits, aux)``; ``aux["attn_max_logits"]`` is
-        ``(n_layers, n_heads)`` when ``track_attn_logits`` is on.
+        ``(n_layers, n_heads)`` when ``track_attn_logits`` is on; ``aux["moe"]`` holds the MoE
+        layers' statistics stacked over those layers (`lm.moe.balancing_losses`) in an MoE model.
         """
         cfg = self.cfg
         x = constrain(self.embed(tokens), ACTIVATION)
@@ -91,13 +101,15 @@ class Transformer(nnx.Module):
                 unroll=cfg.scan_unroll,
                 transform_metadata={nnx.PARTITION_NAME: "layers"},
             )
-            x, max_logits = scan(self.blocks, x)
+            x, (max_logits, moe_stats) = scan(self.blocks, x)
         else:
             per_layer = []
             for block in self.blocks:
-                x, layer_max = run_block(block, x)
-                per_layer.append(layer_max)
-            max_logits = jnp.stack(per_layer) if cfg.track_attn_logits else None
+                x, layer_aux = run_block(block, x)
+                per_layer.append(layer_aux)
+            max_logits = jnp.stack([m for m, _ in per_layer]) if cfg.track_attn_logits else None
+            moe_layers = [stats for _, stats in per_layer if stats is not None]
+            moe_stats = jax.tree.map(lambda *xs: jnp.stack(xs), *moe_layers) if moe_layers else None
         x = self.final_norm(x)
         if cfg.tie_embeddings:
             logits = self.embed.attend(x)
@@ -107,4 +119,6 @@ class Transformer(nnx.Module):
         if not return_aux:
             return logits
         aux = {"attn_max_logits": max_logits} if cfg.track_attn_logits else {}
+        if moe_stats is not None:
+            aux["moe"] = moe_stats
         return logits, aux

@@ -51,6 +51,14 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.tie_embeddings = True
     config.model.track_attn_logits = False
     config.model.attention = "auto"  # auto | xla | cudnn | pallas; auto: XLA on CPU, cuDNN else Pallas on GPU, Pallas on TPU
+    # Mixture of experts (lm/moe.py), None keeps the preset's value: n_experts (0: dense),
+    # experts_per_token, n_shared_experts, moe_every, expert_mlp_dim, capacity_factor (<= 0: dropless),
+    # router_score (softmax | sigmoid), normalize_router_weights.
+    for size in ("n_experts", "experts_per_token", "n_shared_experts", "moe_every", "expert_mlp_dim"):
+        config.model[size] = config_dict.placeholder(int)
+    config.model.capacity_factor = config_dict.placeholder(float)
+    config.model.router_score = config_dict.placeholder(str)
+    config.model.normalize_router_weights = config_dict.placeholder(bool)
 
     config.data = ml_collections.ConfigDict()
     config.data.path = ""  # empty: the Python standard-library corpus; else a text file or folder
@@ -60,6 +68,13 @@ def get_config() -> ml_collections.ConfigDict:
 
     config.loss = ml_collections.ConfigDict()
     config.loss.z_loss = 0.0
+
+    # Expert balancing of an MoE model (lm.moe.Balancing); ignored by dense models.
+    config.moe = ml_collections.ConfigDict()
+    config.moe.balance_loss = 0.01  # weight of the Switch load-balancing loss
+    config.moe.router_z_loss = 0.001
+    config.moe.balance_scope = "global"  # global (whole batch, arXiv:2501.11873) | micro_batch (per sequence)
+    config.moe.bias_rate = 0.0  # auxiliary-loss-free bias step (DeepSeek-V3: 0.001); 0: off
 
     config.optimizer = optimizer_config()
 

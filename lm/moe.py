@@ -1,0 +1,314 @@
+"""Routed SwiGLU mixture of experts: router, dropless and capacity dispatch, expert parallelism.
+
+For a token ``x`` with router logits ``z = W_r^T x`` (float32) and scores ``s = softmax(z)`` or
+``s = sigmoid(z)``:
+
+    S     = top_k(s + b)                       (b: per-expert bias that only chooses, never weighs)
+    g_e   = s_e                  for e in S    (optionally g_e / sum_{e' in S} s_e', DeepSeek)
+    y     = sum_{e in S} g_e SwiGLU_e(x) + sum_{shared} SwiGLU_shared(x)
+
+(Switch, arXiv:2101.03961; Mixtral, arXiv:2401.04088; DeepSeekMoE, arXiv:2401.06066; the bias ``b``
+is DeepSeek-V3's auxiliary-loss-free balancing, arXiv:2412.19437, updated by `update_router_bias`
+outside the gradient.)
+
+Dispatch (the expert weights are stacked ``(experts, embed, mlp)``):
+
+- dropless: the ``T k`` token slots are sorted by expert, each expert's contiguous rows go through
+  grouped matmuls (`jax.lax.ragged_dot` with the group sizes), and the outputs are unsorted and
+  combined with the gate weights. Nothing is dropped.
+- capacity (``capacity_factor > 0``): expert ``e`` takes at most ``C = ceil(cf T k / E)`` slots, in
+  order of priority (all first choices, then all second choices, ... as in Switch/GShard), by the
+  position ``cumsum`` gives each slot within its expert; slots past ``C`` are dropped (output 0) and
+  counted.
+- expert parallel: under a mesh with an ``expert`` axis the dropless dispatch runs per shard inside
+  `jax.shard_map`: each device routes its own tokens, sends each slot to the device that holds its
+  expert with an all-to-all, runs its local experts and sends the results back. The all-to-all is a
+  dense one with a worst-case buffer (every slot to one device), which works on every backend
+  (`ragged_all_to_all` has no CPU lowering); it costs ``ep`` times the slot memory.
+
+The layer also returns the statistics the balancing losses need (`balancing_losses`), per sequence
+so the loss can be taken over the global batch or per micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lm.config import ModelConfig
+from lm.layers import SwiGLU
+from sharding import partition
+
+EXPERT_AXIS = "expert"  # the mesh axis that expert parallelism splits the experts over
+
+
+class Router(nnx.Module):
+    """fp32 router: ``kernel`` ``(embed, experts)`` and the selection-only ``bias`` ``(experts,)``."""
+
+    def __init__(self, d_model: int, n_experts: int, *, rngs: nnx.Rngs):
+        init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+        self.kernel = nnx.Param(init(rngs.params(), (d_model, n_experts), jnp.float32), out_sharding=("embed", "experts"))
+        self.bias = nnx.Param(jnp.zeros((n_experts,), jnp.float32), out_sharding=("experts",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x.astype(jnp.float32) @ self.kernel[...]
+
+
+def route(logits: jax.Array, bias: jax.Array, k: int, score: str, normalize: bool):
+    """Top-``k`` experts per row of ``logits`` ``(T, E)``.
+
+    Returns ``(experts (T, k) int32, gates (T, k) float32, probs (T, E))``; ``probs`` are the router
+    probabilities the balancing loss uses (softmax scores, or sigmoid scores normalised per token).
+    """
+    scores = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)
+    _, experts = jax.lax.top_k(scores + jax.lax.stop_gradient(bias), k)
+    gates = jnp.take_along_axis(scores, experts, axis=-1)
+    if normalize:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    probs = scores if score == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
+    return experts.astype(jnp.int32), gates, probs
+
+
+def grouped_swiglu(rows: jax.Array, group: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """Row ``r`` through expert ``group[r]``'s SwiGLU; rows with ``group[r] >= E`` give 0.
+
+    Sorts rows by expert, runs three `jax.lax.ragged_dot` grouped matmuls, unsorts.
+    """
+    n_experts = w_gate.shape[0]
+    order = jnp.argsort(group, stable=True)
+    sizes = jnp.bincount(group, length=n_experts + 1)[:n_experts].astype(jnp.int32)  # rows past the groups: 0
+    xs = rows[order]
+    hidden = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
+    ys = jax.lax.ragged_dot(hidden, w_down, sizes)
+    return jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
+
+
+def dropless(x: jax.Array, experts: jax.Array, gates: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    """``sum_j gates[t, j] SwiGLU_{experts[t, j]}(x[t])`` for ``x`` ``(T, d)``, no token dropped."""
+    t, k = experts.shape
+    slots = grouped_swiglu(jnp.repeat(x, k, axis=0), experts.reshape(-1), w_gate, w_up, w_down)
+    return jnp.einsum("tkd,tk->td", slots.reshape(t, k, -1), gates.astype(slots.dtype))
+
+
+def capacity(n_tokens: int, k: int, n_experts: int, factor: float) -> int:
+    """Slots per expert: ``ceil(factor * T k / E)``."""
+    return max(1, math.ceil(factor * n_tokens * k / n_experts))
+
+
+def with_capacity(x: jax.Array, experts: jax.Array, gates: jax.Array, w_gate, w_up, w_down, cap: int):
+    """Capacity-limited dispatch; returns ``(y (T, d), dropped slot count)``."""
+    t, k = experts.shape
+    n_experts = w_gate.shape[0]
+    slot_expert = experts.T.reshape(-1)  # priority order: all first choices, then all second, ...
+    one_hot = jax.nn.one_hot(slot_expert, n_experts, dtype=jnp.int32)
+    position = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)
+    kept = position < cap
+    slot_token = jnp.tile(jnp.arange(t), k)
+    buffer = jnp.zeros((n_experts, cap, x.shape[-1]), x.dtype)
+    buffer = buffer.at[slot_expert, position].set(x[slot_token], mode="drop")
+    buffer = partition.constrain(buffer, ("experts", None, "embed"))
+    hidden = jax.nn.silu(jnp.einsum("ecd,edf->ecf", buffer, w_gate)) * jnp.einsum("ecd,edf->ecf", buffer, w_up)
+    out = jnp.einsum("ecf,efd->ecd", hidden, w_down)
+    slots = out.at[slot_expert, position].get(mode="fill", fill_value=0)  # dropped slots read 0
+    y = jnp.einsum("ktd,kt->td", slots.reshape(k, t, -1), gates.T.astype(out.dtype))
+    return y, jnp.sum(~kept)
+
+
+def expert_parallel_dropless(x, experts, gates, w_gate, w_up, w_down, *, ep: int) -> jax.Array:
+    """`dropless` for one shard inside `jax.shard_map`: local tokens, the local ``E / ep`` experts.
+
+    Slot ``s`` goes to device ``experts[s] // (E / ep)`` of the ``expert`` axis at row
+    ``position[s]`` of that device's send buffer; the reply comes back to the same row.
+    """
+    t, k = experts.shape
+    local = w_gate.shape[0]
+    slot_expert = experts.reshape(-1)
+    dest = slot_expert // local
+    one_hot = jax.nn.one_hot(dest, ep, dtype=jnp.int32)
+    position = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)
+    rows = t * k  # worst case: every slot to one device
+    send = jnp.zeros((ep, rows, x.shape[-1]), x.dtype).at[dest, position].set(jnp.repeat(x, k, axis=0))
+    send_expert = jnp.full((ep, rows), local, jnp.int32).at[dest, position].set(slot_expert % local)
+    recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=True)
+    recv_expert = jax.lax.all_to_all(send_expert, EXPERT_AXIS, 0, 0, tiled=True)
+    out = grouped_swiglu(recv.reshape(ep * rows, -1), recv_expert.reshape(-1), w_gate, w_up, w_down)
+    back = jax.lax.all_to_all(out.reshape(ep, rows, -1), EXPERT_AXIS, 0, 0, tiled=True)
+    slots = back[dest, position]
+    return jnp.einsum("tkd,tk->td", slots.reshape(t, k, -1), gates.astype(slots.dtype))
+
+
+def _expert_parallel_size() -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or EXPERT_AXIS not in partition.logical_mesh_axes("experts"):
+        return 1
+    return mesh.shape[EXPERT_AXIS]
+
+
+class MoE(nnx.Module):
+    """The routed SwiGLU MoE layer of a block (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        n, d, f = cfg.n_experts, cfg.d_model, cfg.expert_mlp_dim or cfg.mlp_dim
+        self.k, self.score, self.normalize = cfg.experts_per_token, cfg.router_score, cfg.normalize_router_weights
+        self.capacity_factor = cfg.capacity_factor
+        self.dtype = cfg.compute_dtype
+        self.router = Router(d, n, rngs=rngs)
+
+        def stacked(fan_in: int, fan_out: int, names: tuple[str, ...], scale: float = 1.0) -> nnx.Param:
+            init = nnx.initializers.variance_scaling(scale**2, "fan_in", "truncated_normal", batch_axis=(0,))
+            return nnx.Param(init(rngs.params(), (n, fan_in, fan_out), jnp.float32), out_sharding=names)
+
+        out_scale = (2 * cfg.n_layers) ** -0.5
+        self.w_gate = stacked(d, f, ("experts", "embed", "mlp"))
+        self.w_up = stacked(d, f, ("experts", "embed", "mlp"))
+        self.w_down = stacked(f, d, ("experts", "mlp", "embed"), out_scale)
+        self.shared = (
+            SwiGLU(d, cfg.n_shared_experts * f, out_scale=out_scale, dtype=self.dtype, rngs=rngs) if cfg.n_shared_experts else None
+        )
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """``x`` ``(batch, seq, embed)`` -> ``(y, stats)``; ``stats`` as `balancing_losses` takes them."""
+        b, s, d = x.shape
+        logits = self.router(x)  # (b, s, E) float32
+        n_experts = logits.shape[-1]
+        experts, gates, probs = route(logits.reshape(b * s, -1), self.router.bias[...], self.k, self.score, self.normalize)
+        weights = tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        flat = x.reshape(b * s, d)
+        dropped = jnp.zeros((), jnp.float32)
+        ep = _expert_parallel_size()
+        if self.capacity_factor > 0:
+            cap = capacity(b * s, self.k, n_experts, self.capacity_factor)
+            y, n_dropped = with_capacity(flat, experts, gates, *weights, cap)
+            dropped = n_dropped.astype(jnp.float32)
+        elif ep > 1:
+            y = self._expert_parallel(x, experts.reshape(b, s, -1), gates.reshape(b, s, -1), weights, ep).reshape(b * s, d)
+        else:
+            y = dropless(flat, experts, gates, *weights)
+        y = y.reshape(b, s, d).astype(x.dtype)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        counts = jnp.sum(jax.nn.one_hot(experts, n_experts, dtype=jnp.float32), axis=1).reshape(b, s, n_experts)
+        stats = {
+            "expert_counts": jax.lax.stop_gradient(jnp.sum(counts, axis=1)),  # (b, E) slots per expert
+            "router_prob_sum": jnp.sum(probs.reshape(b, s, -1), axis=1),  # (b, E)
+            "router_z": jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
+            "dropped_slots": dropped,
+        }
+        return y, stats
+
+    def _expert_parallel(self, x, experts, gates, weights, ep):
+        def per_shard(x, experts, gates, w_gate, w_up, w_down):
+            b, s, d = x.shape
+            y = expert_parallel_dropless(
+                x.reshape(b * s, d), experts.reshape(b * s, -1), gates.reshape(b * s, -1), w_gate, w_up, w_down, ep=ep
+            )
+            return y.reshape(b, s, d)
+
+        tokens = ("batch", "seq", "embed")
+        slots = ("batch", "seq", None)
+        stack = ("experts", None, None)
+        run = partition.logical_shard_map(per_shard, (tokens, slots, slots, stack, stack, stack), tokens, whole=("embed",))
+        return run(x, experts, gates, *weights)
+
+
+# ------------------------------------------------------------------------------------- balancing
+
+
+@dataclasses.dataclass(frozen=True)
+class Balancing:
+    """How the train step balances the experts (config ``moe.*``).
+
+    Attributes:
+      balance_loss: weight of the Switch load-balancing loss.
+      router_z_loss: weight of the router z-loss ``mean_t logsumexp(z_t)^2`` (ST-MoE, arXiv:2202.08906).
+      scope: ``global``: expert loads counted over the global batch (all data-parallel shards and
+        every gradient-accumulation micro-batch so far, arXiv:2501.11873); ``micro_batch``: counted
+        per sequence, the local balancing that paper compares against.
+      bias_rate: step ``gamma`` of the auxiliary-loss-free bias update (0: off).
+    """
+
+    balance_loss: float = 0.01
+    router_z_loss: float = 0.001
+    scope: str = "global"
+    bias_rate: float = 0.0
+
+    def __post_init__(self):
+        if self.scope not in ("global", "micro_batch"):
+            raise ValueError(f"moe.balance_scope={self.scope!r} must be 'global' or 'micro_batch'")
+
+
+def switch_loss(counts: jax.Array, prob_mean: jax.Array) -> jax.Array:
+    """``E sum_i f_i P_i`` over the last axis; ``f_i`` the fraction of slots sent to expert ``i``.
+
+    ``f`` is a count (no gradient); the loss reaches the router through ``P_i``, the mean router
+    probability of expert ``i``. At perfect balance (``f_i = 1/E``) it is ``sum_i P_i = 1`` whatever
+    the probabilities.
+    """
+    n_experts = counts.shape[-1]
+    f = counts / jnp.maximum(jnp.sum(counts, axis=-1, keepdims=True), 1.0)
+    return n_experts * jnp.sum(f * prob_mean, axis=-1)
+
+
+def balancing_losses(stats: dict[str, jax.Array], prior_counts: jax.Array, cfg: Balancing) -> tuple[jax.Array, dict]:
+    """The weighted balancing + router z losses of one micro-batch, and their metrics.
+
+    Args:
+      stats: the MoE layers' statistics stacked over layers: ``expert_counts`` and
+        ``router_prob_sum`` ``(layers, batch, E)``, ``router_z`` ``(layers,)``.
+      prior_counts: ``(layers, E)`` slots per expert in the step's earlier micro-batches (global scope).
+      cfg: the weights and scope.
+    """
+    counts, prob_sum = stats["expert_counts"], stats["router_prob_sum"]
+    tokens = jnp.sum(prob_sum, axis=-1, keepdims=True)  # router probabilities sum to 1 per token
+    if cfg.scope == "global":
+        balance = switch_loss(prior_counts + jnp.sum(counts, axis=1), jnp.sum(prob_sum, axis=1) / jnp.sum(tokens, axis=1))
+    else:
+        balance = switch_loss(counts, prob_sum / tokens)
+    balance = jnp.mean(balance)
+    z = jnp.mean(stats["router_z"])
+    loss = cfg.balance_loss * balance + cfg.router_z_loss * z
+    return loss, {"moe_balance_loss": balance, "router_z_loss": z}
+
+
+def load_metrics(counts: jax.Array, dropped: jax.Array) -> dict[str, jax.Array]:
+    """Per-step load metrics from ``counts`` ``(layers, E)`` and the dropped slot count.
+
+    ``expert_load_max``: the largest ``load_i / mean_i load`` over experts and layers (1 = balanced).
+    """
+    load = counts / jnp.maximum(jnp.mean(counts, axis=-1, keepdims=True), 1e-9)
+    return {"expert_load_max": jnp.max(load), "dropped_fraction": dropped / jnp.maximum(jnp.sum(counts), 1.0)}
+
+
+def bias_step(bias: jax.Array, counts: jax.Array, rate: float) -> jax.Array:
+    """DeepSeek-V3's update: ``b_i <- b_i + gamma sign(mean_j c_j - c_i)`` (raise under-loaded experts)."""
+    return bias + rate * jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts)
+
+
+def _is_router_bias(path: Any) -> bool:
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    return names[-2:] == ["router", "bias"]
+
+
+def update_router_bias(new_params: Any, old_params: Any, counts: jax.Array, rate: float) -> Any:
+    """``new_params`` with every router bias set to `bias_step` of its value in ``old_params``.
+
+    The biases are not trained by gradient: whatever the optimizer did to them is replaced.
+    ``counts`` is ``(moe_layers, E)``, the step's slots per expert in layer order.
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(new_params)
+    old = jax.tree.leaves(old_params)
+    leaves, row = [], 0
+    for (path, leaf), before in zip(flat, old, strict=True):
+        if _is_router_bias(path):
+            rows = leaf.shape[0] if leaf.ndim == 2 else 1
+            step = bias_step(before.reshape(rows, -1), counts[row : row + rows], rate).reshape(leaf.shape)
+            leaves.append(step.astype(leaf.dtype))
+            row += rows
+        else:
+            leaves.append(leaf)
+    return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -31,7 +31,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     ``12 L H d_head T`` is attention's score and value products (PaLM, arXiv:2204.02311, App. B;
     the causal mask's savings are not counted, as is customary for MFU).
     """
-    d, hd = cfg.d_model, cfg.head_dim
-    per_layer = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.mlp_dim
+    d = cfg.d_model
+    per_layer = cfg.attention_matmul_params() + 3 * d * cfg.mlp_dim
     matmul_params = cfg.n_layers * per_layer + d * cfg.vocab_size
-    return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.n_heads * hd * seq_len
+    score_and_value = cfg.head_dim + (cfg.rope_head_dim if cfg.attention_type == "mla" else 0) + cfg.value_head_dim
+    return 6.0 * matmul_params + 6.0 * cfg.n_layers * cfg.n_heads * score_and_value * seq_len

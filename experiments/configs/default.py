@@ -50,6 +50,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.tie_embeddings = True
     config.model.track_attn_logits = False
     config.model.attention = "auto"  # auto | xla | cudnn | pallas; auto: XLA on CPU, cuDNN else Pallas on GPU, Pallas on TPU
+    config.model.attention_type = config_dict.placeholder(str)  # gqa | mla (multi-head latent attention, lm/mla.py)
+    for mla_size in ("kv_lora_rank", "q_lora_rank", "rope_head_dim", "v_head_dim"):
+        config.model[mla_size] = config_dict.placeholder(int)
 
     config.data = ml_collections.ConfigDict()
     config.data.path = ""  # empty: the Python standard-library corpus; else a text file or folder

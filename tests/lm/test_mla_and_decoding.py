@@ -11,6 +11,7 @@ from flax import nnx
 from lm import config as config_lib
 from lm import kv_cache
 from lm import model as model_lib
+from lm import sampling
 from lm.mla import MultiHeadLatentAttention
 from sharding import mesh as mesh_lib
 from sharding import partition
@@ -155,3 +156,17 @@ def test_mla_shards_under_fsdp_and_tensor_parallelism():
     with jax.set_mesh(mesh), partition.use_rules(rules):
         sharded = forward(jax.device_put(params, shardings), tokens)
     np.testing.assert_allclose(sharded, single, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attention_type", ["gqa", "mla"])
+def test_cached_greedy_generation_equals_argmax_of_the_full_forward(attention_type):
+    cfg = _tiny(attention_type=attention_type)
+    model_def = model_lib.define(cfg)
+    params = random_params(model_def, seed=9)
+    prompt = jnp.asarray(np.random.default_rng(10).integers(0, 256, (2, 4)), jnp.int32)
+    generate = sampling.make_generate(model_def, max_new_tokens=5, temperature=0.0, valid_vocab=259)
+    out = generate(params, prompt, jax.random.key(0))
+    assert out.shape == (2, 9)
+    np.testing.assert_array_equal(out[:, :4], prompt)
+    full = jax.jit(lambda p, t: model_lib.apply(model_def, p, t))(params, out)
+    np.testing.assert_array_equal(out[:, 4:], jnp.argmax(full[:, 3:-1, :259], axis=-1))

@@ -75,7 +75,7 @@ STATE_SHAPING_KEYS = ("state_bits", "cautious")
 _RESUMABLE_MODEL_CHANGES = ("attention", "dtype", "remat", "scan_unroll", "track_attn_logits")
 
 
-def _run_meta(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConfig) -> dict:
+def run_meta(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConfig) -> dict:
     """What a checkpoint must agree with to be resumed by this run."""
     name = config.optimizer.name
     family = config.optimizer.get(name)
@@ -183,7 +183,7 @@ def run(
     step_fn = train_lib.make_train_step(
         spec.model_def, spec.tx, grad_accum_steps=config.grad_accum_steps, z_loss=config.loss.z_loss, learning_rate=lr_fn
     )
-    meta = _run_meta(config, spec.cfg)
+    meta = run_meta(config, spec.cfg)
     mgr = checkpointing.manager(workdir, keep=config.keep_checkpoints, every=config.checkpoint_every)
     stop = _Stop()
     handlers = {}

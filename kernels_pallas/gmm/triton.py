@@ -30,11 +30,16 @@ from kernels_pallas.attention.base import dot_nn, dot_nt, dot_tn
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-    """Tile sizes (powers of two, >= 16 on a GPU)."""
+    """Tile sizes (powers of two, >= 16 on a GPU) and Triton's warps and pipeline stages per program."""
 
     block_m: int = 128
     block_k: int = 64
     block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def compiler_params(self) -> plgpu.CompilerParams:
+        return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 def _cdiv(a, b: int):
@@ -124,6 +129,7 @@ def gmm(
         kernel,
         out_shape=jax.ShapeDtypeStruct((lhs_p.shape[0], n_padded), out_dtype),
         grid=(items[0].shape[0], n_padded // tiling.block_n),
+        compiler_params=tiling.compiler_params(),
         interpret=interpret,
         name="gmm",
     )(*items, lhs_p, rhs_p)
@@ -161,6 +167,7 @@ def tgmm(
         out_shape=jax.ShapeDtypeStruct((num_groups, lhs_p.shape[1], dout_p.shape[1]), out_dtype),
         grid=(num_groups, k_tiles, n_tiles),
         out_specs=pl.BlockSpec((None, tiling.block_k, tiling.block_n), lambda g, i, j: (g, i, j)),
+        compiler_params=tiling.compiler_params(),
         interpret=interpret,
         name="tgmm",
     )(starts, ends, lhs_p, dout_p)

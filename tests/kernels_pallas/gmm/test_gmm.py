@@ -81,3 +81,16 @@ def test_default_backend_on_cpu_is_ragged_dot_and_bad_input_names_the_fix():
         api.gmm(lhs, rhs[:1], group_sizes)
     with pytest.raises(ValueError, match="unknown gmm backend 'mosaic_tpu'"):
         api.gmm(lhs, rhs, group_sizes, backend="mosaic_tpu")
+
+
+def test_forward_and_backward_lower_to_triton_for_a_gpu_on_any_host():
+    """Lowering checks what Triton-specific code may use (compiling needs a GPU, which CI lacks)."""
+    lhs, rhs = jax.ShapeDtypeStruct((100, 64), jnp.bfloat16), jax.ShapeDtypeStruct((4, 64, 128), jnp.bfloat16)
+    group_sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+    def forward_and_pullback(a, b, g):
+        out, pullback = jax.vjp(lambda a, b: api.gmm(a, b, g, backend="triton", interpret=False), a, b)
+        return out, pullback(out)
+
+    text = jax.jit(forward_and_pullback).trace(lhs, rhs, group_sizes).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3  # gmm, gmm with rhs transposed (dlhs), tgmm (drhs)

@@ -1,13 +1,11 @@
 """Sampling from a training run's checkpoint: a `tiny` MLA model trained a few steps, then sampled."""
 
-import jax
 import numpy as np
 import pytest
 
 from experiments import sample, train
 from experiments.configs import default
 from experiments.metrics_io import read_metrics
-from lm import model as model_lib
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +34,11 @@ def test_samples_from_the_newest_checkpoint(mla_run):
     assert again == texts  # same seed, same samples
 
 
-def test_greedy_sample_continues_with_the_models_argmax(mla_run):
-    model_def, params, _ = sample.load_params(mla_run, step=4)
-    text = sample.sample(model_def, params, "import", max_new_tokens=1, temperature=0.0)[0]
-    prefix = np.array([[257, *b"import"]], np.int32)
-    logits = model_lib.apply(model_def, params, jax.numpy.asarray(prefix))
-    assert text.encode()[len("import") :] in (bytes([int(np.argmax(logits[0, -1, :259]))]), b"")
+def test_loads_an_earlier_step_on_request(mla_run):
+    _, early, step = sample.load_params(mla_run, step=4)
+    _, late, _ = sample.load_params(mla_run)
+    assert step == 4
+    assert not np.allclose(early["blocks"]["attn"]["kv_down"]["kernel"], late["blocks"]["attn"]["kv_down"]["kernel"])
 
 
 def test_bad_workdir_and_settings_name_the_fix(mla_run, tmp_path):

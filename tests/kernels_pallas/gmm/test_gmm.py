@@ -16,12 +16,11 @@ pytestmark = pytest.mark.usefixtures("fast_xla_compile")
 INTERPRET = jax.default_backend() == "cpu"
 TILING = triton.Tiling(block_m=16, block_k=16, block_n=16)
 
-# (m, k, n, group sizes): partial row / k / n tiles, empty groups (first, middle, last), a group
-# inside one tile, groups spanning tiles, and rows past the groups.
+# (m, k, n, group sizes): partial row / k / n tiles, empty groups (first, middle, last), a group inside
+# one tile, groups spanning tiles, rows past the groups; then groups aligned with whole tiles.
 CASES = [
-    (45, 24, 20, (0, 7, 0, 30, 8, 0)),
+    (47, 24, 20, (0, 7, 0, 30, 1, 7, 0)),
     (32, 16, 16, (16, 16)),
-    (40, 40, 33, (3, 1, 2, 25, 0)),
 ]
 
 

@@ -170,3 +170,13 @@ def test_cached_greedy_generation_equals_argmax_of_the_full_forward(attention_ty
     np.testing.assert_array_equal(out[:, :4], prompt)
     full = jax.jit(lambda p, t: model_lib.apply(model_def, p, t))(params, out)
     np.testing.assert_array_equal(out[:, 4:], jnp.argmax(full[:, 3:-1, :259], axis=-1))
+
+
+@pytest.mark.parametrize("preset", list(config_lib.PRESETS))
+def test_generation_traces_for_every_preset(preset):
+    """Abstractly (no allocation): the cache and the decode loop fit every preset's shapes."""
+    model_def = model_lib.define(config_lib.from_preset(preset, dtype="bfloat16"))
+    generate = sampling.make_generate(model_def, max_new_tokens=3, temperature=0.8, top_p=0.9)
+    prompt = jax.ShapeDtypeStruct((2, 5), jnp.int32)
+    out = jax.eval_shape(generate, model_def.abstract_params, prompt, jax.random.key(0))
+    assert out.shape == (2, 8) and out.dtype == jnp.int32

@@ -23,12 +23,19 @@ from lm import kv_cache
 from lm import model as model_lib
 
 
-def filter_logits(logits: jax.Array, *, temperature: float, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
-    """``logits / temperature`` (float32) with the tokens outside top-k and top-p set to ``-inf``."""
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature} must be > 0 for sampling; use greedy decoding for 0")
+def check_settings(temperature: float, top_k: int, top_p: float) -> None:
+    """A one-line ValueError naming the fix for settings outside their ranges (temperature 0 is greedy)."""
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy decoding)")
     if top_k < 0 or not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_k={top_k} must be >= 0 and top_p={top_p} in (0, 1]")
+
+
+def filter_logits(logits: jax.Array, *, temperature: float, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+    """``logits / temperature`` (float32) with the tokens outside top-k and top-p set to ``-inf``."""
+    check_settings(temperature, top_k, top_p)
+    if temperature == 0:
+        raise ValueError("temperature=0 is greedy decoding (next_token), not a distribution to filter")
     logits = logits.astype(jnp.float32) / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
@@ -65,11 +72,10 @@ def make_generate(
 
     ``valid_vocab`` excludes the ids at and above it (a model vocabulary padded past the tokenizer's).
     """
-    cfg = model_def.config
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if temperature:
-        filter_logits(jnp.zeros((1, 2)), temperature=temperature, top_k=top_k, top_p=top_p)  # bad settings fail here
+    check_settings(temperature, top_k, top_p)
+    cfg = model_def.config
 
     def pick(rng, logits):
         if valid_vocab is not None:

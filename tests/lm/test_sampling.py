@@ -52,5 +52,7 @@ def test_greedy_is_argmax_and_bad_settings_name_the_fix():
     np.testing.assert_array_equal(sampling.next_token(jax.random.key(0), logits, temperature=0.0), jnp.argmax(logits, -1))
     with pytest.raises(ValueError, match="top_p=0.0 in"):
         sampling.filter_logits(logits, temperature=1.0, top_p=0.0)
-    with pytest.raises(ValueError, match="temperature=-1"):
+    with pytest.raises(ValueError, match="temperature=-1 must be >= 0"):
         sampling.filter_logits(logits, temperature=-1)
+    with pytest.raises(ValueError, match="top_k=-2 must be >= 0"):
+        sampling.make_generate(None, max_new_tokens=1, temperature=0.0, top_k=-2)

@@ -1,9 +1,10 @@
 """`gmm`: the public grouped matmul, `jax.lax.ragged_dot`'s signature, one `custom_vjp` over the kernels.
 
-``backend`` picks the implementation; by default it follows the platform of the mesh in context
-(`kernels_pallas.attention.api.platform`): ``triton`` on GPUs, ``xla`` (``jax.lax.ragged_dot``)
-elsewhere. ``mosaic_tpu`` is not written yet, so TPUs take ``xla``. On a CPU the Triton kernels run
-in interpret mode (``interpret=True``), which is how the tests check them. Backward: ``dlhs`` is the
+``backend`` picks the implementation: ``triton`` (ours) or ``xla`` (``jax.lax.ragged_dot``). The default
+is ``xla`` on every platform until the Triton kernels have been compiled and timed on a GPU at or above
+``ragged_dot``'s speed (docs/benchmarks.md, section 6); ``backend="triton"`` opts in. ``mosaic_tpu`` is
+not written yet. On a CPU the Triton kernels run in interpret mode (the default there when
+``backend="triton"``), which is how the tests check them. Backward: ``dlhs`` is the
 forward kernel with ``rhs`` transposed in place, ``drhs`` the ``tgmm`` kernel; no gradient flows to
 ``group_sizes``.
 """
@@ -20,7 +21,6 @@ from kernels_pallas.gmm import reference, triton
 from kernels_pallas.gmm.triton import Tiling
 
 BACKENDS = ("triton", "xla")
-_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 __all__ = ["BACKENDS", "Tiling", "gmm"]
 
@@ -62,14 +62,14 @@ def gmm(
       rhs: ``(G, k, n)``.
       group_sizes: ``(G,)`` integers summing to at most ``m``; rows past the sum come out 0.
       preferred_element_type: output dtype; default lhs's.
-      backend: ``triton`` or ``xla``; default from the platform (module docstring).
+      backend: ``triton`` or ``xla`` (the default, see the module docstring).
       interpret: run the Pallas kernel in interpret mode; default: on a CPU.
       tiling: `Tiling` of the Triton kernels.
     """
     reference.check_shapes(lhs, rhs, group_sizes)
     target = platform()
     if backend is None:
-        backend = "triton" if target in _GPU_PLATFORMS or interpret else "xla"
+        backend = "triton" if interpret else "xla"
     if backend not in BACKENDS:
         raise ValueError(f"unknown gmm backend {backend!r}; use one of {', '.join(BACKENDS)} (mosaic_tpu is not written yet)")
     if backend == "xla":

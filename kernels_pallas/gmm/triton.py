@@ -117,7 +117,7 @@ def gmm(
     interpret: bool = False,
 ) -> jax.Array:
     """``(m, n)``: ``lhs[i] @ rhs[g(i)]`` (``@ rhs[g(i)]^T`` with ``transpose_rhs``), 0 past the groups."""
-    m, k = lhs.shape
+    m = lhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     out_dtype = out_dtype or lhs.dtype
     lhs_p = _pad_to(_pad_to(lhs, 0, tiling.block_m), 1, tiling.block_k)

@@ -9,9 +9,8 @@ import pytest
 from flax import nnx
 
 from lm import config as config_lib
-from lm import kv_cache
+from lm import kv_cache, sampling
 from lm import model as model_lib
-from lm import sampling
 from lm.mla import MultiHeadLatentAttention
 from sharding import mesh as mesh_lib
 from sharding import partition
@@ -20,9 +19,9 @@ from sharding.rules import LOGICAL_AXES
 
 SEQ = 10
 CONFIGS = {
-    "gqa": dict(),
-    "mla_q_lora_v_dim": dict(attention_type="mla", q_lora_rank=48, v_head_dim=24),
-    "mla_unrolled": dict(attention_type="mla", scan_layers=False),
+    "gqa": {},
+    "mla_q_lora_v_dim": {"attention_type": "mla", "q_lora_rank": 48, "v_head_dim": 24},
+    "mla_unrolled": {"attention_type": "mla", "scan_layers": False},
 }
 
 
@@ -38,7 +37,7 @@ def _tiny(**overrides):
 def _gaussian(tree, seed):
     """Gaussian arrays shaped like ``tree``'s leaves (matrices scaled by 1/sqrt(fan_in)), drawn by NumPy."""
     rng = np.random.default_rng(seed)
-    scale = lambda x: 1.0 if x.ndim < 2 else x.shape[-2] ** -0.5  # noqa: E731
+    scale = lambda x: 1.0 if x.ndim < 2 else x.shape[-2] ** -0.5
     return jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32) * scale(x)), tree)
 
 

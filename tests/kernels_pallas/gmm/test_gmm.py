@@ -54,7 +54,7 @@ def test_triton_kernels_match_ragged_dot_forward_and_backward(m, k, n, sizes):
     def loss(impl):
         return lambda lhs, rhs: jnp.sum(impl(lhs, rhs, group_sizes) * dout)
 
-    kernel = lambda a, b, g: api.gmm(a, b, g, backend="triton", interpret=INTERPRET, tiling=TILING)  # noqa: E731
+    kernel = lambda a, b, g: api.gmm(a, b, g, backend="triton", interpret=INTERPRET, tiling=TILING)
     out, (dlhs, drhs) = jax.jit(lambda a, b: (kernel(a, b, group_sizes), jax.grad(loss(kernel), argnums=(0, 1))(a, b)))(lhs, rhs)
     want_out = reference.gmm(lhs, rhs, group_sizes)
     want_dlhs, want_drhs = jax.grad(loss(reference.gmm), argnums=(0, 1))(lhs, rhs)

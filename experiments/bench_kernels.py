@@ -2,7 +2,8 @@ r"""Kernels: attention (forward and forward+backward of every implementation, ch
 the quantized optimizer-state update (`experiments.bench_quantized_update`).
 
     python -m experiments.bench_kernels --json_out=/tmp/kernels.json             # on a GPU
-    python -m experiments.bench_kernels --shapes=1x64x2x32 --implementations=pallas,xla   # CPU smoke run
+    python -m experiments.bench_kernels --shapes=1x64x2x32 --implementations=pallas,xla \
+        --gmm_shapes=2x40x16x16 --gmm_block_m=16 --gmm_block_k=16 --gmm_block_n=16   # CPU smoke run
     python -m experiments.bench_kernels --sections=quantized_update   # the update on gpt2-124m's block matrices
 
 Implementations (causal self-attention, ``(batch, seq, heads, head_dim)``):
@@ -21,6 +22,13 @@ backward 2.5x the forward. ``peak`` is ``--peak_tflops`` (default: H100 SXM dens
 ``vs_cudnn`` is cuDNN's time over the row's (above 1: faster than cuDNN). ``max_err`` is the largest
 absolute difference from the ``xla`` row's output (fwd) or gradients (fwd_bwd), in float32.
 An implementation that cannot run here (cuDNN off an NVIDIA GPU) is listed with its reason.
+
+Grouped matmul (``--gmm_shapes``, ``GxMxKxN``; empty to skip): `kernels_pallas.gmm.gmm` (``pallas``,
+Triton on GPU, interpret mode on CPU) against ``jax.lax.ragged_dot`` (``ragged_dot``) for ``lhs (M, K)``,
+``rhs (G, K, N)`` and group sizes drawn as a multinomial of ``M`` tokens over ``G`` equally likely experts
+(seeded). FLOPs: ``2 M K N`` forward, three times that forward+backward (dlhs and drhs). ``vs_ragged_dot``
+is ragged_dot's time over the row's; ``max_err`` is against the ragged_dot row. The default shape is a
+dropless MoE layer's up-projection (E=8, 16k token slots, 768 -> 2048); its GPU figures are not yet measured.
 """
 
 from __future__ import annotations
@@ -34,10 +42,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
 
 from experiments import bench_quantized_update
+from kernels_pallas import gmm as gmm_lib
 from kernels_pallas.attention import BlockSizes, flash_attention
+from kernels_pallas.gmm import Tiling
 
 DEFAULT_SHAPES = ["16x1024x12x64", "4x4096x16x128", "1x16384x8x128"]
 IMPLEMENTATIONS = ("pallas", "cudnn", "xla", "jax_triton")
@@ -55,6 +66,8 @@ _Q_SHAPES = flags.DEFINE_list(
     "quantized_shapes", bench_quantized_update.GPT2_124M_MATRICES, "Parameter shapes (AxBxC) of the quantized-update section."
 )
 _Q_VARIANTS = flags.DEFINE_list("quantized_variants", list(bench_quantized_update.VARIANTS), "Rows of the quantized-update section.")
+_GMM_SHAPES = flags.DEFINE_list("gmm_shapes", ["8x16384x768x2048"], "GROUPSxMxKxN grouped matmuls; empty to skip.")
+_GMM_TILING = {name: flags.DEFINE_integer(f"gmm_{name}", 0, f"Tiling.{name} of the gmm kernel (0: default).") for name in ("block_m", "block_k", "block_n")}
 _BLOCKS = {
     name: flags.DEFINE_integer(name, 0, f"BlockSizes.{name} of the pallas rows (0: the backend's default).")
     for name in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_q_dkv", "block_kv_dkv", "num_warps", "num_stages")
@@ -195,6 +208,75 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+GMM_IMPLEMENTATIONS = ("pallas", "ragged_dot")
+
+
+def bench_gmm(
+    shapes: list[tuple[int, int, int, int]],
+    modes: list[str],
+    *,
+    dtype: str = "bfloat16",
+    warmup: int = 3,
+    iters: int = 20,
+    tiling: Tiling | None = None,
+    interpret: bool | None = None,
+) -> list[dict]:
+    """One dict per gmm implementation x shape x mode: ms, ms_min, tflops, vs_ragged_dot, max_err."""
+    interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+    impls = {
+        "pallas": lambda a, b, g: gmm_lib.gmm(a, b, g, backend="triton", interpret=interpret, tiling=tiling),
+        "ragged_dot": jax.lax.ragged_dot,
+    }
+    rows = []
+    for groups, m, k, n in shapes:
+        keys = jax.random.split(jax.random.key(0), 3)
+        lhs, rhs = jax.random.normal(keys[0], (m, k), dtype), jax.random.normal(keys[1], (groups, k, n), dtype)
+        d_out = jax.random.normal(keys[2], (m, n), dtype)
+        sizes = jnp.asarray(np.random.default_rng(0).multinomial(m, np.full(groups, 1 / groups)), jnp.int32)
+        for mode in modes:
+            results, shape_rows = {}, []
+            for name, fn in impls.items():
+                row = {"shape": f"{groups}x{m}x{k}x{n}", "implementation": name, "mode": mode, "dtype": dtype}
+                shape_rows.append(row)
+                if mode == "fwd":
+                    step = jax.jit(lambda a, b, fn=fn: fn(a, b, sizes))
+                else:
+                    step = jax.jit(lambda a, b, fn=fn: jax.vjp(lambda a, b: fn(a, b, sizes), a, b)[1](d_out))
+                try:
+                    seconds = _timed(lambda step=step: step(lhs, rhs), warmup, iters)
+                except Exception as e:  # noqa: BLE001 -- one failing row must not end the run
+                    row["unavailable"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    continue
+                results[name] = step(lhs, rhs)
+                ms = statistics.median(seconds) * 1e3
+                flops = 2.0 * m * k * n * (1 if mode == "fwd" else 3)
+                row.update(ms=ms, ms_min=min(seconds) * 1e3, tflops=flops / (ms * 1e-3) / 1e12)
+            baseline = next((r for r in shape_rows if r["implementation"] == "ragged_dot" and "ms" in r), None)
+            for row in shape_rows:
+                if "ms" in row:
+                    row["vs_ragged_dot"] = baseline["ms"] / row["ms"] if baseline else None
+                    row["max_err"] = _max_err(results[row["implementation"]], results.get("ragged_dot"))
+            rows += shape_rows
+    return rows
+
+
+def format_gmm_table(rows: list[dict]) -> str:
+    lines = [
+        "| shape GxMxKxN | implementation | mode | ms (median) | ms (min) | TFLOP/s | vs ragged_dot | max err vs ragged_dot |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+    for r in rows:
+        if "ms" not in r:
+            lines.append(f"| {r['shape']} | {r['implementation']} | {r['mode']} | not run: {r['unavailable']} | | | | |")
+            continue
+        lines.append(
+            f"| {r['shape']} | {r['implementation']} | {r['mode']} | {r['ms']:.3f} | {r['ms_min']:.3f} | {r['tflops']:.1f} | "
+            f"{fmt(r['vs_ragged_dot'], '.2f')} | {fmt(r['max_err'], '.2e')} |"
+        )
+    return "\n".join(lines)
+
+
 def environment() -> dict:
     device = jax.devices()[0]
     return {
@@ -239,7 +321,13 @@ def _attention(env: dict) -> dict:
     )  # fmt: skip
     print(f"{env['device_kind']} ({env['backend']}), jax {env['jax']}, {env['date']}, {_DTYPE.value}, peak {_PEAK.value} TFLOP/s")
     print(format_table(rows))
-    return {"peak_tflops": _PEAK.value, "block_sizes": sizes, "rows": rows}
+    gmm_rows = []
+    if _GMM_SHAPES.value:
+        tiling = Tiling(**{name: flag.value for name, flag in _GMM_TILING.items() if flag.value})
+        gmm_shapes = [parse_shape(s) for s in _GMM_SHAPES.value]
+        gmm_rows = bench_gmm(gmm_shapes, _MODES.value, dtype=_DTYPE.value, warmup=_WARMUP.value, iters=_ITERS.value, tiling=tiling)
+        print(format_gmm_table(gmm_rows))
+    return {"peak_tflops": _PEAK.value, "block_sizes": sizes, "rows": rows, "gmm_rows": gmm_rows}
 
 
 if __name__ == "__main__":

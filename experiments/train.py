@@ -86,7 +86,7 @@ MOE_METRICS = ("moe_balance_loss", "router_z_loss", "expert_load_max", "dropped_
 _RESUMABLE_MODEL_CHANGES = ("attention", "dtype", "remat", "scan_unroll", "track_attn_logits")
 
 
-def _run_meta(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConfig, replicas: int = 1) -> dict:
+def run_meta(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConfig, replicas: int = 1) -> dict:
     """What a checkpoint must agree with to be resumed by this run.
 
     A wrapper's inner optimizer shapes the state too, so its block is included. A replica-local
@@ -213,7 +213,7 @@ def run(
         balancing=balancing(config),
         replica_axis=shardings.replica_axis,
     )
-    meta = _run_meta(config, spec.cfg, shardings.replicas)
+    meta = run_meta(config, spec.cfg, shardings.replicas)
     mgr = checkpointing.manager(workdir, keep=config.keep_checkpoints, every=config.checkpoint_every)
     stop = _Stop()
     handlers = {}

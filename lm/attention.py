@@ -28,7 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from kernels_pallas.attention import api as flash_api
 from kernels_pallas.attention import reference
-from lm import remat
+from lm import kv_cache, remat
 from lm.config import ModelConfig
 from lm.layers import RMSNorm, linear, rotary_embedding, split_heads
 from sharding import partition
@@ -147,18 +147,37 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(cfg.head_dim, "head_dim", eps=cfg.norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(cfg.head_dim, "head_dim", eps=cfg.norm_eps, dtype=dtype)
 
-    def __call__(self, x: jax.Array):
+    def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys (both after RoPE at ``positions``) and values of ``x``, split into heads."""
         cfg = self.cfg
-        q = split_heads(self.q_proj(x), cfg.n_heads, ("batch", "seq", "heads", "head_dim"))
-        k = split_heads(self.k_proj(x), cfg.n_kv_heads, ("batch", "seq", "kv_heads", "head_dim"))
-        v = split_heads(self.v_proj(x), cfg.n_kv_heads, ("batch", "seq", "kv_heads", "head_dim"))
+        q = split_heads(self.q_proj(x), cfg.n_heads, _Q)
+        k = split_heads(self.k_proj(x), cfg.n_kv_heads, _KV)
+        v = split_heads(self.v_proj(x), cfg.n_kv_heads, _KV)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        positions = jnp.arange(x.shape[1])
-        q = rotary_embedding(q, positions, cfg.rope_theta)
-        k = rotary_embedding(k, positions, cfg.rope_theta)
+        return rotary_embedding(q, positions, cfg.rope_theta), rotary_embedding(k, positions, cfg.rope_theta), v
+
+    def __call__(self, x: jax.Array):
+        cfg = self.cfg
+        q, k, v = self._qkv(x, jnp.arange(x.shape[1]))
         q, k, v = checkpoint_name(q, remat.ATTN_Q), checkpoint_name(k, remat.ATTN_K), checkpoint_name(v, remat.ATTN_V)
         out, max_logits = attend(q, k, v, implementation=cfg.attention, track_max_logits=cfg.track_attn_logits)
         out = checkpoint_name(out, remat.ATTN_CONTEXT)
         b, s = x.shape[:2]
         return self.o_proj(out.reshape(b, s, -1)), max_logits
+
+    def decode(self, x: jax.Array, cache: kv_cache.Cache, start: jax.Array) -> tuple[jax.Array, kv_cache.Cache]:
+        """Attention of ``x`` ``(batch, s, d_model)`` (tokens at ``start ..``) over the cached keys and values.
+
+        ``cache`` is one layer's ``{"k", "v": (batch, max_len, kv_heads, head_dim)}``; returns
+        ``(out, cache with x's rows written)``.
+        """
+        cfg = self.cfg
+        b, s = x.shape[:2]
+        q, k, v = self._qkv(x, start + jnp.arange(s))
+        cache = {"k": kv_cache.write(cache["k"], k, start), "v": kv_cache.write(cache["v"], v, start)}
+        grouped = q.reshape(b, s, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim)
+        logits = jnp.einsum("bskgd,btkd->bkgst", grouped, cache["k"], preferred_element_type=jnp.float32)
+        probs = kv_cache.causal_softmax(logits * cfg.head_dim**-0.5, start)
+        out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(v.dtype), cache["v"])
+        return self.o_proj(out.reshape(b, s, -1)), cache

@@ -11,6 +11,7 @@ from lm import remat as remat_lib
 from lm import tokenizer
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")  # see lm/attention.py
+ATTENTION_TYPES = ("gqa", "mla")  # grouped-query (lm/attention.py) or multi-head latent (lm/mla.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,13 @@ class ModelConfig:
     router_score: str = "softmax"  # softmax | sigmoid
     normalize_router_weights: bool = False  # divide the top-k gates by their sum (DeepSeek)
     capacity_factor: float = 0.0  # <= 0: dropless
+    # Multi-head latent attention (lm/mla.py); with it head_dim is the per-head query/key width without
+    # RoPE, and n_kv_heads is unused (every head reads its keys and values from the shared latent).
+    attention_type: str = "gqa"  # gqa | mla
+    kv_lora_rank: int = 64  # width of the compressed key/value latent
+    q_lora_rank: int = 0  # width of the compressed query latent; 0: full-rank query projection
+    rope_head_dim: int = 16  # decoupled RoPE width of each query head and of the one shared RoPE key
+    v_head_dim: int = 0  # value width per head; 0: head_dim
 
     def __post_init__(self):
         object.__setattr__(self, "remat", remat_lib.canonical(self.remat))
@@ -66,6 +74,15 @@ class ModelConfig:
             problems.append(f"model.attention={self.attention!r} must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
         if self.n_experts:
             problems += self._moe_problems()
+        if self.attention_type not in ATTENTION_TYPES:
+            problems.append(f"model.attention_type={self.attention_type!r} must be one of {', '.join(ATTENTION_TYPES)}")
+        if self.attention_type == "mla":
+            if self.kv_lora_rank < 1 or self.q_lora_rank < 0 or self.v_head_dim < 0:
+                problems.append("model.kv_lora_rank must be >= 1 and model.q_lora_rank, model.v_head_dim >= 0 for mla")
+            if self.rope_head_dim < 2 or self.rope_head_dim % 2:
+                problems.append(f"model.rope_head_dim={self.rope_head_dim} must be even and >= 2 for mla")
+            if self.qk_norm:
+                problems.append("model.qk_norm applies to gqa only (mla normalises its latents); set it to False")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -89,6 +106,21 @@ class ModelConfig:
     @property
     def compute_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.dtype)
+
+    @property
+    def value_head_dim(self) -> int:
+        """Width of one head's values (and of the attention output per head)."""
+        return self.v_head_dim if self.attention_type == "mla" and self.v_head_dim else self.head_dim
+
+    def attention_matmul_params(self) -> int:
+        """Parameters of one block's attention projections (matrices only)."""
+        d, hd, h = self.d_model, self.head_dim, self.n_heads
+        if self.attention_type == "gqa":
+            return d * hd * (2 * h + 2 * self.n_kv_heads)
+        r, rope, vd = self.kv_lora_rank, self.rope_head_dim, self.value_head_dim
+        q_out = h * (hd + rope)
+        query = d * self.q_lora_rank + self.q_lora_rank * q_out if self.q_lora_rank else d * q_out
+        return query + d * (r + rope) + r * h * (hd + vd) + h * vd * d
 
     def num_params(self) -> int:
         """Parameter count, read off the parameter tree (`lm.model.param_counts`; tied embedding once)."""

@@ -35,4 +35,5 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     is customary for MFU).
     """
     matmul_params = param_counts(cfg).active_matmul
-    return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+    score_and_value = cfg.head_dim + (cfg.rope_head_dim if cfg.attention_type == "mla" else 0) + cfg.value_head_dim
+    return 6.0 * matmul_params + 6.0 * cfg.n_layers * cfg.n_heads * score_and_value * seq_len

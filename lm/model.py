@@ -100,3 +100,9 @@ def apply(model_def: ModelDef, params: Params, tokens: jax.Array, *, return_aux:
     """Runs the model with ``params`` on ``tokens`` ``(batch, seq)``; see `Transformer.__call__`."""
     model = nnx.merge(model_def.graphdef, params)
     return model(tokens, return_aux=return_aux)
+
+
+def decode(model_def: ModelDef, params: Params, tokens: jax.Array, cache: Any, start: jax.Array):
+    """``(logits, cache)`` for ``tokens`` at positions ``start ..`` given ``cache``; see `Transformer.decode`."""
+    model = nnx.merge(model_def.graphdef, params)
+    return model.decode(tokens, cache, start)

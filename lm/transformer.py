@@ -14,10 +14,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lm import kv_cache
 from lm import remat as remat_lib
 from lm.attention import Attention
 from lm.config import ModelConfig
 from lm.layers import RMSNorm, SwiGLU, linear
+from lm.mla import MultiHeadLatentAttention
 from lm.moe import MoE
 from sharding.partition import constrain
 
@@ -30,7 +32,7 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
         dtype = cfg.compute_dtype
         self.attn_norm = RMSNorm(cfg.d_model, "embed", eps=cfg.norm_eps, dtype=dtype)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = MultiHeadLatentAttention(cfg, rngs=rngs) if cfg.attention_type == "mla" else Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, "embed", eps=cfg.norm_eps, dtype=dtype)
         if moe:
             self.mlp = MoE(cfg, rngs=rngs)
@@ -45,6 +47,13 @@ class Block(nnx.Module):
         mlp_out, moe_stats = mlp_out if isinstance(self.mlp, MoE) else (mlp_out, None)
         x = constrain(x + mlp_out, ACTIVATION)
         return x, (max_logits, moe_stats)
+
+    def decode(self, x: jax.Array, cache: kv_cache.Cache, start: jax.Array) -> tuple[jax.Array, kv_cache.Cache]:
+        """The block on new tokens at ``start ..``, attending over and extending this layer's ``cache``."""
+        attn_out, cache = self.attn.decode(self.attn_norm(x), cache, start)
+        x = x + attn_out
+        mlp_out = self.mlp(self.mlp_norm(x))
+        return x + (mlp_out[0] if isinstance(self.mlp, MoE) else mlp_out), cache
 
 
 def _block_fn(cfg: ModelConfig):
@@ -110,15 +119,39 @@ class Transformer(nnx.Module):
             max_logits = jnp.stack([m for m, _ in per_layer]) if cfg.track_attn_logits else None
             moe_layers = [stats for _, stats in per_layer if stats is not None]
             moe_stats = jax.tree.map(lambda *xs: jnp.stack(xs), *moe_layers) if moe_layers else None
-        x = self.final_norm(x)
-        if cfg.tie_embeddings:
-            logits = self.embed.attend(x)
-        else:
-            logits = self.lm_head(x)
-        logits = constrain(logits, ("batch", "seq", "vocab"))
+        logits = self._logits(x)
         if not return_aux:
             return logits
         aux = {"attn_max_logits": max_logits} if cfg.track_attn_logits else {}
         if moe_stats is not None:
             aux["moe"] = moe_stats
         return logits, aux
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        x = self.final_norm(x)
+        logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.lm_head(x)
+        return constrain(logits, ("batch", "seq", "vocab"))
+
+    def decode(self, tokens: jax.Array, cache: kv_cache.Cache, start: jax.Array) -> tuple[jax.Array, kv_cache.Cache]:
+        """Logits ``(batch, s, vocab)`` of ``tokens`` ``(batch, s)`` at positions ``start ..``, and the cache.
+
+        ``cache`` (`lm.kv_cache`) holds the earlier positions' keys and values (or MLA latents); the
+        returned one also holds ``tokens``'. With ``start=0`` and an empty cache this is prefill and
+        equals ``__call__``'s logits.
+        """
+        x = constrain(self.embed(tokens), ACTIVATION)
+        if self.cfg.scan_layers:
+            scan = nnx.scan(
+                lambda block, h, layer_cache: block.decode(h, layer_cache, start),
+                in_axes=(0, nnx.Carry, 0),
+                out_axes=(nnx.Carry, 0),
+                transform_metadata={nnx.PARTITION_NAME: "layers"},
+            )
+            x, cache = scan(self.blocks, x, cache)
+        else:
+            per_layer = []
+            for i, block in enumerate(self.blocks):
+                x, layer_cache = block.decode(x, jax.tree.map(lambda c: c[i], cache), start)  # noqa: B023
+                per_layer.append(layer_cache)
+            cache = jax.tree.map(lambda *c: jnp.stack(c), *per_layer)
+        return self._logits(x), cache

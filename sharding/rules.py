@@ -1,7 +1,8 @@
 """Logical-to-mesh axis rules: how the model's named dimensions map onto the device mesh.
 
 Models name every parameter and key activation dimension with a *logical* axis (``batch``, ``seq``,
-``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``vocab``, ``experts``, ``layers``). A
+``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``vocab``, ``experts``, ``layers``, and
+``latent``, the compressed width of multi-head latent attention, replicated in every preset). A
 rule set maps each logical name to zero, one or several mesh axes. Mesh axes that the current mesh
 lacks are dropped, so one rule set serves every mesh: ``fsdp`` rules on a ``data:8`` mesh are plain
 data parallelism.
@@ -29,7 +30,7 @@ import jax
 MeshAxes = tuple[str, ...]
 RuleTable = tuple[tuple[str, MeshAxes], ...]
 
-LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "experts", "layers")
+LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "experts", "layers", "latent")
 
 
 @dataclasses.dataclass(frozen=True)

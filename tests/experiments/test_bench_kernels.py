@@ -6,6 +6,7 @@ import pytest
 from absl import app
 
 from experiments import bench_kernels
+from kernels_pallas.gmm import Tiling
 
 
 @pytest.mark.usefixtures("fast_xla_compile")
@@ -46,3 +47,13 @@ def test_quantized_update_section_rows_on_cpu():
     assert by["8bit_xla"]["gb_per_s"] > 0
     assert "| 8bit_pallas | 4,096 | not run" in bq.format_table(rows)
     json.dumps(rows)
+
+
+@pytest.mark.usefixtures("fast_xla_compile")
+def test_tiny_cpu_gmm_rows_check_against_ragged_dot():
+    rows = bench_kernels.bench_gmm([(3, 40, 16, 16)], ["fwd"], dtype="float32", warmup=0, iters=1, tiling=Tiling(16, 16, 16))
+    by = {r["implementation"]: r for r in rows}
+    assert set(by) == {"pallas", "ragged_dot"}
+    assert by["pallas"]["max_err"] < 1e-4 and by["ragged_dot"]["max_err"] == 0
+    assert by["pallas"]["tflops"] == pytest.approx(2 * 40 * 16 * 16 / by["pallas"]["ms"] / 1e9)
+    assert "| 3x40x16x16 | pallas | fwd |" in bench_kernels.format_gmm_table(rows)

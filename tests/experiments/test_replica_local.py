@@ -115,7 +115,7 @@ def test_a_replica_local_checkpoint_resumes_only_on_the_same_replica_count(tmp_p
     """`train.run` refuses a checkpoint of 8 replicas on 4 (before compiling anything)."""
     *_, final, _, spec = _trained("diloco")
     mgr = checkpointing.manager(tmp_path, keep=1, every=1)
-    checkpointing.save(mgr, STEPS, final, {}, train._run_meta(_config("diloco"), spec.cfg, 8), force=True)
+    checkpointing.save(mgr, STEPS, final, {}, train.run_meta(_config("diloco"), spec.cfg, 8), force=True)
     mgr.wait_until_finished()
     with pytest.raises(train.UsageError, match="replicas.count: checkpoint 8 vs now 4"):
         train.run(_config("diloco", mesh="data:4,fsdp:2"), tmp_path)
@@ -193,6 +193,6 @@ def test_demo_chunks_straddling_shards_are_a_usage_error():
 
 def test_a_wrapper_inner_optimizer_is_configured_by_its_own_block():
     config = _config("diloco", **{"optimizer.diloco.inner": "sgd", "optimizer.sgd.momentum": 0.0})
-    assert "sgd" in train._run_meta(config, train.build_run(config).cfg, 8)["optimizer"]
+    assert "sgd" in train.run_meta(config, train.build_run(config).cfg, 8)["optimizer"]
     with pytest.raises(train.UsageError, match="optimizer.diloco.inner='muon_clip' cannot run inside diloco"):
         train.build_run(_config("diloco", **{"optimizer.diloco.inner": "muon_clip"}))

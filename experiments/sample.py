@@ -1,0 +1,127 @@
+r"""Samples text from a training run's checkpoint, decoding with a KV cache.
+
+    python -m experiments.sample --workdir=runs/tiny --prompt="def " --max_new_tokens=200 \
+        --temperature=0.8 --top_p=0.95 --num_samples=2
+
+Reads the run's ``config.json``, rebuilds its model and optimizer (a checkpoint holds both), restores
+the newest checkpoint (or ``--step``) onto one device and prints each sample. Sampling is
+`lm.sampling`: temperature (0: greedy), then top-k, then top-p. A sample starts a new document (the
+prompt follows an end-of-document token, as every document does in training) and ends at the next one.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import app, flags
+
+from experiments import checkpointing, train, train_lib
+from lm import model as model_lib
+from lm import sampling, tokenizer
+from sharding import partition
+
+
+def load_params(workdir: str | Path, step: int | None = None) -> tuple[model_lib.ModelDef, model_lib.Params, int]:
+    """``(model_def, params, step)`` of checkpoint ``step`` (default: the newest) of the run in ``workdir``."""
+    workdir = Path(workdir)
+    config_path = workdir / "config.json"
+    if not config_path.is_file():
+        raise train.UsageError(f"{config_path} does not exist; pass the --workdir of a training run")
+    config = ml_collections.ConfigDict(json.loads(config_path.read_text()))
+    config.mesh, config.devices = "", 1  # checkpoints restore onto any mesh; one device serves sampling
+    spec = train.build_run(config)
+    if not (workdir / "checkpoints").is_dir():
+        raise train.UsageError(f"{workdir} holds no checkpoints; train longer than checkpoint_every steps or pick another run")
+    mgr = checkpointing.manager(workdir, keep=config.keep_checkpoints, every=config.checkpoint_every)
+    try:
+        with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
+            target = train_lib.abstract_state(spec.model_def, spec.tx, spec.shardings)
+            restored = checkpointing.restore(mgr, target, train.run_meta(config, spec.cfg), step)
+    except checkpointing.CheckpointError as e:
+        raise train.UsageError(str(e)) from e
+    finally:
+        mgr.close()
+    if restored is None:
+        raise train.UsageError(f"{workdir} holds no finished checkpoint; train longer than checkpoint_every steps")
+    saved_step, state, _ = restored
+    return spec.model_def, state["params"], saved_step
+
+
+def sample(
+    model_def: model_lib.ModelDef,
+    params: model_lib.Params,
+    prompt: str,
+    *,
+    num_samples: int = 1,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int = 0,
+    top_p: float = 0.95,
+    seed: int = 0,
+) -> list[str]:
+    """``num_samples`` continuations of ``prompt`` as text, each cut at the first end-of-document token."""
+    prefix = np.concatenate([[tokenizer.EOS], tokenizer.encode(prompt)]).astype(np.int32)
+    try:
+        generate = sampling.make_generate(
+            model_def,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            valid_vocab=tokenizer.VOCAB_SIZE,
+        )
+        tokens = generate(params, jnp.asarray(np.tile(prefix, (num_samples, 1))), jax.random.key(seed))
+    except ValueError as e:
+        raise train.UsageError(str(e)) from e
+    texts = []
+    for row in np.asarray(tokens)[:, len(prefix) :]:
+        end = np.flatnonzero(row == tokenizer.EOS)
+        texts.append(prompt + tokenizer.decode(row[: end[0]] if end.size else row))
+    return texts
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        train.usage_exit(f"unexpected arguments {argv[1:]}")
+    f = flags.FLAGS
+    try:
+        model_def, params, step = load_params(f.workdir, f.step)
+        texts = sample(
+            model_def,
+            params,
+            f.prompt,
+            num_samples=f.num_samples,
+            max_new_tokens=f.max_new_tokens,
+            temperature=f.temperature,
+            top_k=f.top_k,
+            top_p=f.top_p,
+            seed=f.seed,
+        )
+    except train.UsageError as e:
+        train.usage_exit(str(e))
+    print(f"# {f.workdir}, checkpoint step {step}", file=sys.stderr)
+    for i, text in enumerate(texts):
+        print(f"----- sample {i} -----\n{text}")
+
+
+def define_flags() -> None:
+    flags.DEFINE_string("workdir", None, "A training run's workdir (its config.json and checkpoints).", required=True)
+    flags.DEFINE_integer("step", None, "Checkpoint step to sample from; default: the newest.")
+    flags.DEFINE_string("prompt", "def ", "Text the samples continue.")
+    flags.DEFINE_integer("num_samples", 1, "Number of samples (one batch).")
+    flags.DEFINE_integer("max_new_tokens", 200, "Tokens (bytes) generated per sample.")
+    flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 is greedy decoding.")
+    flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens; 0 keeps all.")
+    flags.DEFINE_float("top_p", 0.95, "Keep the smallest set of most likely tokens with this much probability; 1 keeps all.")
+    flags.DEFINE_integer("seed", 0, "Random seed of the sampler.")
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

@@ -1,0 +1,174 @@
+"""Grouped matmul for GPUs: Pallas Triton kernels for ``gmm`` (forward and dlhs) and ``tgmm`` (drhs).
+
+``gmm``: rows are cut into ``block_m`` tiles; a tile that straddles a group boundary is visited once
+per group it holds (a *work item* ``(group, tile)``, at most ``cdiv(m, block_m) + G - 1`` of them,
+listed by `work_items` in XLA before the call). Grid ``(work items, n tiles)``: each program
+multiplies its whole row tile by ``rhs[group]`` over a loop of ``block_k`` slices in float32 and
+stores only its group's rows (a masked store), so items sharing a tile write disjoint rows and no
+atomics are needed. Empty groups yield no work item; surplus items (the bound is not reached when
+groups align with tiles) skip all work. With ``transpose_rhs`` it multiplies by ``rhs[group]^T``,
+which is dlhs without materialising a transposed ``rhs``.
+
+``tgmm``: grid ``(G, k tiles, n tiles)``; a program loops over the row tiles its group touches,
+zeroes the rows outside the group and accumulates ``lhs_tile^T @ dout_tile``; an empty group stores
+zeros. Operands whose sizes are not multiples of the tiles are zero-padded (a copy only then), so
+partial tiles need no masked loads; ``tl.dot`` takes tiles of at least 16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas.attention.base import dot_nn, dot_nt, dot_tn
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Tile sizes (powers of two, >= 16 on a GPU) and Triton's warps and pipeline stages per program."""
+
+    block_m: int = 128
+    block_k: int = 64
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def compiler_params(self) -> plgpu.CompilerParams:
+        return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def _cdiv(a, b: int):
+    return (a + b - 1) // b
+
+
+def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+    pad = -x.shape[axis] % multiple
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """``(starts, ends)`` of each group's rows, clipped to ``m``."""
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), ends[:-1]])
+    return starts, ends
+
+
+def work_items(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, ...]:
+    """``(group, tile, start, end)`` per work item, ``cdiv(m, block_m) + G - 1`` of them.
+
+    Item ``w`` covers the rows ``[start, end)`` of ``group`` inside row tile ``tile``; surplus items
+    have ``start == end``.
+    """
+    num_groups = group_sizes.shape[0]
+    num_items = _cdiv(m, block_m) + num_groups - 1
+    starts, ends = group_bounds(group_sizes, m)
+    first, last = starts // block_m, (ends - 1) // block_m
+    tiles = jnp.where(ends > starts, last - first + 1, 0)
+    done = jnp.cumsum(tiles)
+    w = jnp.arange(num_items, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(done, w, side="right"), num_groups - 1).astype(jnp.int32)
+    tile = first[group] + w - (done[group] - tiles[group])
+    valid = w < done[-1]
+    row0 = tile * block_m
+    start = jnp.where(valid, jnp.maximum(starts[group], row0), 0)
+    end = jnp.where(valid, jnp.minimum(ends[group], row0 + block_m), 0)
+    return group, jnp.where(valid, tile, 0), start, end
+
+
+def _gmm_kernel(group_ref, tile_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, tiling: Tiling, num_k: int, transpose_rhs: bool):
+    bm, bk, bn = tiling.block_m, tiling.block_k, tiling.block_n
+    w, j = pl.program_id(0), pl.program_id(1)
+    group, tile, start, end = group_ref[w], tile_ref[w], start_ref[w], end_ref[w]
+
+    @pl.when(end > start)
+    def _():
+        row_slice, col_slice = pl.ds(tile * bm, bm), pl.ds(j * bn, bn)
+
+        def body(kb, acc):
+            x = lhs_ref[row_slice, pl.ds(kb * bk, bk)]
+            if transpose_rhs:
+                return acc + dot_nt(x, rhs_ref[group, col_slice, pl.ds(kb * bk, bk)])
+            return acc + dot_nn(x, rhs_ref[group, pl.ds(kb * bk, bk), col_slice])
+
+        acc = jax.lax.fori_loop(0, num_k, body, jnp.zeros((bm, bn), jnp.float32))
+        rows = tile * bm + jnp.arange(bm)
+        mine = ((rows >= start) & (rows < end))[:, None] & jnp.ones((1, bn), bool)
+        plgpu.store(out_ref.at[row_slice, col_slice], acc.astype(out_ref.dtype), mask=mine)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "transpose_rhs", "out_dtype", "interpret"))
+def gmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    tiling: Tiling = Tiling(),
+    transpose_rhs: bool = False,
+    out_dtype=None,
+    interpret: bool = False,
+) -> jax.Array:
+    """``(m, n)``: ``lhs[i] @ rhs[g(i)]`` (``@ rhs[g(i)]^T`` with ``transpose_rhs``), 0 past the groups."""
+    m = lhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    out_dtype = out_dtype or lhs.dtype
+    lhs_p = _pad_to(_pad_to(lhs, 0, tiling.block_m), 1, tiling.block_k)
+    rhs_p = _pad_to(_pad_to(rhs, 2 if transpose_rhs else 1, tiling.block_k), 1 if transpose_rhs else 2, tiling.block_n)
+    items = work_items(group_sizes, m, tiling.block_m)
+    n_padded = n + (-n % tiling.block_n)
+    kernel = functools.partial(_gmm_kernel, tiling=tiling, num_k=lhs_p.shape[1] // tiling.block_k, transpose_rhs=transpose_rhs)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((lhs_p.shape[0], n_padded), out_dtype),
+        grid=(items[0].shape[0], n_padded // tiling.block_n),
+        compiler_params=tiling.compiler_params(),
+        interpret=interpret,
+        name="gmm",
+    )(*items, lhs_p, rhs_p)
+    written = jnp.arange(m)[:, None] < jnp.sum(group_sizes)  # rows past the groups are never stored
+    return jnp.where(written, out[:m, :n], 0).astype(out_dtype)
+
+
+def _tgmm_kernel(start_ref, end_ref, lhs_ref, dout_ref, out_ref, *, tiling: Tiling):
+    bm, bk, bn = tiling.block_m, tiling.block_k, tiling.block_n
+    g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start, end = start_ref[g], end_ref[g]
+
+    def body(t, acc):
+        rows = t * bm + jnp.arange(bm)
+        x = lhs_ref[pl.ds(t * bm, bm), pl.ds(i * bk, bk)]
+        x = jnp.where(((rows >= start) & (rows < end))[:, None], x, jnp.zeros_like(x))
+        return acc + dot_tn(x, dout_ref[pl.ds(t * bm, bm), pl.ds(j * bn, bn)])
+
+    acc = jax.lax.fori_loop(start // bm, _cdiv(end, bm), body, jnp.zeros((bk, bn), jnp.float32))
+    out_ref[...] = acc.astype(out_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "interpret"))
+def tgmm(
+    lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, tiling: Tiling = Tiling(), out_dtype=jnp.float32, interpret: bool = False
+) -> jax.Array:
+    """``(G, k, n)``: ``sum_{i in g} lhs[i]^T dout[i]`` per group ``g`` (0 for an empty group)."""
+    (m, k), n, num_groups = lhs.shape, dout.shape[1], group_sizes.shape[0]
+    lhs_p = _pad_to(_pad_to(lhs, 0, tiling.block_m), 1, tiling.block_k)
+    dout_p = _pad_to(_pad_to(dout, 0, tiling.block_m), 1, tiling.block_n)
+    starts, ends = group_bounds(group_sizes, m)
+    k_tiles, n_tiles = lhs_p.shape[1] // tiling.block_k, dout_p.shape[1] // tiling.block_n
+    out = pl.pallas_call(
+        functools.partial(_tgmm_kernel, tiling=tiling),
+        out_shape=jax.ShapeDtypeStruct((num_groups, lhs_p.shape[1], dout_p.shape[1]), out_dtype),
+        grid=(num_groups, k_tiles, n_tiles),
+        out_specs=pl.BlockSpec((None, tiling.block_k, tiling.block_n), lambda g, i, j: (g, i, j)),
+        compiler_params=tiling.compiler_params(),
+        interpret=interpret,
+        name="tgmm",
+    )(starts, ends, lhs_p, dout_p)
+    return out[:, :k, :n]

@@ -1,0 +1,50 @@
+"""Key/value caches for autoregressive decoding, and the causal softmax over a cache.
+
+A cache is a dict of arrays with a leading ``layers`` axis and room for ``max_len`` positions:
+
+- grouped-query attention keeps keys and values, ``k, v: (layers, batch, max_len, kv_heads, head_dim)``;
+- multi-head latent attention keeps only the normalised latent and the shared RoPE key,
+  ``latent: (layers, batch, max_len, kv_lora_rank)``, ``k_rope: (layers, batch, max_len, rope_head_dim)``
+  (DeepSeek-V2, arXiv:2405.04434, Sec. 2.1.3): ``kv_lora_rank + rope_head_dim`` numbers per token and
+  layer instead of ``2 * kv_heads * head_dim``.
+
+A decode call takes ``s`` new tokens at positions ``start .. start + s - 1``, writes their entries at
+those rows and lets query ``i`` see cache rows ``j <= start + i``. Rows past what has been written are
+never seen, so the cache starts as zeros. Prefill is the same call with the whole prompt at ``start=0``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lm.config import ModelConfig
+
+Cache = dict[str, jax.Array]
+
+
+def shapes(cfg: ModelConfig, batch: int, max_len: int) -> dict[str, tuple[int, ...]]:
+    """The shape of each cache entry of a model with config ``cfg``."""
+    lead = (cfg.n_layers, batch, max_len)
+    if cfg.attention_type == "mla":
+        return {"latent": (*lead, cfg.kv_lora_rank), "k_rope": (*lead, cfg.rope_head_dim)}
+    return {"k": (*lead, cfg.n_kv_heads, cfg.head_dim), "v": (*lead, cfg.n_kv_heads, cfg.head_dim)}
+
+
+def init(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
+    """An empty cache (zeros in the compute dtype) for ``batch`` sequences of up to ``max_len`` tokens."""
+    if max_len > cfg.max_seq_len:
+        raise ValueError(f"a cache of {max_len} positions exceeds model.max_seq_len={cfg.max_seq_len}; decode fewer tokens")
+    return {name: jnp.zeros(shape, cfg.compute_dtype) for name, shape in shapes(cfg, batch, max_len).items()}
+
+
+def write(entry: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """``entry`` ``(batch, max_len, ...)`` with rows ``start ..`` replaced by ``new`` ``(batch, s, ...)``."""
+    return jax.lax.dynamic_update_slice_in_dim(entry, new.astype(entry.dtype), start, axis=1)
+
+
+def causal_softmax(logits: jax.Array, start: jax.Array) -> jax.Array:
+    """Softmax over cache rows of float32 ``logits`` ``(..., s, max_len)`` for queries at ``start + i``."""
+    s, max_len = logits.shape[-2:]
+    visible = jnp.arange(max_len)[None, :] <= start + jnp.arange(s)[:, None]
+    return jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1)

@@ -1,0 +1,95 @@
+"""The grouped-matmul kernels against `jax.lax.ragged_dot`, forward and both gradients.
+
+On CPU the Triton kernels run in Pallas interpret mode (the interpreter fills outputs with NaN first,
+so a row a kernel forgets to write fails the comparison); with a GPU as JAX's default backend
+(tests/conftest.py) they run compiled. There is no Mosaic TPU gmm kernel yet, so nothing TPU runs here.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.gmm import api, reference, triton
+
+pytestmark = pytest.mark.usefixtures("fast_xla_compile")
+INTERPRET = jax.default_backend() == "cpu"
+TILING = triton.Tiling(block_m=16, block_k=16, block_n=16)
+
+# (m, k, n, group sizes): partial row / k / n tiles, empty groups (first, middle, last), a group inside
+# one tile, groups spanning tiles, rows past the groups; then groups aligned with whole tiles.
+CASES = [
+    (47, 24, 20, (0, 7, 0, 30, 1, 7, 0)),
+    (32, 16, 16, (16, 16)),
+]
+
+
+def _operands(m, k, n, sizes, dtype=jnp.float32):
+    rng = np.random.default_rng(m * k + n)
+    lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    rhs = jnp.asarray(rng.standard_normal((len(sizes), k, n)), dtype)
+    return lhs, rhs, jnp.asarray(sizes, jnp.int32), jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+
+
+@pytest.mark.parametrize("m, k, n, sizes", CASES)
+def test_work_items_cover_each_groups_rows_exactly_once(m, k, n, sizes):
+    items = jax.jit(triton.work_items, static_argnums=(1, 2))(jnp.asarray(sizes, jnp.int32), m, 16)
+    group, tile, start, end = (np.asarray(a) for a in items)
+    covered = np.full(m, -1)
+    for g, t, s, e in zip(group, tile, start, end):
+        assert e == s or t * 16 <= s < e <= t * 16 + 16
+        assert np.all(covered[s:e] == -1)
+        covered[s:e] = g
+    offsets = np.cumsum((0, *sizes))
+    expected = np.full(m, -1)
+    for g in range(len(sizes)):
+        expected[offsets[g] : offsets[g + 1]] = g
+    np.testing.assert_array_equal(covered, expected)
+
+
+@pytest.mark.parametrize("m, k, n, sizes", CASES)
+def test_triton_kernels_match_ragged_dot_forward_and_backward(m, k, n, sizes):
+    lhs, rhs, group_sizes, dout = _operands(m, k, n, sizes)
+
+    def loss(impl):
+        return lambda lhs, rhs: jnp.sum(impl(lhs, rhs, group_sizes) * dout)
+
+    kernel = lambda a, b, g: api.gmm(a, b, g, backend="triton", interpret=INTERPRET, tiling=TILING)
+    out, (dlhs, drhs) = jax.jit(lambda a, b: (kernel(a, b, group_sizes), jax.grad(loss(kernel), argnums=(0, 1))(a, b)))(lhs, rhs)
+    want_out = reference.gmm(lhs, rhs, group_sizes)
+    want_dlhs, want_drhs = jax.grad(loss(reference.gmm), argnums=(0, 1))(lhs, rhs)
+    np.testing.assert_allclose(out, want_out, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(dlhs, want_dlhs, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(drhs, want_drhs, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(reference.tgmm(lhs, dout, group_sizes), want_drhs, atol=1e-4, rtol=1e-4)
+    assert not np.any(np.asarray(drhs)[np.asarray(sizes) == 0])  # an empty group gets a zero gradient
+
+
+def test_bfloat16_accumulates_in_float32():
+    lhs, rhs, group_sizes, _ = _operands(48, 32, 32, (20, 0, 28), jnp.bfloat16)
+    out = api.gmm(lhs, rhs, group_sizes, backend="triton", interpret=INTERPRET, tiling=TILING)
+    want = reference.gmm(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(out.astype(jnp.float32), want, atol=0.1, rtol=2e-2)
+
+
+def test_default_backend_on_cpu_is_ragged_dot_and_bad_input_names_the_fix():
+    lhs, rhs, group_sizes, _ = _operands(8, 16, 16, (5, 3))
+    np.testing.assert_array_equal(api.gmm(lhs, rhs, group_sizes), jax.lax.ragged_dot(lhs, rhs, group_sizes))
+    with pytest.raises(ValueError, match="one matrix per group"):
+        api.gmm(lhs, rhs[:1], group_sizes)
+    with pytest.raises(ValueError, match="unknown gmm backend 'mosaic_tpu'"):
+        api.gmm(lhs, rhs, group_sizes, backend="mosaic_tpu")
+
+
+def test_forward_and_backward_lower_to_triton_for_a_gpu_on_any_host():
+    """Lowering checks what Triton-specific code may use (compiling needs a GPU, which CI lacks)."""
+    lhs, rhs = jax.ShapeDtypeStruct((100, 64), jnp.bfloat16), jax.ShapeDtypeStruct((4, 64, 128), jnp.bfloat16)
+    group_sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+    def forward_and_pullback(a, b, g):
+        out, pullback = jax.vjp(lambda a, b: api.gmm(a, b, g, backend="triton", interpret=False), a, b)
+        return out, pullback(out)
+
+    text = jax.jit(forward_and_pullback).trace(lhs, rhs, group_sizes).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3  # gmm, gmm with rhs transposed (dlhs), tgmm (drhs)

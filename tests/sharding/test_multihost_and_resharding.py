@@ -1,4 +1,4 @@
-"""Runs that move between meshes and processes: checkpoint resharding and a 2-process replica-local job."""
+"""Runs that move between meshes and processes: checkpoint resharding and 2-process jobs (GSPMD and replica-local)."""
 
 import os
 import shutil
@@ -61,8 +61,8 @@ def _train_cli(workdir, *extra, env_extra=None):
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-# The 2-process job runs the replica-local step (one replica per process) with DiLoCo synchronising
-# every 2 steps, so the stop at step 3 falls between synchronisations, where replicas differ.
+# The replica-local job (one replica per process) runs DiLoCo synchronising every 2 steps, so the stop
+# at step 3 falls between synchronisations, where replicas differ.
 REPLICA_LOCAL = (
     "--config.mesh=data:2", "--config.replicas=data", "--config.optimizer.name=diloco", "--config.optimizer.diloco.sync_every=2",
 )  # fmt: skip
@@ -78,15 +78,16 @@ def _two_processes(workdir, *extra):
     return [p.returncode for p in procs], results
 
 
-def test_two_process_run_checkpoints_resumes_and_matches_one_process(tmp_path):
-    single = _train_cli(tmp_path / "single", *REPLICA_LOCAL, env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+@pytest.mark.parametrize("job", [(), REPLICA_LOCAL], ids=["gspmd", "replica_local"])
+def test_two_process_run_checkpoints_resumes_and_matches_one_process(tmp_path, job):
+    single = _train_cli(tmp_path / "single", *job, env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     out, err = single.communicate(timeout=600)
     assert single.returncode == 0, err[-2000:]
 
-    codes, results = _two_processes(tmp_path / "multi", "--stop_after=3", *REPLICA_LOCAL)
+    codes, results = _two_processes(tmp_path / "multi", "--stop_after=3", *job)
     assert codes == [143, 143], [r[1][-2000:] for r in results]
     assert (tmp_path / "multi" / "checkpoints" / "3").is_dir()
-    codes, results = _two_processes(tmp_path / "multi", *REPLICA_LOCAL)
+    codes, results = _two_processes(tmp_path / "multi", *job)
     assert codes == [0, 0], [r[1][-2000:] for r in results]
 
     multi = read_metrics(tmp_path / "multi" / "metrics.jsonl")

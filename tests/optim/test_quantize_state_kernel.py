@@ -11,7 +11,7 @@ import pytest
 import kernels_pallas.quantized_update as qu
 from experiments import train
 from experiments.configs import default
-from optim import labels
+from optim import labels, registry
 from optim import quantization as qz
 from optim.quantize_state import Fused, quantize_state
 
@@ -87,6 +87,9 @@ def _losses(workdir):
 
 
 def test_tiny_lm_with_the_kernel_matches_xla(tmp_path):
+    tx = registry.build(_lm_config("pallas", tmp_path).optimizer, 3)  # what train.run builds: it takes the kernel
+    params = {"w": jnp.ones((64, 64))}
+    assert _has_kernel(tx, params, tx.init(params), params)
     runs = {}
     for kernel in ("xla", "pallas"):
         workdir = tmp_path / kernel

@@ -106,11 +106,14 @@ def _shape_differences(state_dir: Path, target: Any) -> list[str]:
     return out
 
 
-def restore(mgr: ocp.CheckpointManager, target: Any, meta: dict, step: int | None = None) -> tuple[int, Any, dict] | None:
+def restore(
+    mgr: ocp.CheckpointManager, target: Any, meta: dict, step: int | None = None, *, discard_newer: bool = True
+) -> tuple[int, Any, dict] | None:
     """Restores checkpoint ``step`` (default: the newest) into ``target`` (abstract arrays with shardings).
 
-    Restoring an earlier step than the newest deletes the newer ones: the run continues from
-    ``step`` and saves its own checkpoints after it.
+    Restoring an earlier step than the newest deletes the newer ones (unless ``discard_newer`` is
+    False, for readers such as the sampler): the run continues from ``step`` and saves its own
+    checkpoints after it.
 
     Returns:
       ``(step, state, data_state)``, or None when there is no checkpoint and no ``step`` was asked for.
@@ -146,6 +149,6 @@ def restore(mgr: ocp.CheckpointManager, target: Any, meta: dict, step: int | Non
         )
     args = ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
     restored = _read(mgr, step, lambda: mgr.restore(step, args=args))
-    for newer in [s for s in steps if s > step]:
+    for newer in [s for s in steps if s > step and discard_newer]:
         mgr.delete(newer)
     return step, restored["state"], restored["data"]

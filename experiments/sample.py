@@ -42,7 +42,7 @@ def load_params(workdir: str | Path, step: int | None = None) -> tuple[model_lib
     try:
         with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
             target = train_lib.abstract_state(spec.model_def, spec.tx, spec.shardings)
-            restored = checkpointing.restore(mgr, target, train.run_meta(config, spec.cfg), step)
+            restored = checkpointing.restore(mgr, target, train.run_meta(config, spec.cfg), step, discard_newer=False)
     except checkpointing.CheckpointError as e:
         raise train.UsageError(str(e)) from e
     finally:

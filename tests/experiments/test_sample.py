@@ -34,10 +34,10 @@ def test_samples_from_the_newest_checkpoint(mla_run):
     assert again == texts  # same seed, same samples
 
 
-def test_loads_an_earlier_step_on_request(mla_run):
+def test_loads_an_earlier_step_on_request_and_keeps_the_newer_ones(mla_run):
     _, early, step = sample.load_params(mla_run, step=4)
-    _, late, _ = sample.load_params(mla_run)
-    assert step == 4
+    _, late, newest = sample.load_params(mla_run)
+    assert (step, newest) == (4, 8)  # unlike a resumed run, the sampler deletes no checkpoint
     assert not np.allclose(early["blocks"]["attn"]["kv_down"]["kernel"], late["blocks"]["attn"]["kv_down"]["kernel"])
 
 

@@ -31,9 +31,8 @@ from ml_collections import config_flags
 
 from experiments import checkpointing, hardware, host_memory, metrics_io, train_lib
 from lm import config as model_config_lib
-from lm import corpus, data
+from lm import corpus, data, moe
 from lm import model as model_lib
-from lm import moe
 from lm.loss import flops_per_token
 from optim import registry
 from sharding import mesh as mesh_lib

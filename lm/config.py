@@ -124,13 +124,13 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count, read off the parameter tree (`lm.model.param_counts`; tied embedding once)."""
-        from lm import model  # noqa: PLC0415 (lm.model imports this module)
+        from lm import model  # lm.model imports this module
 
         return model.param_counts(self).total
 
     def num_active_params(self) -> int:
         """Parameters used per token: routed experts count ``experts_per_token / n_experts``."""
-        from lm import model  # noqa: PLC0415
+        from lm import model
 
         return model.param_counts(self).active
 

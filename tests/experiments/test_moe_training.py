@@ -1,6 +1,5 @@
 """MoE models in the train step: Muon trains `moe-tiny`; the global balancing scope counts every micro-batch."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

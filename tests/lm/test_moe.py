@@ -120,7 +120,7 @@ def test_parameter_counts_and_flops_count_routed_experts_by_use():
     from lm import loss, model
 
     dense, sparse = config_lib.from_preset("tiny"), config_lib.from_preset("moe-tiny")
-    layers, d, f, n, k = sparse.n_layers, sparse.d_model, sparse.expert_mlp_dim, sparse.n_experts, sparse.experts_per_token
+    layers, d, f, n = sparse.n_layers, sparse.d_model, sparse.expert_mlp_dim, sparse.n_experts
     router = d * n + n
     experts = 3 * d * f * n
     assert sparse.num_params() == dense.num_params() + layers * (experts + router - 3 * d * dense.mlp_dim)

@@ -261,7 +261,7 @@ class Muon(MuonDirection, common.MatrixOptimizer):
       >>> updates, state = tx.update(grads, state, params)
     """
 
-    learning_rate: optax.ScalarOrSchedule = 2.4e-2  # docs/benchmarks.md, "Default learning rates"
+    learning_rate: optax.ScalarOrSchedule = 1.2e-2  # docs/benchmarks.md, "Default learning rates"
     weight_decay: float = 0.1
 
 

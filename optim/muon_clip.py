@@ -175,7 +175,7 @@ class MuonClip(Muon):
     needs ``attn_max_logits`` (``extra_args``).
     """
 
-    learning_rate: optax.ScalarOrSchedule = 2.4e-2  # docs/benchmarks.md, "Default learning rates"
+    learning_rate: optax.ScalarOrSchedule = 1.2e-2  # docs/benchmarks.md, "Default learning rates"
     weight_decay: float = 0.1
     tau: float = 100.0
     cautious: bool = False

@@ -86,7 +86,7 @@ class NorMuonDirection(MuonDirection):
 class NorMuon(NorMuonDirection, common.MatrixOptimizer):
     """NorMuon on hidden matrices, AdamW elsewhere; hyperparameters as `optim.muon.muon` plus ``beta2``, ``eps``."""
 
-    learning_rate: optax.ScalarOrSchedule = 2.4e-2  # docs/benchmarks.md, "Default learning rates"
+    learning_rate: optax.ScalarOrSchedule = 1.2e-2  # docs/benchmarks.md, "Default learning rates"
     weight_decay: float = 0.1
 
 

@@ -161,7 +161,7 @@ class Came(CameDirection, common.DirectionOptimizer):
     Hyperparameters: `CameDirection`.
     """
 
-    learning_rate: optax.ScalarOrSchedule = 3e-3
+    learning_rate: optax.ScalarOrSchedule = 1.5e-3  # docs/benchmarks.md, "Default learning rates"
     weight_decay: float = 0.0
 
 

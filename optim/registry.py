@@ -72,7 +72,7 @@ class AdamW(spec.OptimizerSpec):
 class SGD(common.DirectionOptimizer):
     """SGD with heavy-ball or Nesterov momentum and decoupled weight decay (leaves of >= 2 axes)."""
 
-    learning_rate: optax.ScalarOrSchedule = 0.3
+    learning_rate: optax.ScalarOrSchedule = 0.15  # docs/benchmarks.md, "Default learning rates"
     weight_decay: float = 0.0
     momentum: float = 0.9
     nesterov: bool = False

@@ -80,7 +80,7 @@ class MarsMuonDirection(MuonDirection):
 class MarsMuon(MarsMuonDirection, common.MatrixOptimizer):
     """MARS-M on hidden matrices, AdamW elsewhere; hyperparameters as `optim.muon.muon` plus ``gamma``, ``clip_c``."""
 
-    learning_rate: optax.ScalarOrSchedule = 2.4e-2  # docs/benchmarks.md, "Default learning rates"
+    learning_rate: optax.ScalarOrSchedule = 1.2e-2  # docs/benchmarks.md, "Default learning rates"
     weight_decay: float = 0.1
 
 

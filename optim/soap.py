@@ -244,7 +244,7 @@ class Soap(SoapDirection, common.MatrixOptimizer):
       >>> updates, state = tx.update(grads, state, params)
     """
 
-    learning_rate: optax.ScalarOrSchedule = 3e-3
+    learning_rate: optax.ScalarOrSchedule = 6e-3  # docs/benchmarks.md, "Default learning rates"
     weight_decay: float = 0.01
 
 

@@ -13,8 +13,8 @@ an earlier step or to a fresh start by itself; only a workdir whose saves were a
 
 from __future__ import annotations
 
-import gc
-import sys
+import asyncio
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -68,19 +68,43 @@ def _root_cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {' '.join(str(error).split())[:240]}"
 
 
+class _DrainingLoop(asyncio.SelectorEventLoop):
+    """An event loop that, when closed, first runs its pending tasks to completion."""
+
+    def close(self) -> None:
+        while pending := asyncio.all_tasks(self):
+            self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        super().close()
+
+
+class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return _DrainingLoop()
+
+
+@contextlib.contextmanager
+def _failed_reads_finish_before_their_loop_closes():
+    """Orbax reads each array in a task on a fresh loop and closes the loop when the first read fails.
+
+    The other reads are then still pending: tensorstore completes them on its threads into a closed
+    loop and prints "Event loop is closed" tracebacks (and "exception never retrieved") around our
+    error. Loops made meanwhile finish their tasks before closing, so a failed restore ends quietly.
+    """
+    policy = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(_DrainingPolicy())
+    try:
+        yield
+    finally:
+        asyncio.set_event_loop_policy(policy)
+
+
 def _read(mgr: ocp.CheckpointManager, step: int, read: Callable[[], T]) -> T:
     """``read()`` of checkpoint ``step``; damage raises `CheckpointUnreadable` naming the step and the fix."""
     try:
-        return read()
+        with _failed_reads_finish_before_their_loop_closes():
+            return read()
     except Exception as e:  # noqa: BLE001 (orbax and tensorstore raise many types for damaged files)
         cause = _root_cause(e)
-    # A failed restore leaves orbax's other reads as coroutines that raise again when collected
-    # ("Exception ignored in ..."): collect them now, quietly, so the error stays one line.
-    hook, sys.unraisablehook = sys.unraisablehook, lambda _: None
-    try:
-        gc.collect()
-    finally:
-        sys.unraisablehook = hook
     earlier = [s for s in mgr.all_steps() if s < step]
     where = mgr.directory / str(step)
     if earlier:

@@ -10,6 +10,7 @@ kernel tests compiled on the GPU instead of in interpret mode (the other tests e
 """
 
 import atexit
+import contextlib
 import os
 import shutil
 import tempfile
@@ -26,6 +27,9 @@ os.environ.update(
     JAX_COMPILATION_CACHE_DIR=_CACHE,
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    # Processes that tests start (CLI runs, the 2-process runs, the notebook's kernel) compile far more
+    # than they run, as most tests do (`_module_xla_passes`); a test that runs many steps sets "false".
+    JAX_DISABLE_MOST_OPTIMIZATIONS="true",
 )
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -34,14 +38,33 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", os.environ.get("SPMDLAB_TEST_PLATFORMS", "cpu"))
 
 
-@pytest.fixture(scope="module")
-def fast_xla_compile():
-    """XLA without most optimisation passes, for a module whose time is compilation, not running.
+def _compile_fast(node: pytest.Item | pytest.Module) -> bool:
+    return node.get_closest_marker("xla_optimized") is None
 
-    Pallas kernels in interpret mode become large loop programs that the tests run once at tiny
-    shapes; skipping the passes cuts their compile time by about a third.
-    """
+
+@contextlib.contextmanager
+def _most_xla_optimizations_disabled(disabled: bool):
     previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+    jax.config.update("jax_disable_most_optimizations", disabled)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", previous)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_xla_passes(request):
+    """XLA without most optimisation passes, unless the module is marked ``xla_optimized``.
+
+    Nearly every test compiles far more than it runs (tiny models, a few steps, Pallas kernels in
+    interpret mode), and skipping the passes cuts compile time by a fifth to a third. Tests that run
+    many steps are marked ``xla_optimized`` (a module's ``pytestmark`` covers its module fixtures).
+    """
+    with _most_xla_optimizations_disabled(_compile_fast(request.node)):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _test_xla_passes(request):
+    with _most_xla_optimizations_disabled(_compile_fast(request.node)):
+        yield

@@ -9,7 +9,6 @@ from experiments import bench_kernels
 from kernels_pallas.gmm import Tiling
 
 
-@pytest.mark.usefixtures("fast_xla_compile")
 def test_tiny_cpu_run_times_checks_and_tabulates():
     rows = bench_kernels.bench([(1, 40, 2, 32)], ["pallas", "cudnn", "xla"], ["fwd", "fwd_bwd"], dtype="float32", warmup=0, iters=2)
     by = {(r["implementation"], r["mode"]): r for r in rows}
@@ -49,7 +48,6 @@ def test_quantized_update_section_rows_on_cpu():
     json.dumps(rows)
 
 
-@pytest.mark.usefixtures("fast_xla_compile")
 def test_tiny_cpu_gmm_rows_check_against_ragged_dot():
     rows = bench_kernels.bench_gmm([(3, 40, 16, 16)], ["fwd"], dtype="float32", warmup=0, iters=1, tiling=Tiling(16, 16, 16))
     by = {r["implementation"]: r for r in rows}

@@ -9,23 +9,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_tiny_tree_end_to_end(tmp_path):
-    out = tmp_path / "bench.json"
-    flags = ["--optimizers=adamw,sgd,lion", "--trees=tiny", "--repeats=2", f"--out={out}"]
-    command = [sys.executable, "-m", "experiments.bench_optimizer_step", *flags]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = json.loads(out.read_text())["trees"]["tiny"]
-    assert list(rows) == ["adamw", "sgd", "lion"]
-    assert rows["adamw"]["vs_adamw"] == 1.0 and rows["sgd"]["ms"] > 0
-    # AdamW keeps two fp32 moments per parameter, SGD (momentum) and Lion one.
-    assert rows["adamw"]["state_bytes_per_param"] == pytest.approx(8.0, abs=1e-3)
-    assert rows["sgd"]["state_bytes_per_param"] == pytest.approx(4.0, abs=1e-3)
-    assert rows["lion"]["state_bytes_per_param"] == pytest.approx(4.0, abs=1e-3)
-    assert "B/param" in result.stdout
-
-
 def _bench(tmp_path, *flags):
     out = tmp_path / "bench.json"
     command = [sys.executable, "-m", "experiments.bench_optimizer_step", *flags, f"--out={out}"]
@@ -34,12 +17,19 @@ def _bench(tmp_path, *flags):
     return result, (json.loads(out.read_text()) if out.exists() else None)
 
 
-def test_refresh_rows_give_amortised_costs(tmp_path):
-    result, data = _bench(tmp_path, "--optimizers=adamw,soap,soap_refresh", "--trees=tiny", "--repeats=2")
+def test_tiny_tree_end_to_end_with_amortised_refresh_rows(tmp_path):
+    result, data = _bench(tmp_path, "--optimizers=adamw,sgd,lion,soap,soap_refresh", "--trees=tiny", "--repeats=2")
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = data["trees"]["tiny"]
     assert data["mode"] == "update"
-    for k in (10, 100):
+    rows = data["trees"]["tiny"]
+    assert list(rows) == ["adamw", "sgd", "lion", "soap", "soap_refresh", "soap@10", "soap@100"]
+    assert rows["adamw"]["vs_adamw"] == 1.0 and rows["sgd"]["ms"] > 0
+    # AdamW keeps two fp32 moments per parameter, SGD (momentum) and Lion one.
+    assert rows["adamw"]["state_bytes_per_param"] == pytest.approx(8.0, abs=1e-3)
+    assert rows["sgd"]["state_bytes_per_param"] == pytest.approx(4.0, abs=1e-3)
+    assert rows["lion"]["state_bytes_per_param"] == pytest.approx(4.0, abs=1e-3)
+    assert "B/param" in result.stdout
+    for k in (10, 100):  # a refresh every k steps, amortised
         want = ((k - 1) * rows["soap"]["ms"] + rows["soap_refresh"]["ms"]) / k
         assert rows[f"soap@{k}"]["ms"] == pytest.approx(want)
         assert rows[f"soap@{k}"]["vs_adamw"] == pytest.approx(want / rows["adamw"]["ms"])

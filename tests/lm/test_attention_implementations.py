@@ -100,7 +100,6 @@ def _train_losses(attention, mesh_spec, *, steps=3, batch=8, seq_len=32):
     return np.array(losses)
 
 
-@pytest.mark.usefixtures("fast_xla_compile")
 def test_pallas_trains_like_xla_on_a_sharded_mesh():
     """Pallas on a data x fsdp x tensor mesh under tp rules (batch and heads sharded inside the attention,
     max logits reduced over the batch shards) against XLA on one device; interpret-mode kernels on CPU.

@@ -3,7 +3,6 @@
 Jit, inject_hyperparams, bf16, 8 devices, state_bits, checkpoints: test_common.py.
 """
 
-import jax
 import jax.numpy as jnp
 import muon_reference as ref
 import numpy as np

@@ -1,5 +1,8 @@
 """quantize_state: which leaves, the dequantize -> update -> requantize step, bytes, sharding, the tiny LM."""
 
+import functools
+import tempfile
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -212,31 +215,34 @@ def test_wraps_injected_hyperparams_and_rejects_bad_bits():
 
 def _lm_config(state_bits):
     config = default.get_config()
-    config.steps = 300
+    config.steps = 150
     config.data.seq_len = 32
     config.batch_size = 16
-    config.eval_every = 300
+    config.eval_every = 150
     config.eval_batches = 4
-    config.log_every = 100
+    config.log_every = 50
     config.checkpoint_every = 1000
     config.optimizer.state_bits = state_bits
     config.devices = 1  # one device: 8 fake CPU devices would only add collectives to time
     return config
 
 
-@pytest.fixture(scope="module")
-def fp32_adamw_loss(tmp_path_factory):
-    return train.run(_lm_config(0), tmp_path_factory.mktemp("fp32"))["final_val_loss"]
+@functools.cache
+def _fp32_adamw_loss() -> float:
+    with tempfile.TemporaryDirectory() as workdir:  # computed inside the first test, with its XLA passes
+        return train.run(_lm_config(0), workdir)["final_val_loss"]
 
 
+@pytest.mark.xla_optimized
 @pytest.mark.parametrize("bits,tolerance", [(8, 0.01), (4, 0.02)])
-def test_tiny_lm_300_steps_matches_fp32_adamw(bits, tolerance, fp32_adamw_loss, tmp_path):
-    """Validation loss after 300 steps of the `tiny` LM (seq 32, batch 16) within 1% (8-bit) / 2% (4-bit) of fp32.
+def test_tiny_lm_150_steps_matches_fp32_adamw(bits, tolerance, tmp_path):
+    """Validation loss after 150 steps of the `tiny` LM (seq 32, batch 16) within 1% (8-bit) / 2% (4-bit) of fp32.
 
-    Measured (2-core CPU, 2026-11-23): fp32 2.0601, 8-bit 2.0650 (0.24%), 4-bit 2.0475 (0.61%).
+    Measured (2-core CPU, 2026-11-23): fp32 2.3179, 8-bit 2.3143 (0.15%), 4-bit 2.2896 (1.22%); after
+    300 steps the gaps were 0.24% and 0.61%.
     """
-    loss = train.run(_lm_config(bits), tmp_path)["final_val_loss"]
-    assert abs(loss - fp32_adamw_loss) <= tolerance * fp32_adamw_loss
+    loss, fp32_loss = train.run(_lm_config(bits), tmp_path)["final_val_loss"], _fp32_adamw_loss()
+    assert abs(loss - fp32_loss) <= tolerance * fp32_loss
 
 
 @pytest.mark.parametrize("name", ["shampoo", "soap"])

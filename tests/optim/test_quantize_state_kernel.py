@@ -15,7 +15,6 @@ from optim import labels, registry
 from optim import quantization as qz
 from optim.quantize_state import Fused, quantize_state
 
-pytestmark = pytest.mark.usefixtures("fast_xla_compile")
 
 SCHEDULE = optax.linear_schedule(1e-2, 1e-3, 10)
 LION = Fused(qu.Lion(b1=0.9, b2=0.99, weight_decay=0.5), SCHEDULE)

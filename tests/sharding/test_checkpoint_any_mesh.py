@@ -1,7 +1,8 @@
-"""Every registered optimizer's checkpoint, saved on ``fsdp:8``, resumes on one device and on a TP mesh.
+"""Every registered optimizer trains on ``fsdp:8``, and its checkpoint resumes on one device and on a TP mesh.
 
-Each case trains a micro `tiny` LM on ``fsdp:8``, saves at step 2 through `experiments.checkpointing`,
-and goes on to step 5: the uninterrupted reference. The checkpoint is then restored into the train
+Each case trains a micro `tiny` LM on ``fsdp:8`` with the optimizer's registry defaults, saves at
+step 2 through `experiments.checkpointing`, and goes on to step 5: the uninterrupted reference,
+which must lower the loss of its first batch. The checkpoint is then restored into the train
 state of each other mesh (targets from `train_lib.abstract_state`, as `train.run` builds them) and
 trained from step 3: the restored state must equal the saved one exactly and the losses must equal
 the reference's.
@@ -100,6 +101,11 @@ class Trainer:
     def abstract_state(self):
         return train_lib.abstract_state(self.spec.model_def, self.spec.tx, self.spec.shardings)
 
+    def loss(self, state, tokens):
+        with jax.set_mesh(self.spec.mesh):
+            (loss, _), _ = self.grads(state["params"], train_lib.global_batch(tokens, self.spec.shardings))
+        return float(loss)
+
     def train(self, state, batches):
         """Steps ``state`` once per batch; returns the new state and the loss of each step."""
         losses = []
@@ -122,8 +128,9 @@ def test_checkpoint_saved_on_fsdp_resumes_on_other_meshes_like_an_uninterrupted_
     checkpointing.save(mgr, SAVED_AT, state, {}, meta, force=True)
     mgr.wait_until_finished()
     saved = jax.device_get(state)
-    _, rest = saver.train(state, batches[SAVED_AT:])
+    final, rest = saver.train(state, batches[SAVED_AT:])
     reference += rest
+    assert np.isfinite(reference).all() and saver.loss(final, batches[0]) < reference[0]  # it learned
 
     for target, placement in RESUME_MESHES.items():
         trainer = Trainer(name, keys, placement)

@@ -16,7 +16,7 @@ STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def runs(fast_xla_compile):
+def runs():
     """Two SGD steps of a 1-layer, 8-expert model on each mesh: losses, and whether all-to-all ran."""
     model_def = model_lib.define(config_lib.from_preset("moe-tiny", n_layers=1, vocab_size=64))
     tx = optax.sgd(0.5)

@@ -5,13 +5,18 @@ import numpy as np
 import optax
 import pytest
 
-from experiments import train_lib
+from experiments import train, train_lib
+from experiments.configs import default
 from lm import config as config_lib
 from lm import corpus
 from lm import model as model_lib
+from optim import blocking
 from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib
+
+# Runs of many steps (the `small` model, 20-step runs on 8 devices): all of XLA's passes pay for themselves.
+pytestmark = pytest.mark.xla_optimized
 
 MESHES = [
     ("data:8", "fsdp"),
@@ -89,3 +94,19 @@ def test_tensor_parallel_splits_heads_and_mlp():
     blocks = state["params"]["blocks"]
     assert blocks["attn"]["q_proj"]["kernel"].sharding.spec == jax.P(None, "fsdp", "tensor")
     assert blocks["mlp"]["down_proj"]["kernel"].sharding.spec == jax.P(None, "tensor", "fsdp")
+
+
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_block_statistics_are_spread_over_devices_in_training(name):
+    config = default.get_config()
+    config.mesh = "fsdp:8"
+    config.optimizer.name = name
+    spec = train.build_run(config)
+    with jax.set_mesh(spec.mesh):
+        state = train_lib.init_state(spec.model_def, spec.tx, 0, spec.shardings)
+    is_stack = lambda x: isinstance(x, blocking.BlockStacks)  # noqa: E731
+    nodes = [n for n in jax.tree.leaves(state["opt_state"], is_leaf=is_stack) if is_stack(n)]
+    stacks = [leaf for node in nodes for leaf in jax.tree.leaves(dict(node))]
+    assert stacks, "no stacked blocks found"
+    for leaf in stacks:
+        assert partition.per_device_bytes([leaf]) * 8 == leaf.size * leaf.dtype.itemsize

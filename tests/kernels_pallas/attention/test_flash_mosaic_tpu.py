@@ -11,7 +11,6 @@ import pytest
 from flash_check import Case
 from jax.experimental.pallas import tpu as pltpu
 
-pytestmark = pytest.mark.usefixtures("fast_xla_compile")
 
 CASES = [
     Case(seq=27, batch=1, blocks=(8, 16)),  # ragged, causal (tiles above the diagonal skipped), GQA 2

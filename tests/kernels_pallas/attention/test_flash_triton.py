@@ -9,7 +9,6 @@ import flash_check
 import pytest
 from flash_check import Case
 
-pytestmark = pytest.mark.usefixtures("fast_xla_compile")
 
 CASES = [
     Case(seq=37),  # ragged: three 16-row tiles, the last one 5 rows long; GQA 2; causal

@@ -12,7 +12,6 @@ import pytest
 
 from kernels_pallas.gmm import api, reference, triton
 
-pytestmark = pytest.mark.usefixtures("fast_xla_compile")
 INTERPRET = jax.default_backend() == "cpu"
 TILING = triton.Tiling(block_m=16, block_k=16, block_n=16)
 

@@ -16,7 +16,6 @@ import qcheck
 
 import kernels_pallas.quantized_update as qu
 
-pytestmark = pytest.mark.usefixtures("fast_xla_compile")
 
 CASES = [
     # rule, bits, shape, stochastic, zero rows

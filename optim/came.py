@@ -161,7 +161,7 @@ class Came(CameDirection, common.DirectionOptimizer):
     Hyperparameters: `CameDirection`.
     """
 
-    learning_rate: optax.ScalarOrSchedule = 7.5e-4  # docs/benchmarks.md, "Default learning rates"
+    learning_rate: optax.ScalarOrSchedule = 3.75e-4  # docs/benchmarks.md, "Default learning rates"
     weight_decay: float = 0.0
 
 

@@ -15,7 +15,7 @@ from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib
 
-# Runs of many steps (the `small` model, 20-step runs on 8 devices): all of XLA's passes pay for themselves.
+# Runs of many steps (the `small` model, 10-step runs on 8 devices): all of XLA's passes pay for themselves.
 pytestmark = pytest.mark.xla_optimized
 
 MESHES = [
@@ -52,12 +52,12 @@ def train_losses(preset, spec, rules_name, *, steps, devices=None, seq_len=32, b
 
 @pytest.fixture(scope="module")
 def single_device_tiny():
-    return train_losses("tiny", "data:1", "fsdp", steps=20, devices=jax.devices()[:1])[0]
+    return train_losses("tiny", "data:1", "fsdp", steps=10, devices=jax.devices()[:1])[0]
 
 
 @pytest.mark.parametrize("spec, rules_name", MESHES)
 def test_tiny_losses_match_single_device(single_device_tiny, spec, rules_name):
-    losses, _ = train_losses("tiny", spec, rules_name, steps=20)
+    losses, _ = train_losses("tiny", spec, rules_name, steps=10)
     np.testing.assert_allclose(losses, single_device_tiny, rtol=1e-5)
     assert losses[-1] < losses[0] - 1.0  # it trained
 

@@ -4,7 +4,8 @@ The backend follows the platform of the mesh in context, else JAX's default back
 `kernels_pallas.attention.api.platform`): ``triton`` on GPUs. TPUs have no kernel yet (callers fall
 back to `reference`); on a CPU the Triton kernel runs in interpret mode only (``interpret=True``).
 Under a mesh, pass the parameter's `PartitionSpec` and the kernel runs per shard inside
-`jax.shard_map` (the tiles must not straddle shards: `optim.quantization`'s layout rule).
+`jax.shard_map` over the mesh axes not already manual (inside the replica-local train step, the
+axes within a replica); the tiles must not straddle shards (`optim.quantization`'s layout rule).
 """
 
 from __future__ import annotations
@@ -117,13 +118,16 @@ def quantized_update(
     local = functools.partial(
         _local_update, rule, layouts, block_sizes=block_sizes or BlockSizes(), backend=backend, interpret=interpret
     )
-    if spec is None or jax.sharding.get_abstract_mesh().empty:
+    mesh = jax.sharding.get_abstract_mesh()
+    # Inside an enclosing shard_map (the replica-local train step) only the axes left automatic are split here.
+    free = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in getattr(mesh, "manual_axes", ()))
+    if spec is None or not free:
         return local(scalars, param, grad, moments, noise)
-    return _sharded(local, spec, layouts, scalars, param, grad, moments, noise)
+    return _sharded(local, spec, free, layouts, scalars, param, grad, moments, noise)
 
 
-def _sharded(local, spec, layouts, scalars, param, grad, moments, noise):
-    """``local`` per shard: every stored array split like the parameter (`optim.quantization`'s layout)."""
+def _sharded(local, spec, free, layouts, scalars, param, grad, moments, noise):
+    """``local`` per shard over mesh axes ``free``: every stored array split like the parameter (`optim.quantization`'s layout)."""
     full = (*spec, *(None,) * (param.ndim - len(spec)))
     lead, (row_axes, col_axes) = full[:-2], (full[-2:] if param.ndim >= 2 else (None, full[-1]))
     moment_specs = [
@@ -138,5 +142,6 @@ def _sharded(local, spec, layouts, scalars, param, grad, moments, noise):
         per_shard,
         in_specs=(jax.P(), jax.P(*full), jax.P(*full), moment_specs, noise_specs),
         out_specs=(jax.P(*full), moment_specs),
+        axis_names=frozenset(free),
         check_vma=False,
     )(scalars, param, grad, moments, noise)

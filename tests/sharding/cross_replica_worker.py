@@ -1,16 +1,21 @@
 """One process of the multi-process cross-replica test: trains every cross-replica optimizer in turn.
 
-    python tests/sharding/cross_replica_worker.py WORKDIR [COORDINATOR NUM_PROCESSES PROCESS_ID]
+    python tests/sharding/cross_replica_worker.py WORKDIR [--preempt] COORDINATOR NUM_PROCESSES PROCESS_ID
 
 Each optimizer (DiLoCo, Streaming DiLoCo, DeMo, PowerSGD) trains a small model replica-locally on a
-``data:2`` mesh (one replica per process in a 2-process job, two devices in one process) with
-`experiments.train.run` into ``WORKDIR/<name>``. With ``--preempt`` each run first stops as if
-preempted after step 3 (checkpoint, return) and is then resumed from that checkpoint; DiLoCo's and
-Streaming DiLoCo's synchronisations every 2 steps put the stop where replicas differ. One launch
-trains them all, so the job's start-up and distributed initialisation are paid once.
+``data:2`` mesh (one replica per process of a 2-process job; the test runs the same configs on two
+devices of its own process as the reference) with `experiments.train.run` into ``WORKDIR/<name>``,
+XLA with most optimisations off (``jax_disable_most_optimizations``, as the reference). With
+``--preempt`` the DiLoCo run first stops as if preempted after step 3 (checkpoint, return) and is
+then resumed from that checkpoint: its synchronisations every 2 steps put the stop where the
+replicas' parameters differ. (Every one of them resumes bit-exactly in
+tests/experiments/test_replica_local.py; here they check their collectives across processes.) One
+launch trains them all, so the job's start-up and distributed initialisation are paid once.
 """
 
 import sys
+
+import jax
 
 from sharding import multihost
 
@@ -21,6 +26,7 @@ OPTIMIZERS = {
     "demo": {"chunk": 16, "topk": 8},
     "powersgd": {"rank": 2},
 }
+PREEMPTED = ("diloco",)
 SMALL_MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "head_dim": 16, "mlp_dim": 64}
 
 
@@ -40,18 +46,18 @@ def config_for(name: str):
 
 def main(argv: list[str]) -> None:
     preempt = "--preempt" in argv
-    workdir, *distributed = [a for a in argv if a != "--preempt"]
-    if distributed:
-        address, count, rank = distributed
-        multihost.initialize(address, int(count), int(rank))
+    workdir, address, count, rank = [a for a in argv if a != "--preempt"]
+    multihost.initialize(address, int(count), int(rank))
+    jax.config.update("jax_disable_most_optimizations", True)
     from experiments import train  # after jax.distributed starts
 
     for name in OPTIMIZERS:
-        if preempt:
+        stops = preempt and name in PREEMPTED
+        if stops:
             summary = train.run(config_for(name), f"{workdir}/{name}", interrupt_at=STOP_AT)
             assert summary.get("interrupted") and summary["steps"] == STOP_AT, summary
         summary = train.run(config_for(name), f"{workdir}/{name}")
-        assert summary["resumed_from_step"] == (STOP_AT if preempt else 0), summary
+        assert summary["resumed_from_step"] == (STOP_AT if stops else 0), summary
 
 
 if __name__ == "__main__":

@@ -53,6 +53,9 @@ ROWS: dict[str, dict[str, Any]] = {
     "demo": {"optimizer.name": "demo", "optimizer.learning_rate": 1e-3},
     "demo_lr3e-4": {"optimizer.name": "demo", "optimizer.learning_rate": 3e-4},
     "demo_lr3e-3": {"optimizer.name": "demo", "optimizer.learning_rate": 3e-3},
+    "demo_lr3e-3_b0.99_top64": {
+        "optimizer.name": "demo", "optimizer.learning_rate": 3e-3, "optimizer.demo.beta": 0.99, "optimizer.demo.topk": 64,
+    },
     "demo_bf16_int16": {
         "optimizer.name": "demo", "optimizer.learning_rate": 1e-3, "optimizer.demo.value_dtype": "bfloat16",
         "optimizer.demo.index_dtype": "int16",

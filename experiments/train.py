@@ -148,8 +148,10 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
             )
         replica_axis = config.get("replicas") or None
         balancing(config)  # checked here so a bad value is a usage error
-        tx = registry.build(config.optimizer, config.steps, replica_axis=replica_axis)
         model_def = model_lib.define(cfg)
+        # The fused quantized-state kernel runs per shard of these specs (optim.quantize_state).
+        param_specs = jax.tree.map(lambda s: s.spec, partition.named_shardings(model_def.logical_specs, mesh, rules))
+        tx = registry.build(config.optimizer, config.steps, replica_axis=replica_axis, param_specs=param_specs)
         shardings = train_lib.make_shardings(model_def, tx, mesh, rules, replica_axis)
         registry.check_layout(config.optimizer, model_def.abstract_params, shardings.params, replica_axis)
     except (ValueError, KeyError) as e:

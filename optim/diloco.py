@@ -14,6 +14,12 @@ last synchronised parameters ``theta``:
 With one replica, ``H = 1``, ``eta = 1`` and ``mu = 0`` the outer step undoes nothing and DiLoCo is
 its inner optimizer; with ``eta = 1``, ``mu = 0`` it is parameter averaging every ``H`` steps.
 
+*Warm start* (``warm_start_steps = W``, both variants): the paper starts DiLoCo from a model
+pretrained with data parallelism. The first ``W`` steps are that data-parallel phase: the inner
+optimizer takes the replica mean of the gradients (one all-reduce per step; the replicas stay
+identical), ``theta`` follows the parameters, and the rounds start at step ``W`` (synchronisations
+at ``W + k H``; Streaming's fragment offsets count from ``W`` too).
+
 **Streaming DiLoCo** (Douillard et al., "Streaming DiLoCo with overlapping communication",
 arXiv:2501.18512, Algorithm 2). The parameters are cut into ``P`` fragments, strided over layers
 (layer ``l`` of the stack under ``layer_key`` is in fragment ``l mod P``; leaves outside the stack go
@@ -75,7 +81,9 @@ def outer_nesterov(theta: Any, m: Any, delta: Any, lr: float, momentum: float) -
     return jax.tree.map(lambda t, m, d: t - lr * (d + momentum * m), theta, m, delta), m
 
 
-def _check(sync_every: int, outer_learning_rate: float, outer_momentum: float) -> None:
+def _check(sync_every: int, outer_learning_rate: float, outer_momentum: float, warm_start_steps: int = 0) -> None:
+    if warm_start_steps < 0:
+        raise ValueError(f"warm_start_steps={warm_start_steps} must be >= 0 (data-parallel steps before the first round)")
     if sync_every < 1:
         raise ValueError(f"sync_every={sync_every} must be >= 1 (inner steps between synchronisations)")
     if outer_learning_rate <= 0 or not 0 <= outer_momentum < 1:
@@ -85,6 +93,24 @@ def _check(sync_every: int, outer_learning_rate: float, outer_momentum: float) -
 def _inner_step(inner, grads, inner_state, params):
     updates, inner_state = inner.update(grads, inner_state, params)
     return optax.apply_updates(params, updates), inner_state
+
+
+def _warm_start(warm_start_steps: int, axis_name: str | None):
+    """``(grads, count) -> grads`` of the data-parallel phase and ``(theta, local, count) -> theta``."""
+    if not warm_start_steps:
+        return (lambda grads, count: grads), (lambda theta, local, count: theta)
+
+    def gradients(grads, count):
+        if axis_name is None:
+            return grads
+        # The mean is the same on every replica; cast back to per-replica values so both branches agree.
+        mean = lambda g: jax.lax.pcast(jax.lax.pmean(g, axis_name), axis_name, to="varying")  # noqa: E731
+        return jax.lax.cond(count < warm_start_steps, mean, lambda g: g, grads)
+
+    def outer(theta, local, count):  # ``count``: steps taken including this one
+        return jax.tree.map(lambda t, x: jnp.where(count <= warm_start_steps, x.astype(jnp.float32), t), theta, local)
+
+    return gradients, outer
 
 
 def _outer_init(params: optax.Params) -> tuple[optax.Params, optax.Params]:
@@ -104,22 +130,33 @@ class DiLoCo(spec.WrapperSpec):
       sync_every: ``H``, inner steps between two synchronisations.
       outer_learning_rate: ``eta`` of the outer Nesterov SGD.
       outer_momentum: ``mu`` of the outer Nesterov SGD.
+      warm_start_steps: ``W``, data-parallel steps before the first round (module docstring).
       axis_name: the replica axis of the enclosing `jax.shard_map` (None: one replica).
     """
 
     sync_every: int = 500
     outer_learning_rate: float = 0.7
     outer_momentum: float = 0.9
+    warm_start_steps: int = 0
     axis_name: str | None = spec.code_only()
 
     def transform(self) -> optax.GradientTransformation:
-        return _diloco(self.inner_transform(), self.sync_every, self.outer_learning_rate, self.outer_momentum, self.axis_name)
+        return _diloco(
+            self.inner_transform(), self.sync_every, self.outer_learning_rate, self.outer_momentum, self.axis_name,
+            self.warm_start_steps,
+        )  # fmt: skip
 
 
 def _diloco(
-    inner: optax.GradientTransformation, sync_every: int, outer_learning_rate: float, outer_momentum: float, axis_name: str | None
+    inner: optax.GradientTransformation,
+    sync_every: int,
+    outer_learning_rate: float,
+    outer_momentum: float,
+    axis_name: str | None,
+    warm_start_steps: int = 0,
 ) -> optax.GradientTransformation:
-    _check(sync_every, outer_learning_rate, outer_momentum)
+    _check(sync_every, outer_learning_rate, outer_momentum, warm_start_steps)
+    warm_gradients, warm_outer = _warm_start(warm_start_steps, axis_name)
     mean = (lambda t: t) if axis_name is None else (lambda t: jax.lax.pmean(t, axis_name))  # noqa: E731
 
     def init_fn(params):
@@ -129,8 +166,10 @@ def _diloco(
     def update_fn(grads, state, params=None):
         if params is None:
             raise ValueError("diloco needs params: call update(grads, state, params)")
-        local, inner_state = _inner_step(inner, grads, state.inner, params)
+        local, inner_state = _inner_step(inner, warm_gradients(grads, state.count), state.inner, params)
         count = state.count + 1
+        theta = warm_outer(state.outer_params, local, count)
+        rounds = count - warm_start_steps
 
         def synchronise(local, theta, momentum):
             delta = mean(jax.tree.map(lambda t, x: t - x.astype(jnp.float32), theta, local))
@@ -139,7 +178,7 @@ def _diloco(
 
         keep = lambda local, theta, momentum: (local, theta, momentum)  # noqa: E731
         new, theta, momentum = jax.lax.cond(
-            count % sync_every == 0, synchronise, keep, local, state.outer_params, state.outer_momentum
+            (rounds > 0) & (rounds % sync_every == 0), synchronise, keep, local, theta, state.outer_momentum
         )
         updates = jax.tree.map(lambda n, p: n - p, new, params)
         return updates, DiLoCoState(count, theta, momentum, inner_state)
@@ -217,8 +256,10 @@ def _streaming_diloco(
     outer_momentum: float,
     layer_key: str,
     axis_name: str | None,
+    warm_start_steps: int = 0,
 ) -> optax.GradientTransformation:
-    _check(sync_every, outer_learning_rate, outer_momentum)
+    _check(sync_every, outer_learning_rate, outer_momentum, warm_start_steps)
+    warm_gradients, warm_outer = _warm_start(warm_start_steps, axis_name)
     if fragments < 1 or not 0 <= overlap < sync_every or not 0 <= mixing <= 1:
         raise ValueError(
             f"streaming_diloco needs fragments >= 1 (got {fragments}), 0 <= overlap < sync_every "
@@ -240,10 +281,12 @@ def _streaming_diloco(
     def update_fn(grads, state, params=None):
         if params is None:
             raise ValueError("streaming_diloco needs params: call update(grads, state, params)")
-        local, inner_state = _inner_step(inner, grads, state.inner, params)
+        local, inner_state = _inner_step(inner, warm_gradients(grads, state.count), state.inner, params)
         count = state.count + 1
+        rounds = count - warm_start_steps  # fragment schedules start after the warm start
         leaves, treedef = jax.tree.flatten(local)
-        theta, momentum, pending = (treedef.flatten_up_to(t) for t in (state.outer_params, state.outer_momentum, state.pending))
+        outer = warm_outer(state.outer_params, local, count)
+        theta, momentum, pending = (treedef.flatten_up_to(t) for t in (outer, state.outer_momentum, state.pending))
         slices = fragment_slices(local, fragments, layer_key)
 
         for p in range(fragments):
@@ -271,9 +314,9 @@ def _streaming_diloco(
                     leaves[i] = leaves[i].at[s].set(mixed.astype(leaves[i].dtype))
                 return leaves, theta, momentum, pending
 
-            pending = jax.lax.cond(due(count, offsets[p], 0), send, lambda a: list(a[2]), (leaves, theta, pending))
+            pending = jax.lax.cond(due(rounds, offsets[p], 0), send, lambda a: list(a[2]), (leaves, theta, pending))
             leaves, theta, momentum, pending = jax.lax.cond(
-                due(count, offsets[p], overlap), receive, lambda a: tuple(list(x) for x in a), (leaves, theta, momentum, pending)
+                due(rounds, offsets[p], overlap), receive, lambda a: tuple(list(x) for x in a), (leaves, theta, momentum, pending)
             )
 
         new = treedef.unflatten(leaves)

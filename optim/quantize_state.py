@@ -36,9 +36,11 @@ quantized takes its step in one Pallas kernel (`kernels_pallas.quantized_update`
 in, update and new codes and scales out, no fp32 moment in device memory. ``inner`` still runs for
 everything else (its counters, unquantized leaves); its work on the kernel's leaves is dead code
 that XLA removes under ``jit``. The stored state is the same either way, so checkpoints move between
-the two. ``"auto"`` takes the kernel on GPUs when ``fused`` is given and no multi-device mesh is in
-context (under a mesh, ``param_specs`` runs the kernel per shard in `jax.shard_map`), XLA otherwise;
-``"pallas"`` forces it (``interpret=True`` on a CPU); ``"xla"`` never uses it.
+the two. ``"auto"`` takes the kernel on GPUs when ``fused`` is given and either no multi-device mesh is in
+context or ``param_specs`` says how the parameters are split (`experiments.train` passes the specs
+its logical rules give, so FSDP / TP runs keep the kernel: it runs per shard in `jax.shard_map`
+over the mesh axes left automatic), XLA otherwise; ``"pallas"`` forces it (``interpret=True`` on a
+CPU); ``"xla"`` never uses it.
 
 Memory per parameter of AdamW's two moments: 8 bytes in fp32; 2 + 2 * 4/256 = 2.03 in 8 bits;
 1 + 4/128 + rank-1 maxima ~ 1.04 in 4 bits (`optim.memory.state_bytes` counts it exactly).

@@ -154,11 +154,13 @@ def inner_name(config: Mapping[str, Any]) -> str | None:
     return inner
 
 
-def make_spec(config: Mapping[str, Any], total_steps: int, *, replica_axis: str | None = None) -> Spec:
+def make_spec(
+    config: Mapping[str, Any], total_steps: int, *, replica_axis: str | None = None, param_specs: Any = None
+) -> Spec:
     """The spec an ``optimizer`` config block describes: family keys, common keys it takes, the schedule.
 
-    A wrapper's ``inner`` becomes that optimizer's transform, built by `build`; a spec built for
-    replicas gets ``axis_name=replica_axis``.
+    A wrapper's ``inner`` becomes that optimizer's transform, built by `build` (with ``param_specs``);
+    a spec built for replicas gets ``axis_name=replica_axis``.
     """
     name = config["name"]
     cls = spec_class(name)
@@ -172,7 +174,7 @@ def make_spec(config: Mapping[str, Any], total_steps: int, *, replica_axis: str 
         family["axis_name"] = replica_axis
     inner = inner_name(config)
     if inner is not None:
-        family["inner"] = build({**config, "name": inner, "grad_clip_norm": None}, total_steps)
+        family["inner"] = build({**config, "name": inner, "grad_clip_norm": None}, total_steps, param_specs=param_specs)
         return cls(**family)
     weight_decay = config.get("weight_decay")  # None: the spec's own default
     if weight_decay is not None:
@@ -184,7 +186,9 @@ def make_spec(config: Mapping[str, Any], total_steps: int, *, replica_axis: str 
     return cls(learning_rate=learning_rate_fn(config, total_steps), **family)
 
 
-def build(config: Mapping[str, Any], total_steps: int, *, replica_axis: str | None = None) -> optax.GradientTransformation:
+def build(
+    config: Mapping[str, Any], total_steps: int, *, replica_axis: str | None = None, param_specs: Any = None
+) -> optax.GradientTransformation:
     """The optimizer described by an ``optimizer`` config block, for a run of ``total_steps``.
 
     The result is ``chain(clip_by_global_norm, <spec>.transform())``; no clipping when
@@ -199,17 +203,21 @@ def build(config: Mapping[str, Any], total_steps: int, *, replica_axis: str | No
 
     With ``replica_axis`` (the replica-local train step) a spec built for replicas receives it; any
     other optimizer is preceded by `optim.cross_replica.mean_over_replicas` (before the clip).
+
+    ``param_specs`` (the parameters' mesh `PartitionSpec`s, from the logical rules; inside a replica
+    in a replica-local run) lets the fused kernel run per shard under a mesh (`quantize_state`).
     """
     state_bits = int(config.get("state_bits") or 0)
     if state_bits not in (0, 4, 8):
         raise ValueError(f"optimizer.state_bits={state_bits}: use 0 (fp32 state), 8 or 4")
-    optimizer = make_spec(config, total_steps, replica_axis=replica_axis)
+    optimizer = make_spec(config, total_steps, replica_axis=replica_axis, param_specs=param_specs)
     tx = optimizer.transform()
     if not isinstance(optimizer, spec.WrapperSpec):
         if state_bits:
             kernel = config.get("state_kernel") or "auto"
             fused = optimizer.fused_update() if hasattr(optimizer, "fused_update") else None
-            tx = quantize_state(tx, bits=state_bits, kernel=kernel, fused=fused, interpret=qu.api.platform() == "cpu")
+            interpret = qu.api.platform() == "cpu"
+            tx = quantize_state(tx, bits=state_bits, kernel=kernel, fused=fused, param_specs=param_specs, interpret=interpret)
         if config.get("cautious") and not hasattr(optimizer, "cautious"):
             tx = cautious(tx)
     clip = config.get("grad_clip_norm")

@@ -1,10 +1,12 @@
 """`quantized_update`: one fused step of AdamW or Lion on a parameter whose moments are quantized.
 
 The backend follows the platform of the mesh in context, else JAX's default backend (as
-`kernels_pallas.attention.api.platform`): ``triton`` on GPUs. TPUs have no kernel yet (callers fall
-back to `reference`); on a CPU the Triton kernel runs in interpret mode only (``interpret=True``).
+`kernels_pallas.attention.api.platform`): ``triton`` on GPUs, ``mosaic_tpu`` on TPUs; on a CPU the
+Triton kernel runs in interpret mode only (``interpret=True``; ``backend="mosaic_tpu"`` with it runs
+the TPU interpreter).
 Under a mesh, pass the parameter's `PartitionSpec` and the kernel runs per shard inside
-`jax.shard_map` (the tiles must not straddle shards: `optim.quantization`'s layout rule).
+`jax.shard_map` over the mesh axes not already manual (inside the replica-local train step, the
+axes within a replica); the tiles must not straddle shards (`optim.quantization`'s layout rule).
 """
 
 from __future__ import annotations
@@ -15,18 +17,19 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.attention.api import platform
-from kernels_pallas.quantized_update import base, reference, triton
+from kernels_pallas.quantized_update import base, mosaic_tpu, reference, triton
 from kernels_pallas.quantized_update.triton import BlockSizes
 
-BACKENDS = {"triton": triton}
-_PLATFORM_BACKENDS = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "cpu": "triton"}
+BACKENDS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
+_PLATFORM_BACKENDS = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu", "cpu": "triton"}
+_DEFAULT_BLOCK_SIZES = {"triton": BlockSizes(), "mosaic_tpu": mosaic_tpu.DEFAULT_BLOCK_SIZES}
 
 __all__ = ["BACKENDS", "BlockSizes", "available", "quantized_update"]
 
 
 def available(target: str | None = None) -> bool:
     """Whether a compiled kernel exists for platform ``target`` (default: `platform()`)."""
-    return (target or platform()) in ("gpu", "cuda", "rocm")
+    return (target or platform()) in ("gpu", "cuda", "rocm", "tpu")
 
 
 def _rank1_maxima(rule, p3, g3, moments, layouts, scalars, shape, split_axes):
@@ -64,7 +67,7 @@ def _local_update(rule, layouts, scalars, param, grad, moments, noise, *, block_
             as3.append((codes, q[1].reshape(b, rows, 1), q[2].reshape(b, 1, cols), *new))
     tiles = [m.tile for m in layouts if m.tile] or [(1, 1)]
     block = block_sizes.block(max(tiles))
-    spec = triton.Spec(rule, tuple(layouts), shape3, block, int(scalars.shape[0]), noise is not None, not interpret)
+    spec = base.Spec(rule, tuple(layouts), shape3, block, int(scalars.shape[0]), noise is not None, not interpret)
     update, new = BACKENDS[backend].fused_update(
         spec, scalars, p3, g3, as3, noise, num_warps=block_sizes.num_warps, interpret=interpret
     )
@@ -95,10 +98,11 @@ def quantized_update(
     """`reference.quantized_update` in one Pallas kernel per parameter; same arguments and results.
 
     Args:
-      block_sizes: rows / columns per program (rounded up to whole tiles).
+      block_sizes: rows / columns per program (rounded up to whole tiles); default per backend.
       interpret: run in Pallas interpret mode (any platform; slow, for tests).
-      backend: ``"triton"``; default from `platform()`. Naming it lets a CPU host lower the kernel
-        for a GPU (``.lower(lowering_platforms=("cuda",))``).
+      backend: ``"triton"`` or ``"mosaic_tpu"``; default from `platform()`. Naming it lets a CPU
+        host lower the kernel for a GPU (``.lower(lowering_platforms=("cuda",))``) or interpret the
+        TPU kernel.
       spec: the parameter's `PartitionSpec` under the mesh in context: the kernel runs per shard in
         `jax.shard_map`, codes and block scales split like the parameter, rank-1 maxima all-reduced
         (``pmax``) over the mesh axes of the other matrix axis.
@@ -115,15 +119,18 @@ def quantized_update(
     if backend not in BACKENDS:
         raise ValueError(f"no quantized-update kernel {backend!r} for platform {target!r}; use reference.quantized_update")
     local = functools.partial(
-        _local_update, rule, layouts, block_sizes=block_sizes or BlockSizes(), backend=backend, interpret=interpret
+        _local_update, rule, layouts, block_sizes=block_sizes or _DEFAULT_BLOCK_SIZES[backend], backend=backend, interpret=interpret
     )
-    if spec is None or jax.sharding.get_abstract_mesh().empty:
+    mesh = jax.sharding.get_abstract_mesh()
+    # Inside an enclosing shard_map (the replica-local train step) only the axes left automatic are split here.
+    free = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in getattr(mesh, "manual_axes", ()))
+    if spec is None or not free:
         return local(scalars, param, grad, moments, noise)
-    return _sharded(local, spec, layouts, scalars, param, grad, moments, noise)
+    return _sharded(local, spec, free, layouts, scalars, param, grad, moments, noise)
 
 
-def _sharded(local, spec, layouts, scalars, param, grad, moments, noise):
-    """``local`` per shard: every stored array split like the parameter (`optim.quantization`'s layout)."""
+def _sharded(local, spec, free, layouts, scalars, param, grad, moments, noise):
+    """``local`` per shard over mesh axes ``free``: every stored array split like the parameter (`optim.quantization`'s layout)."""
     full = (*spec, *(None,) * (param.ndim - len(spec)))
     lead, (row_axes, col_axes) = full[:-2], (full[-2:] if param.ndim >= 2 else (None, full[-1]))
     moment_specs = [
@@ -138,5 +145,6 @@ def _sharded(local, spec, layouts, scalars, param, grad, moments, noise):
         per_shard,
         in_specs=(jax.P(), jax.P(*full), jax.P(*full), moment_specs, noise_specs),
         out_specs=(jax.P(*full), moment_specs),
+        axis_names=frozenset(free),
         check_vma=False,
     )(scalars, param, grad, moments, noise)

@@ -136,6 +136,24 @@ class Lion:
 Rule = AdamW | Lion
 
 
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """The static part of one kernel call (any backend)."""
+
+    rule: Rule
+    layouts: tuple[Moment, ...]
+    shape3: tuple[int, int, int]
+    block: tuple[int, int]
+    n_scalars: int
+    stochastic: bool
+    masked: bool  # Triton: masked loads and stores (compiled); its interpreter pads blocks and takes no strided masks
+
+    @property
+    def parts(self) -> int:
+        """Column phases a block is split into: 2 for 4-bit (one per nibble), else 1."""
+        return 2 if self.layouts[0].bits == 4 else 1
+
+
 def as_3d(shape: tuple[int, ...]) -> tuple[int, int, int]:
     """``(B, R, C)`` view of an array of ``shape`` (leading axes flattened; 1-D as one row)."""
     if len(shape) == 1:

@@ -65,25 +65,7 @@ def _tile_mask(tile: tuple[int, int], shape3: tuple[int, int, int], i, j, bm: in
     return (tile_rows < -(-rows // tr)) & (tile_cols < -(-cols // tc))
 
 
-@dataclasses.dataclass(frozen=True)
-class Spec:
-    """The static part of one call."""
-
-    rule: base.Rule
-    layouts: tuple[base.Moment, ...]
-    shape3: tuple[int, int, int]
-    block: tuple[int, int]
-    n_scalars: int
-    stochastic: bool
-    masked: bool  # masked loads and stores (compiled); the interpreter pads blocks and takes no strided masks
-
-    @property
-    def parts(self) -> int:
-        """Column phases a block is split into: 2 for 4-bit (one per nibble), else 1."""
-        return 2 if self.layouts[0].bits == 4 else 1
-
-
-def _kernel(*refs, spec: Spec):
+def _kernel(*refs, spec: base.Spec):
     bm, bn = spec.block
     parts, width = spec.parts, spec.block[1] // spec.parts
     n = len(spec.layouts)
@@ -173,7 +155,7 @@ def _kernel(*refs, spec: Spec):
 
 
 def fused_update(
-    spec: Spec,
+    spec: base.Spec,
     scalars: jax.Array,
     param: jax.Array,
     grad: jax.Array,

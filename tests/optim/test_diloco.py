@@ -39,6 +39,29 @@ def test_two_replica_linear_model_matches_hand_computation():
     np.testing.assert_array_equal(state.count, [4, 4])
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["diloco", "streaming_p1"])
+def test_warm_start_is_data_parallel_then_rounds_from_its_end(streaming):
+    """W = 2 data-parallel steps, then H = 2 (inner SGD lr 0.5, outer Nesterov 0.7 / 0.9, a = 1 and 3, w0 = 0).
+
+    Steps 1-2 take the mean gradient: 0 -> 1.0 (mean(-1, -3) = -2) -> 1.5 (mean(0, -2) = -1); theta = 1.5.
+    Steps 3-4 are local: 1.5 -> 1.25 -> 1.125 and 1.5 -> 2.25 -> 2.625.
+      Delta = mean(0.375, -1.125) = -0.375;  m = -0.375;  theta = 1.5 - 0.7 (-0.375 + 0.9 * -0.375) = 1.99875.
+    Streaming with P = 1, tau = 0, alpha = 0 takes the same steps.
+    """
+    if streaming:
+        tx = diloco.streaming_diloco(
+            optax.sgd(0.5), sync_every=2, fragments=1, overlap=0, mixing=0.0, exchange="float32", warm_start_steps=2, axis_name=AXIS
+        )
+    else:
+        tx = diloco.diloco(optax.sgd(0.5), sync_every=2, warm_start_steps=2, axis_name=AXIS)
+    targets = np.array([[1.0] * 4, [3.0] * 4], np.float32)
+    trajectory, _, state = run_replicas(tx, {"w": jnp.float32(0.0)}, targets, _quadratic_grad)
+    np.testing.assert_allclose(trajectory["w"], [[1.0, 1.5, 1.25, 1.99875], [1.0, 1.5, 2.25, 1.99875]], rtol=1e-6)
+    np.testing.assert_allclose(state.outer_momentum["w"], [-0.375, -0.375], rtol=1e-6)
+    with pytest.raises(ValueError, match="warm_start_steps=-1 must be >= 0"):
+        diloco.diloco(optax.sgd(0.5), warm_start_steps=-1)
+
+
 def _random_problem(seed=0, replicas=2, steps=6):
     rng = np.random.default_rng(seed)
     params = {"a": rng.normal(size=(3, 4)).astype(np.float32), "b": rng.normal(size=(5,)).astype(np.float32)}

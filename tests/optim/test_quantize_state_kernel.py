@@ -63,12 +63,13 @@ def test_auto_falls_back_to_xla_without_a_kernel_or_a_rule():
         quantize_state(optax.sgd(0.1), 8, kernel="triton")
 
 
-def _lm_config(kernel, workdir):
+def _lm_config(kernel):
+    """`tiny` with 8-bit Lion state, FSDP over 8 devices: the kernel runs per shard (train passes the specs)."""
     config = default.get_config()
-    config.steps = 3
+    config.steps = 2
     config.data.seq_len = 32
-    config.batch_size = 4
-    config.eval_every = 3
+    config.batch_size = 8
+    config.eval_every = 2
     config.eval_batches = 1
     config.log_every = 1
     config.checkpoint_every = 1000
@@ -76,7 +77,7 @@ def _lm_config(kernel, workdir):
     config.optimizer.warmup_steps = 0
     config.optimizer.state_bits = 8
     config.optimizer.state_kernel = kernel
-    config.devices = 1
+    config.mesh, config.rules = "fsdp:8", "fsdp"
     return config
 
 
@@ -85,14 +86,17 @@ def _losses(workdir):
         return [r["loss"] for r in map(json.loads, f) if "loss" in r]
 
 
-def test_tiny_lm_with_the_kernel_matches_xla(tmp_path):
-    tx = registry.build(_lm_config("pallas", tmp_path).optimizer, 3)  # what train.run builds: it takes the kernel
-    params = {"w": jnp.ones((64, 64))}
-    assert _has_kernel(tx, params, tx.init(params), params)
+def test_tiny_lm_under_fsdp_with_the_kernel_matches_xla(tmp_path):
+    spec = train.build_run(_lm_config("pallas"))  # what train.run builds: the kernel inside a shard_map over fsdp
+    params = {"w": jnp.ones((128, 64))}  # 16 rows per shard: whole 16 x 16 tiles
+    tx = registry.build(_lm_config("pallas").optimizer, 2, param_specs={"w": jax.P("fsdp", None)})
+    with jax.set_mesh(spec.mesh):
+        jaxpr = str(jax.make_jaxpr(tx.update)(params, tx.init(params), params))
+    assert "shard_map" in jaxpr and "pallas_call" in jaxpr
     runs = {}
     for kernel in ("xla", "pallas"):
         workdir = tmp_path / kernel
-        train.run(_lm_config(kernel, workdir), workdir)
+        train.run(_lm_config(kernel), workdir)
         runs[kernel] = _losses(workdir)
-    assert len(runs["xla"]) == 3
+    assert len(runs["xla"]) == 2
     np.testing.assert_allclose(runs["pallas"], runs["xla"], rtol=1e-5)

@@ -1,4 +1,5 @@
-"""Runs that move between meshes and processes: checkpoint resharding and 2-process jobs (GSPMD and replica-local)."""
+"""Runs that move between meshes and processes: checkpoint resharding and 2-process jobs (GSPMD, and replica-local
+with every cross-replica optimizer)."""
 
 import os
 import shutil
@@ -7,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cross_replica_worker
+import jax
 import pytest
 
 from experiments import train
@@ -61,13 +64,6 @@ def _train_cli(workdir, *extra, env_extra=None):
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-# The replica-local job (one replica per process) runs DiLoCo synchronising every 2 steps, so the stop
-# at step 3 falls between synchronisations, where replicas differ.
-REPLICA_LOCAL = (
-    "--config.mesh=data:2", "--config.replicas=data", "--config.optimizer.name=diloco", "--config.optimizer.diloco.sync_every=2",
-)  # fmt: skip
-
-
 def _two_processes(workdir, *extra):
     port = _free_port()
     procs = [
@@ -78,20 +74,22 @@ def _two_processes(workdir, *extra):
     return [p.returncode for p in procs], results
 
 
-@pytest.mark.parametrize("job", [(), REPLICA_LOCAL], ids=["gspmd", "replica_local"])
-def test_two_process_run_checkpoints_resumes_and_matches_one_process(tmp_path, job):
-    single = _train_cli(tmp_path / "single", *job, env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+def test_two_process_run_checkpoints_resumes_and_matches_one_process(tmp_path):
+    single = _train_cli(tmp_path / "single", env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     out, err = single.communicate(timeout=600)
     assert single.returncode == 0, err[-2000:]
 
-    codes, results = _two_processes(tmp_path / "multi", "--stop_after=3", *job)
+    codes, results = _two_processes(tmp_path / "multi", "--stop_after=3")
     assert codes == [143, 143], [r[1][-2000:] for r in results]
     assert (tmp_path / "multi" / "checkpoints" / "3").is_dir()
-    codes, results = _two_processes(tmp_path / "multi", *job)
+    codes, results = _two_processes(tmp_path / "multi")
     assert codes == [0, 0], [r[1][-2000:] for r in results]
+    _assert_same_run(tmp_path / "multi", tmp_path / "single")
 
-    multi = read_metrics(tmp_path / "multi" / "metrics.jsonl")
-    reference = read_metrics(tmp_path / "single" / "metrics.jsonl")
+
+def _assert_same_run(multi_dir, single_dir):
+    multi = read_metrics(Path(multi_dir) / "metrics.jsonl")
+    reference = read_metrics(Path(single_dir) / "metrics.jsonl")
     assert [r["step"] for r in multi] == list(range(1, 9))
     assert [r["loss"] for r in multi] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
     # Validation runs at steps 4 and 8 only (pytest >= 9.2's approx rejects None among expected values).
@@ -99,3 +97,34 @@ def test_two_process_run_checkpoints_resumes_and_matches_one_process(tmp_path, j
     expected = [(r["step"], r["val_loss"]) for r in reference if "val_loss" in r]
     assert [s for s, _ in evaluated] == [s for s, _ in expected] == [4, 8]
     assert [v for _, v in evaluated] == pytest.approx([v for _, v in expected], rel=1e-5)
+
+
+WORKER = Path(__file__).with_name("cross_replica_worker.py")
+
+
+def test_two_processes_train_every_cross_replica_optimizer_like_one_process(tmp_path):
+    """One replica per process, each cross-replica optimizer in turn (one launch for all of them; DiLoCo
+    preempted after step 3 where replicas differ, and resumed): equal to two replicas in this process."""
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    multi = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(tmp_path / "multi"), "--preempt", f"127.0.0.1:{port}", "2", str(i)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)  # as the workers compile
+    try:
+        for name in cross_replica_worker.OPTIMIZERS:
+            config = cross_replica_worker.config_for(name)
+            config.devices = 2
+            train.run(config, tmp_path / "single" / name)
+    finally:
+        jax.config.update("jax_disable_most_optimizations", previous)
+        results = [p.communicate(timeout=600) for p in multi]
+    assert [p.returncode for p in multi] == [0, 0], [err[-2000:] for _, err in results]
+    for name in cross_replica_worker.OPTIMIZERS:
+        assert (tmp_path / "multi" / name / "checkpoints" / "3").is_dir() == (name in cross_replica_worker.PREEMPTED)
+        _assert_same_run(tmp_path / "multi" / name, tmp_path / "single" / name)

@@ -11,7 +11,8 @@ from lm import remat as remat_lib
 from lm import tokenizer
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")  # see lm/attention.py
-ATTENTION_TYPES = ("gqa", "mla")  # grouped-query (lm/attention.py) or multi-head latent (lm/mla.py)
+ATTENTION_TYPES = ("gqa", "mla")
+MOE_MATMULS = ("auto", "ragged_dot", "gmm")  # see lm/moe.py  # grouped-query (lm/attention.py) or multi-head latent (lm/mla.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,7 @@ class ModelConfig:
     router_score: str = "softmax"  # softmax | sigmoid
     normalize_router_weights: bool = False  # divide the top-k gates by their sum (DeepSeek)
     capacity_factor: float = 0.0  # <= 0: dropless
+    moe_matmul: str = "auto"  # auto | ragged_dot | gmm: the dropless dispatch's grouped matmuls (lm/moe.py)
     # Multi-head latent attention (lm/mla.py); with it head_dim is the per-head query/key width without
     # RoPE, and n_kv_heads is unused (every head reads its keys and values from the shared latent).
     attention_type: str = "gqa"  # gqa | mla
@@ -90,6 +92,8 @@ class ModelConfig:
         problems = []
         if not 1 <= self.experts_per_token <= self.n_experts:
             problems.append(f"model.experts_per_token={self.experts_per_token} must be in [1, model.n_experts={self.n_experts}]")
+        if self.moe_matmul not in MOE_MATMULS:
+            problems.append(f"model.moe_matmul={self.moe_matmul!r} must be one of {', '.join(MOE_MATMULS)}")
         if self.router_score not in ("softmax", "sigmoid"):
             problems.append(f"model.router_score={self.router_score!r} must be 'softmax' or 'sigmoid'")
         if self.moe_every < 1 or self.n_layers % self.moe_every:

@@ -59,6 +59,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.capacity_factor = config_dict.placeholder(float)
     config.model.router_score = config_dict.placeholder(str)
     config.model.normalize_router_weights = config_dict.placeholder(bool)
+    # auto | ragged_dot | gmm: dropless grouped matmuls; auto: the Pallas gmm kernel on GPU, ragged_dot elsewhere
+    config.model.moe_matmul = "auto"
     config.model.attention_type = config_dict.placeholder(str)  # gqa | mla (multi-head latent attention, lm/mla.py)
     for mla_size in ("kv_lora_rank", "q_lora_rank", "rope_head_dim", "v_head_dim"):
         config.model[mla_size] = config_dict.placeholder(int)

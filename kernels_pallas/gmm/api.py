@@ -21,8 +21,10 @@ from kernels_pallas.gmm import reference, triton
 from kernels_pallas.gmm.triton import Tiling
 
 BACKENDS = ("triton", "xla")
+# The Pallas kernel each platform compiles; a platform not listed (CPU) runs one only in interpret mode.
+PLATFORM_BACKENDS = {"gpu": "triton", "cuda": "triton", "rocm": "triton"}
 
-__all__ = ["BACKENDS", "Tiling", "gmm"]
+__all__ = ["BACKENDS", "PLATFORM_BACKENDS", "Tiling", "gmm"]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

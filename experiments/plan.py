@@ -104,8 +104,10 @@ def format_report(report: dict) -> str:
     rows.append(("device memory (--hbm_gb)", report["hbm_bytes"]))
     width = max(len(name) for name, _ in rows)
     lines = [
-        f"{report['model']} ({report['num_params'] / 1e6:,.1f}M parameters, {report['num_active_params'] / 1e6:,.1f}M active) "
-        f"on mesh {report['mesh']}: bytes per device",
+        (
+            f"{report['model']} ({report['num_params'] / 1e6:,.1f}M parameters, {report['num_active_params'] / 1e6:,.1f}M active) "
+            f"on mesh {report['mesh']}: bytes per device"
+        ),
         *(f"  {name:<{width}}  {value / GiB:10.3f} GiB" for name, value in rows),
     ]
     if report["fits"]:

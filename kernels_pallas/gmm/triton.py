@@ -56,7 +56,7 @@ def gmm(
     rhs: jax.Array,
     group_sizes: jax.Array,
     *,
-    tiling: Tiling = Tiling(),
+    tiling: Tiling = DEFAULT_TILING,
     transpose_rhs: bool = False,
     out_dtype=None,
     interpret: bool = False,
@@ -99,7 +99,7 @@ def _tgmm_kernel(start_ref, end_ref, lhs_ref, dout_ref, out_ref, *, tiling: Tili
 
 @functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "interpret"))
 def tgmm(
-    lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, tiling: Tiling = Tiling(), out_dtype=jnp.float32, interpret: bool = False
+    lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, tiling: Tiling = DEFAULT_TILING, out_dtype=jnp.float32, interpret: bool = False
 ) -> jax.Array:
     """``(G, k, n)``: ``sum_{i in g} lhs[i]^T dout[i]`` per group ``g`` (0 for an empty group)."""
     (m, k), n, num_groups = lhs.shape, dout.shape[1], group_sizes.shape[0]

@@ -12,10 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas.gmm import api, base, mosaic_tpu, reference, triton
+from kernels_pallas.gmm import api, base, mosaic_tpu, reference
 
 pytestmark = pytest.mark.usefixtures("fast_xla_compile")
 TILING = base.Tiling(block_m=16, block_k=16, block_n=16)

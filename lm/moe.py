@@ -26,9 +26,11 @@ Dispatch (the expert weights are stacked ``(experts, embed, mlp)``):
   counted.
 - expert parallel: under a mesh with an ``expert`` axis the dropless dispatch runs per shard inside
   `jax.shard_map`: each device routes its own tokens, sends each slot to the device that holds its
-  expert with an all-to-all, runs its local experts and sends the results back. The all-to-all is a
-  dense one with a worst-case buffer (every slot to one device), which works on every backend
-  (`ragged_all_to_all` has no CPU lowering); it costs ``ep`` times the slot memory.
+  expert with an all-to-all, runs its local experts and sends the results back. On GPU and TPU the
+  all-to-all is `jax.lax.ragged_all_to_all`: slots sorted by expert, each device sends exactly its
+  slots for each peer (`ragged_dispatch`). On CPU, where ``ragged_all_to_all`` has no lowering, it is
+  a dense all-to-all of worst-case buffers (every slot to one device), ``ep`` times the slot traffic.
+  Both receive into ``ep`` times the slot memory, the worst case.
 
 The layer also returns the statistics the balancing losses need (`balancing_losses`), per sequence
 so the loss can be taken over the global batch or per micro-batch.
@@ -173,6 +175,45 @@ def expert_parallel_dropless(
     return jnp.einsum("tkd,tk->td", slots.reshape(t, k, -1), gates.astype(slots.dtype))
 
 
+def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def ragged_dispatch(x, experts, gates, w_gate, w_up, w_down, *, ep: int, matmul: GroupedMatmul = jax.lax.ragged_dot) -> jax.Array:
+    """`expert_parallel_dropless` with `jax.lax.ragged_all_to_all` (GPU, TPU): only the real slots travel.
+
+    With ``S[i, j]`` the slots device ``i`` sends to device ``j`` (gathered over the ``expert`` axis),
+    device ``i``'s slice for ``j`` lands on ``j`` after those of the senders before ``i``, at row
+    ``sum_{i' < i} S[i', j]``; the results return along the same slices to where they came from.
+    """
+    t, k = experts.shape
+    local = w_gate.shape[0]
+    rows = t * k
+    slot_expert = experts.reshape(-1)
+    order = jnp.argsort(slot_expert, stable=True)  # by global expert, hence by destination device
+    send = jnp.repeat(x, k, axis=0)[order]
+    send_expert = (slot_expert % local)[order][:, None]
+    send_sizes = jnp.bincount(slot_expert // local, length=ep).astype(jnp.int32)
+    sizes = jax.lax.all_gather(send_sizes, EXPERT_AXIS)  # (ep, ep)
+    me = jax.lax.axis_index(EXPERT_AXIS)
+    input_offsets, recv_sizes = _exclusive_cumsum(send_sizes), sizes[:, me]
+    output_offsets = _exclusive_cumsum(sizes)[me]  # where my slice lands on each receiver
+    recv_offsets = _exclusive_cumsum(recv_sizes)  # where each sender's slice lands here
+    forward = (input_offsets, send_sizes, output_offsets, recv_sizes)
+    recv = jax.lax.ragged_all_to_all(send, jnp.zeros((ep * rows, x.shape[-1]), x.dtype), *forward, axis_name=EXPERT_AXIS)
+    recv_expert = jax.lax.ragged_all_to_all(send_expert, jnp.full((ep * rows, 1), local, jnp.int32), *forward, axis_name=EXPERT_AXIS)
+    out = grouped_swiglu(recv, recv_expert[:, 0], w_gate, w_up, w_down, matmul)
+    sender_offsets = _exclusive_cumsum(sizes, axis=1)[:, me]  # each sender's input_offsets for me
+    back = jax.lax.ragged_all_to_all(
+        out, jnp.zeros((rows, out.shape[-1]), out.dtype), recv_offsets, recv_sizes, sender_offsets, send_sizes, axis_name=EXPERT_AXIS
+    )
+    slots = jnp.zeros_like(back).at[order].set(back, unique_indices=True)
+    return jnp.einsum("tkd,tk->td", slots.reshape(t, k, -1), gates.astype(slots.dtype))
+
+
+RAGGED_ALL_TO_ALL_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+
+
 def _expert_parallel_size() -> int:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or EXPERT_AXIS not in partition.logical_mesh_axes("experts"):
@@ -236,10 +277,12 @@ class MoE(nnx.Module):
     def _per_shard(self, x, experts, gates, weights, ep, matmul):
         """Dropless dispatch inside `jax.shard_map`: with all-to-all when ``ep > 1``, else on each shard's tokens."""
 
+        exchange = ragged_dispatch if gmm_api.platform() in RAGGED_ALL_TO_ALL_PLATFORMS else expert_parallel_dropless
+
         def per_shard(x, experts, gates, w_gate, w_up, w_down):
             b, s, d = x.shape
             args = (x.reshape(b * s, d), experts.reshape(b * s, -1), gates.reshape(b * s, -1), w_gate, w_up, w_down)
-            y = expert_parallel_dropless(*args, ep=ep, matmul=matmul) if ep > 1 else dropless(*args, matmul=matmul)
+            y = exchange(*args, ep=ep, matmul=matmul) if ep > 1 else dropless(*args, matmul=matmul)
             return y.reshape(b, s, d)
 
         tokens = ("batch", "seq", "embed")

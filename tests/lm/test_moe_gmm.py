@@ -63,3 +63,43 @@ def test_gmm_equals_ragged_dot_in_the_layer_forward_and_backward():
     assert len(got) == len(want) > 8  # output, d/dx, router kernel, the three expert stacks, the shared expert
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """`jax.lax.ragged_all_to_all` as its docstring defines it, from all-gathers (which CPUs lower)."""
+    del recv_sizes  # implied by the senders' sizes
+    me = jax.lax.axis_index(axis_name)
+    sources = jax.lax.all_gather(operand, axis_name)
+    starts, sizes, targets = (jax.lax.all_gather(a, axis_name)[:, me] for a in (input_offsets, send_sizes, output_offsets))
+    rows = jnp.arange(output.shape[0])
+    for sender in range(sources.shape[0]):
+        inside = (rows >= targets[sender]) & (rows < targets[sender] + sizes[sender])
+        source_rows = jnp.clip(starts[sender] + rows - targets[sender], 0, operand.shape[0] - 1)
+        output = jnp.where(inside.reshape(-1, *[1] * (output.ndim - 1)), sources[sender][source_rows], output)
+    return output
+
+
+def test_ragged_all_to_all_dispatch_offsets_match_one_device(monkeypatch):
+    """The GPU/TPU dispatch (`moe.ragged_dispatch`) on 8 CPU devices, its collective emulated by definition:
+    the offsets it computes put every slot on its expert's device and every result back in place."""
+    x = jax.random.normal(jax.random.key(2), (8, 5, 16))
+    cotangent = jax.random.normal(jax.random.key(3), (8, 5, 16))
+    single = _layer_and_grads("ragged_dot", x, cotangent)
+    monkeypatch.setattr(moe.gmm_api, "platform", lambda: "cuda")  # selects ragged_dispatch
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+    with jax.set_mesh(mesh_lib.make_mesh("expert:4,fsdp:2")), partition.use_rules(rules_lib.make_rules()):
+        sharded = _layer_and_grads("ragged_dot", x, cotangent)
+    for g, w in zip(jax.tree.leaves(sharded), jax.tree.leaves(single), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() == "cpu" or jax.device_count() < 2, reason="ragged_all_to_all needs 2+ GPUs or TPUs")
+def test_ragged_all_to_all_dispatch_matches_one_device_on_accelerators():
+    n = min(jax.device_count(), 4)
+    x = jax.random.normal(jax.random.key(2), (n * 2, 5, 16))
+    cotangent = jax.random.normal(jax.random.key(3), x.shape)
+    single = _layer_and_grads("ragged_dot", x, cotangent)
+    with jax.set_mesh(mesh_lib.make_mesh(f"expert:{n}", jax.devices()[:n])), partition.use_rules(rules_lib.make_rules()):
+        sharded = _layer_and_grads("ragged_dot", x, cotangent)
+    for g, w in zip(jax.tree.leaves(sharded), jax.tree.leaves(single), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)

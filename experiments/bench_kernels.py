@@ -24,7 +24,7 @@ absolute difference from the ``xla`` row's output (fwd) or gradients (fwd_bwd), 
 An implementation that cannot run here (cuDNN off an NVIDIA GPU) is listed with its reason.
 
 Grouped matmul (``--gmm_shapes``, ``GxMxKxN``; empty to skip): `kernels_pallas.gmm.gmm` (``pallas``,
-Triton on GPU, interpret mode on CPU) against ``jax.lax.ragged_dot`` (``ragged_dot``) for ``lhs (M, K)``,
+Triton on GPU, Mosaic on TPU, Triton in interpret mode on CPU) against ``jax.lax.ragged_dot`` (``ragged_dot``) for ``lhs (M, K)``,
 ``rhs (G, K, N)`` and group sizes drawn as a multinomial of ``M`` tokens over ``G`` equally likely experts
 (seeded). FLOPs: ``2 M K N`` forward, three times that forward+backward (dlhs and drhs). ``vs_ragged_dot``
 is ragged_dot's time over the row's; ``max_err`` is against the ragged_dot row. The default shape is a
@@ -49,6 +49,7 @@ from experiments import bench_quantized_update
 from kernels_pallas import gmm as gmm_lib
 from kernels_pallas.attention import BlockSizes, flash_attention
 from kernels_pallas.gmm import Tiling
+from kernels_pallas.gmm import api as gmm_api
 
 DEFAULT_SHAPES = ["16x1024x12x64", "4x4096x16x128", "1x16384x8x128"]
 IMPLEMENTATIONS = ("pallas", "cudnn", "xla", "jax_triton")
@@ -223,8 +224,9 @@ def bench_gmm(
 ) -> list[dict]:
     """One dict per gmm implementation x shape x mode: ms, ms_min, tflops, vs_ragged_dot, max_err."""
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+    backend = gmm_api.PLATFORM_BACKENDS.get(jax.default_backend(), "triton")
     impls = {
-        "pallas": lambda a, b, g: gmm_lib.gmm(a, b, g, backend="triton", interpret=interpret, tiling=tiling),
+        "pallas": lambda a, b, g: gmm_lib.gmm(a, b, g, backend=backend, interpret=interpret, tiling=tiling),
         "ragged_dot": jax.lax.ragged_dot,
     }
     rows = []
@@ -323,7 +325,8 @@ def _attention(env: dict) -> dict:
     print(format_table(rows))
     gmm_rows = []
     if _GMM_SHAPES.value:
-        tiling = Tiling(**{name: flag.value for name, flag in _GMM_TILING.items() if flag.value})
+        chosen = {name: flag.value for name, flag in _GMM_TILING.items() if flag.value}
+        tiling = Tiling(**chosen) if chosen else None  # None: the backend's default tiles
         gmm_shapes = [parse_shape(s) for s in _GMM_SHAPES.value]
         gmm_rows = bench_gmm(gmm_shapes, _MODES.value, dtype=_DTYPE.value, warmup=_WARMUP.value, iters=_ITERS.value, tiling=tiling)
         print(format_gmm_table(gmm_rows))

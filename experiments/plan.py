@@ -4,7 +4,8 @@ r"""Memory planner: will this model, optimizer, batch and mesh fit in each devic
 
 Nothing is allocated. Parameter, gradient and optimizer-state bytes per device are exact, from the
 abstract state and its shardings. Activations and temporaries come from compiling the real train
-step for the mesh and reading XLA's memory analysis. Without ``--native``, the step is compiled for
+step for the mesh and reading XLA's memory analysis; ``--state_only`` skips that compilation (minutes
+for a 50B-parameter model on hundreds of fake devices) and checks the state alone, a lower bound. Without ``--native``, the step is compiled for
 as many fake CPU devices as the mesh needs, so a laptop can plan a pod slice; XLA:CPU's buffer
 assignment then stands in for the accelerator's, which fuses and lays out differently (treat the
 activation figure as an estimate). Exit code 0 when it fits, 1 when it does not, 2 for bad input.
@@ -22,6 +23,7 @@ import ml_collections
 from absl import app, flags, logging
 
 from experiments import train, train_lib
+from lm import model as model_lib
 from sharding import mesh as mesh_lib
 from sharding import partition
 
@@ -34,25 +36,40 @@ def _state_bytes(abstract_tree) -> int:
     )
 
 
-def plan(config: ml_collections.ConfigDict, hbm_bytes: float) -> dict:
-    """Per-device memory of one training step of ``config``; see the module docstring."""
+def plan(config: ml_collections.ConfigDict, hbm_bytes: float, *, compile_step: bool = True) -> dict:
+    """Per-device memory of one training step of ``config``; see the module docstring.
+
+    With ``compile_step=False`` only the state is counted: ``peak_bytes`` is then parameters +
+    gradients + optimizer state, a lower bound, and the compiled and activation fields are absent.
+    """
     spec = train.build_run(config)
     shardings = spec.shardings
     with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
         state = train_lib.abstract_state(spec.model_def, spec.tx, shardings)
-        batch = jax.ShapeDtypeStruct((config.batch_size, config.data.seq_len + 1), jax.numpy.int32, sharding=shardings.batch)
-        step_fn = train_lib.make_train_step(spec.model_def, spec.tx, grad_accum_steps=config.grad_accum_steps)
-        compiled = train_lib.jit_train_step(step_fn, shardings).lower(state, batch).compile()
-    memory = compiled.memory_analysis()
+        if compile_step:
+            batch = jax.ShapeDtypeStruct((config.batch_size, config.data.seq_len + 1), jax.numpy.int32, sharding=shardings.batch)
+            step_fn = train_lib.make_train_step(spec.model_def, spec.tx, grad_accum_steps=config.grad_accum_steps)
+            compiled = train_lib.jit_train_step(step_fn, shardings).lower(state, batch).compile()
     params = _state_bytes(state["params"])
+    counts = model_lib.count_params(spec.model_def)
     report = {
         "model": config.model.preset,
         "mesh": dict(spec.mesh.shape),
         "devices": spec.mesh.size,
-        "num_params": spec.cfg.num_params(),
+        "num_params": counts.total,
+        "num_active_params": counts.active,
         "params_bytes": params,
         "gradients_bytes": params,  # fp32, sharded like the parameters
         "optimizer_state_bytes": _state_bytes(state["opt_state"]),
+        "hbm_bytes": int(hbm_bytes),
+        "state_only": not compile_step,
+    }
+    if not compile_step:
+        report["peak_bytes"] = report["params_bytes"] + report["gradients_bytes"] + report["optimizer_state_bytes"]
+        report["fits"] = report["peak_bytes"] <= hbm_bytes
+        return report
+    memory = compiled.memory_analysis()
+    report |= {
         "compiled_arguments_bytes": int(memory.argument_size_in_bytes),
         "compiled_temporaries_bytes": int(memory.temp_size_in_bytes),
         "compiled_outputs_bytes": int(memory.output_size_in_bytes),
@@ -66,23 +83,31 @@ def plan(config: ml_collections.ConfigDict, hbm_bytes: float) -> dict:
         + report["compiled_outputs_bytes"]
         - report["compiled_aliased_bytes"]
     )
-    report["hbm_bytes"] = int(hbm_bytes)
     report["fits"] = report["peak_bytes"] <= hbm_bytes
     return report
 
 
 def format_report(report: dict) -> str:
-    rows = [
+    state = [
         ("parameters", report["params_bytes"]),
         ("gradients", report["gradients_bytes"]),
         ("optimizer state", report["optimizer_state_bytes"]),
-        ("activations + temporaries (compiled, less gradients)", report["activations_estimate_bytes"]),
-        ("peak of one train step (compiled)", report["peak_bytes"]),
-        ("device memory (--hbm_gb)", report["hbm_bytes"]),
     ]
+    if report["state_only"]:
+        rows = [*state, ("state (--state_only: activations not compiled)", report["peak_bytes"])]
+    else:
+        rows = [
+            *state,
+            ("activations + temporaries (compiled, less gradients)", report["activations_estimate_bytes"]),
+            ("peak of one train step (compiled)", report["peak_bytes"]),
+        ]
+    rows.append(("device memory (--hbm_gb)", report["hbm_bytes"]))
     width = max(len(name) for name, _ in rows)
     lines = [
-        f"{report['model']} ({report['num_params'] / 1e6:,.1f}M parameters) on mesh {report['mesh']}: bytes per device",
+        (
+            f"{report['model']} ({report['num_params'] / 1e6:,.1f}M parameters, {report['num_active_params'] / 1e6:,.1f}M active) "
+            f"on mesh {report['mesh']}: bytes per device"
+        ),
         *(f"  {name:<{width}}  {value / GiB:10.3f} GiB" for name, value in rows),
     ]
     if report["fits"]:
@@ -114,7 +139,7 @@ def main(config_flag, argv) -> None:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", needed or flags.FLAGS.num_devices)
     try:
-        report = plan(config, flags.FLAGS.hbm_gb * GiB)
+        report = plan(config, flags.FLAGS.hbm_gb * GiB, compile_step=not flags.FLAGS.state_only)
     except train.UsageError as e:
         train.usage_exit(str(e))
     print(format_report(report))
@@ -127,6 +152,7 @@ def main(config_flag, argv) -> None:
 if __name__ == "__main__":
     config_holder = train.define_flags()
     flags.DEFINE_float("hbm_gb", 16.0, "Memory per device, GiB.")
+    flags.DEFINE_bool("state_only", False, "Count parameters, gradients and optimizer state only; do not compile the step.")
     flags.DEFINE_bool("native", False, "Compile for this machine's devices instead of fake CPU devices.")
     flags.DEFINE_integer("num_devices", 8, "Fake devices when the mesh spec has a -1.")
     flags.DEFINE_string("json_out", None, "Also write the report as JSON here.")

@@ -11,7 +11,8 @@ from lm import remat as remat_lib
 from lm import tokenizer
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")  # see lm/attention.py
-ATTENTION_TYPES = ("gqa", "mla")  # grouped-query (lm/attention.py) or multi-head latent (lm/mla.py)
+ATTENTION_TYPES = ("gqa", "mla")
+MOE_MATMULS = ("auto", "ragged_dot", "gmm")  # see lm/moe.py  # grouped-query (lm/attention.py) or multi-head latent (lm/mla.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +42,12 @@ class ModelConfig:
     experts_per_token: int = 2
     n_shared_experts: int = 0  # always-on experts of expert_mlp_dim each
     moe_every: int = 1  # every moe_every-th block is MoE (the last of each group), the rest dense
+    first_dense_layers: int = 0  # the first blocks stay dense whatever moe_every says (DeepSeek's first_k_dense_replace)
     expert_mlp_dim: int = 0  # 0: mlp_dim
     router_score: str = "softmax"  # softmax | sigmoid
     normalize_router_weights: bool = False  # divide the top-k gates by their sum (DeepSeek)
     capacity_factor: float = 0.0  # <= 0: dropless
+    moe_matmul: str = "auto"  # auto | ragged_dot | gmm: the dropless dispatch's grouped matmuls (lm/moe.py)
     # Multi-head latent attention (lm/mla.py); with it head_dim is the per-head query/key width without
     # RoPE, and n_kv_heads is unused (every head reads its keys and values from the shared latent).
     attention_type: str = "gqa"  # gqa | mla
@@ -90,18 +93,25 @@ class ModelConfig:
         problems = []
         if not 1 <= self.experts_per_token <= self.n_experts:
             problems.append(f"model.experts_per_token={self.experts_per_token} must be in [1, model.n_experts={self.n_experts}]")
+        if self.moe_matmul not in MOE_MATMULS:
+            problems.append(f"model.moe_matmul={self.moe_matmul!r} must be one of {', '.join(MOE_MATMULS)}")
         if self.router_score not in ("softmax", "sigmoid"):
             problems.append(f"model.router_score={self.router_score!r} must be 'softmax' or 'sigmoid'")
         if self.moe_every < 1 or self.n_layers % self.moe_every:
             problems.append(f"model.moe_every={self.moe_every} must be >= 1 and divide model.n_layers={self.n_layers}")
-        if self.moe_every > 1 and self.scan_layers:
-            problems.append("model.moe_every > 1 mixes dense and MoE blocks, which cannot be scanned; set model.scan_layers=False")
+        if not 0 <= self.first_dense_layers < self.n_layers:
+            problems.append(f"model.first_dense_layers={self.first_dense_layers} must be in [0, model.n_layers={self.n_layers})")
+        if (self.moe_every > 1 or self.first_dense_layers) and self.scan_layers:
+            problems.append(
+                "model.moe_every > 1 or model.first_dense_layers > 0 mixes dense and MoE blocks, which cannot be scanned; "
+                "set model.scan_layers=False"
+            )
         if self.n_shared_experts < 0 or self.expert_mlp_dim < 0:
             problems.append("model.n_shared_experts and model.expert_mlp_dim must be >= 0")
         return problems
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.n_experts > 0 and (layer + 1) % self.moe_every == 0
+        return self.n_experts > 0 and layer >= self.first_dense_layers and (layer + 1) % self.moe_every == 0
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -171,6 +181,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "mixtral-8x7b": dict(
         vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, mlp_dim=14336,
         max_seq_len=32768, rope_theta=1_000_000.0, norm_eps=1e-5, tie_embeddings=False, n_experts=8, experts_per_token=2,
+    ),
+    # DeepSeek-V2-Lite's shape (arXiv:2405.04434, appendix B; 15.7B parameters, 2.4B active without the
+    # embedding lookup): MLA without query compression, 64 routed experts top-6 plus 2 shared, the first
+    # block dense. For the memory planner on expert + fsdp meshes.
+    "deepseek-v2-lite": dict(
+        vocab_size=102400, d_model=2048, n_layers=27, n_heads=16, head_dim=128, mlp_dim=10944, max_seq_len=4096,
+        tie_embeddings=False, attention_type="mla", kv_lora_rank=512, q_lora_rank=0, rope_head_dim=64, v_head_dim=128,
+        n_experts=64, experts_per_token=6, n_shared_experts=2, expert_mlp_dim=1408, first_dense_layers=1, scan_layers=False,
     ),
 }  # fmt: skip
 

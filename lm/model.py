@@ -55,7 +55,12 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     with both ``experts`` and ``mlp`` axes is a routed expert stack.
     """
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):  # callable under a run's mesh
-        model_def = define(cfg)
+        return count_params(define(cfg))
+
+
+def count_params(model_def: ModelDef) -> ParamCounts:
+    """`param_counts` of a model already defined (tracing a deep unrolled model takes seconds)."""
+    cfg = model_def.config
     total = active = matmul = 0
     specs = jax.tree.leaves(model_def.logical_specs, is_leaf=lambda x: isinstance(x, jax.P))
     for spec, leaf in zip(specs, jax.tree.leaves(model_def.abstract_params), strict=True):
@@ -80,10 +85,10 @@ def init_params(model_def: ModelDef, seed: int, shardings: Params | None = None)
     Blocks are always initialised stacked, by one initialiser vmapped over depth, and unstacked for
     an unrolled model: the program stays small at any depth (an unrolled one compiles an initialiser
     per layer), and a seed gives the same values with and without ``scan_layers``. Blocks that
-    differ (dense and MoE, ``moe_every > 1``) cannot be stacked and are initialised one by one.
+    differ (dense and MoE, ``moe_every > 1`` or ``first_dense_layers``) cannot be stacked and are initialised one by one.
     """
     cfg = model_def.config
-    uniform = cfg.n_experts == 0 or cfg.moe_every == 1
+    uniform = cfg.n_experts == 0 or (cfg.moe_every == 1 and cfg.first_dense_layers == 0)
     stacked = dataclasses.replace(cfg, scan_layers=True) if uniform else cfg
 
     def init() -> Params:

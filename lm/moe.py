@@ -14,17 +14,23 @@ outside the gradient.)
 Dispatch (the expert weights are stacked ``(experts, embed, mlp)``):
 
 - dropless: the ``T k`` token slots are sorted by expert, each expert's contiguous rows go through
-  grouped matmuls (`jax.lax.ragged_dot` with the group sizes), and the outputs are unsorted and
-  combined with the gate weights. Nothing is dropped.
+  grouped matmuls, and the outputs are unsorted and combined with the gate weights. Nothing is
+  dropped. ``model.moe_matmul`` picks the grouped matmul: ``ragged_dot`` (`jax.lax.ragged_dot`,
+  partitioned by GSPMD), ``gmm`` (the Pallas kernel `kernels_pallas.gmm.gmm`, run per shard inside
+  `jax.shard_map`; on a CPU in interpret mode, slow, for tests) or ``auto`` (the Pallas kernel where
+  the platform compiles one, GPU; ``ragged_dot`` elsewhere). The Triton kernel has not yet been compiled
+  or timed on a GPU (docs/benchmarks.md, section 8): set ``ragged_dot`` if it fails there.
 - capacity (``capacity_factor > 0``): expert ``e`` takes at most ``C = ceil(cf T k / E)`` slots, in
   order of priority (all first choices, then all second choices, ... as in Switch/GShard), by the
   position ``cumsum`` gives each slot within its expert; slots past ``C`` are dropped (output 0) and
   counted.
 - expert parallel: under a mesh with an ``expert`` axis the dropless dispatch runs per shard inside
   `jax.shard_map`: each device routes its own tokens, sends each slot to the device that holds its
-  expert with an all-to-all, runs its local experts and sends the results back. The all-to-all is a
-  dense one with a worst-case buffer (every slot to one device), which works on every backend
-  (`ragged_all_to_all` has no CPU lowering); it costs ``ep`` times the slot memory.
+  expert with an all-to-all, runs its local experts and sends the results back. On GPU and TPU the
+  all-to-all is `jax.lax.ragged_all_to_all`: slots sorted by expert, each device sends exactly its
+  slots for each peer (`ragged_dispatch`). On CPU, where ``ragged_all_to_all`` has no lowering, it is
+  a dense all-to-all of worst-case buffers (every slot to one device), ``ep`` times the slot traffic.
+  Both receive into ``ep`` times the slot memory, the worst case.
 
 The layer also returns the statistics the balancing losses need (`balancing_losses`), per sequence
 so the loss can be taken over the global batch or per micro-batch.
@@ -33,13 +39,16 @@ so the loss can be taken over the global batch or per micro-batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels_pallas.gmm import api as gmm_api
 from lm.config import ModelConfig
 from lm.layers import SwiGLU
 from sharding import partition
@@ -74,24 +83,46 @@ def route(logits: jax.Array, bias: jax.Array, k: int, score: str, normalize: boo
     return experts.astype(jnp.int32), gates, probs
 
 
-def grouped_swiglu(rows: jax.Array, group: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # (lhs, rhs, group_sizes) -> out
+
+
+def grouped_matmul(implementation: str) -> tuple[GroupedMatmul, bool]:
+    """``(matmul, is_kernel)`` for ``model.moe_matmul`` on the target platform (see the module docstring).
+
+    ``is_kernel``: the matmul is a Pallas call, which GSPMD cannot partition, so it must run per shard.
+    """
+    backend = gmm_api.PLATFORM_BACKENDS.get(gmm_api.platform())
+    if implementation == "auto":
+        implementation = "gmm" if backend else "ragged_dot"
+    if implementation == "ragged_dot":
+        return jax.lax.ragged_dot, False
+    if implementation != "gmm":
+        raise ValueError(f"unknown model.moe_matmul {implementation!r}; use one of auto, ragged_dot, gmm")
+    return functools.partial(gmm_api.gmm, backend=backend or "triton", interpret=backend is None), True
+
+
+def grouped_swiglu(
+    rows: jax.Array, group: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, matmul: GroupedMatmul = jax.lax.ragged_dot
+) -> jax.Array:
     """Row ``r`` through expert ``group[r]``'s SwiGLU; rows with ``group[r] >= E`` give 0.
 
-    Sorts rows by expert, runs three `jax.lax.ragged_dot` grouped matmuls, unsorts.
+    Sorts rows by expert, runs three grouped matmuls (``matmul``, `jax.lax.ragged_dot`'s signature), unsorts.
     """
     n_experts = w_gate.shape[0]
     order = jnp.argsort(group, stable=True)
     sizes = jnp.bincount(group, length=n_experts + 1)[:n_experts].astype(jnp.int32)  # rows past the groups: 0
     xs = rows[order]
-    hidden = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
-    ys = jax.lax.ragged_dot(hidden, w_down, sizes)
+    hidden = jax.nn.silu(matmul(xs, w_gate, sizes)) * matmul(xs, w_up, sizes)
+    ys = matmul(hidden, w_down, sizes)
     return jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
 
 
-def dropless(x: jax.Array, experts: jax.Array, gates: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+def dropless(
+    x: jax.Array, experts: jax.Array, gates: jax.Array, w_gate, w_up, w_down, matmul: GroupedMatmul = jax.lax.ragged_dot
+) -> jax.Array:
     """``sum_j gates[t, j] SwiGLU_{experts[t, j]}(x[t])`` for ``x`` ``(T, d)``, no token dropped."""
     t, k = experts.shape
-    slots = grouped_swiglu(jnp.repeat(x, k, axis=0), experts.reshape(-1), w_gate, w_up, w_down)
+    slots = grouped_swiglu(jnp.repeat(x, k, axis=0), experts.reshape(-1), w_gate, w_up, w_down, matmul)
     return jnp.einsum("tkd,tk->td", slots.reshape(t, k, -1), gates.astype(slots.dtype))
 
 
@@ -119,7 +150,9 @@ def with_capacity(x: jax.Array, experts: jax.Array, gates: jax.Array, w_gate, w_
     return y, jnp.sum(~kept)
 
 
-def expert_parallel_dropless(x, experts, gates, w_gate, w_up, w_down, *, ep: int) -> jax.Array:
+def expert_parallel_dropless(
+    x, experts, gates, w_gate, w_up, w_down, *, ep: int, matmul: GroupedMatmul = jax.lax.ragged_dot
+) -> jax.Array:
     """`dropless` for one shard inside `jax.shard_map`: local tokens, the local ``E / ep`` experts.
 
     Slot ``s`` goes to device ``experts[s] // (E / ep)`` of the ``expert`` axis at row
@@ -136,10 +169,49 @@ def expert_parallel_dropless(x, experts, gates, w_gate, w_up, w_down, *, ep: int
     send_expert = jnp.full((ep, rows), local, jnp.int32).at[dest, position].set(slot_expert % local)
     recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=True)
     recv_expert = jax.lax.all_to_all(send_expert, EXPERT_AXIS, 0, 0, tiled=True)
-    out = grouped_swiglu(recv.reshape(ep * rows, -1), recv_expert.reshape(-1), w_gate, w_up, w_down)
+    out = grouped_swiglu(recv.reshape(ep * rows, -1), recv_expert.reshape(-1), w_gate, w_up, w_down, matmul)
     back = jax.lax.all_to_all(out.reshape(ep, rows, -1), EXPERT_AXIS, 0, 0, tiled=True)
     slots = back[dest, position]
     return jnp.einsum("tkd,tk->td", slots.reshape(t, k, -1), gates.astype(slots.dtype))
+
+
+def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def ragged_dispatch(x, experts, gates, w_gate, w_up, w_down, *, ep: int, matmul: GroupedMatmul = jax.lax.ragged_dot) -> jax.Array:
+    """`expert_parallel_dropless` with `jax.lax.ragged_all_to_all` (GPU, TPU): only the real slots travel.
+
+    With ``S[i, j]`` the slots device ``i`` sends to device ``j`` (gathered over the ``expert`` axis),
+    device ``i``'s slice for ``j`` lands on ``j`` after those of the senders before ``i``, at row
+    ``sum_{i' < i} S[i', j]``; the results return along the same slices to where they came from.
+    """
+    t, k = experts.shape
+    local = w_gate.shape[0]
+    rows = t * k
+    slot_expert = experts.reshape(-1)
+    order = jnp.argsort(slot_expert, stable=True)  # by global expert, hence by destination device
+    send = jnp.repeat(x, k, axis=0)[order]
+    send_expert = (slot_expert % local)[order][:, None]
+    send_sizes = jnp.bincount(slot_expert // local, length=ep).astype(jnp.int32)
+    sizes = jax.lax.all_gather(send_sizes, EXPERT_AXIS)  # (ep, ep)
+    me = jax.lax.axis_index(EXPERT_AXIS)
+    input_offsets, recv_sizes = _exclusive_cumsum(send_sizes), sizes[:, me]
+    output_offsets = _exclusive_cumsum(sizes)[me]  # where my slice lands on each receiver
+    recv_offsets = _exclusive_cumsum(recv_sizes)  # where each sender's slice lands here
+    forward = (input_offsets, send_sizes, output_offsets, recv_sizes)
+    recv = jax.lax.ragged_all_to_all(send, jnp.zeros((ep * rows, x.shape[-1]), x.dtype), *forward, axis_name=EXPERT_AXIS)
+    recv_expert = jax.lax.ragged_all_to_all(send_expert, jnp.full((ep * rows, 1), local, jnp.int32), *forward, axis_name=EXPERT_AXIS)
+    out = grouped_swiglu(recv, recv_expert[:, 0], w_gate, w_up, w_down, matmul)
+    sender_offsets = _exclusive_cumsum(sizes, axis=1)[:, me]  # each sender's input_offsets for me
+    back = jax.lax.ragged_all_to_all(
+        out, jnp.zeros((rows, out.shape[-1]), out.dtype), recv_offsets, recv_sizes, sender_offsets, send_sizes, axis_name=EXPERT_AXIS
+    )
+    slots = jnp.zeros_like(back).at[order].set(back, unique_indices=True)
+    return jnp.einsum("tkd,tk->td", slots.reshape(t, k, -1), gates.astype(slots.dtype))
+
+
+RAGGED_ALL_TO_ALL_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
 
 def _expert_parallel_size() -> int:
@@ -155,7 +227,7 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         n, d, f = cfg.n_experts, cfg.d_model, cfg.expert_mlp_dim or cfg.mlp_dim
         self.k, self.score, self.normalize = cfg.experts_per_token, cfg.router_score, cfg.normalize_router_weights
-        self.capacity_factor = cfg.capacity_factor
+        self.capacity_factor, self.matmul = cfg.capacity_factor, cfg.moe_matmul
         self.dtype = cfg.compute_dtype
         self.router = Router(d, n, rngs=rngs)
 
@@ -181,12 +253,13 @@ class MoE(nnx.Module):
         flat = x.reshape(b * s, d)
         dropped = jnp.zeros((), jnp.float32)
         ep = _expert_parallel_size()
+        matmul, is_kernel = grouped_matmul(self.matmul)
         if self.capacity_factor > 0:
             cap = capacity(b * s, self.k, n_experts, self.capacity_factor)
             y, n_dropped = with_capacity(flat, experts, gates, *weights, cap)
             dropped = n_dropped.astype(jnp.float32)
-        elif ep > 1:
-            y = self._expert_parallel(x, experts.reshape(b, s, -1), gates.reshape(b, s, -1), weights, ep).reshape(b * s, d)
+        elif ep > 1 or is_kernel:
+            y = self._per_shard(x, experts.reshape(b, s, -1), gates.reshape(b, s, -1), weights, ep, matmul).reshape(b * s, d)
         else:
             y = dropless(flat, experts, gates, *weights)
         y = y.reshape(b, s, d).astype(x.dtype)
@@ -201,12 +274,15 @@ class MoE(nnx.Module):
         }
         return y, stats
 
-    def _expert_parallel(self, x, experts, gates, weights, ep):
+    def _per_shard(self, x, experts, gates, weights, ep, matmul):
+        """Dropless dispatch inside `jax.shard_map`: with all-to-all when ``ep > 1``, else on each shard's tokens."""
+
+        exchange = ragged_dispatch if gmm_api.platform() in RAGGED_ALL_TO_ALL_PLATFORMS else expert_parallel_dropless
+
         def per_shard(x, experts, gates, w_gate, w_up, w_down):
             b, s, d = x.shape
-            y = expert_parallel_dropless(
-                x.reshape(b * s, d), experts.reshape(b * s, -1), gates.reshape(b * s, -1), w_gate, w_up, w_down, ep=ep
-            )
+            args = (x.reshape(b * s, d), experts.reshape(b * s, -1), gates.reshape(b * s, -1), w_gate, w_up, w_down)
+            y = exchange(*args, ep=ep, matmul=matmul) if ep > 1 else dropless(*args, matmul=matmul)
             return y.reshape(b, s, d)
 
         tokens = ("batch", "seq", "embed")

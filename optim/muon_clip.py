@@ -16,6 +16,15 @@ the logits of head ``h`` scale by ``gamma_h`` at the next step (they are bilinea
   caps exactly the heads that exceeded ``tau``, never touches the logits of the other heads of the
   group, and never enlarges a weight.
 
+- multi-head latent attention (MLA, DeepSeek-V2; Kimi K2 Sec. 2.1): head ``h``'s logit is
+  ``q_C^h . k_C^h + q_R^h . k_R`` with a per-head no-RoPE part (query columns of ``q_proj`` or
+  ``q_up``, key columns of ``k_up``) and a RoPE key ``k_R`` shared by all heads. Kimi K2 scales
+  ``q_C^h`` and ``k_C^h`` by ``sqrt(gamma_h)``, ``q_R^h`` by ``gamma_h`` and leaves ``k_R``
+  (``k_rope_proj``) alone, so both parts, hence the logit, scale by ``gamma_h``. Each query head is
+  ``d_n + d_r`` contiguous columns of the query kernel, no-RoPE part first (``lm/mla.py``); ``d_n`` is
+  ``k_up``'s width per head. ``q_norm`` there normalises the query latent, before ``q_up``, and does
+  not undo the rescaling.
+
 Heads are contiguous ``head_dim``-wide column groups of the last axis of ``q_proj/kernel``
 ``(*layers, d_model, H * head_dim)`` and ``k_proj/kernel`` ``(*layers, d_model, K * head_dim)``; the
 logits are ``(*layers, H)`` (the model's ``aux["attn_max_logits"]`` with
@@ -45,6 +54,8 @@ from optim import labels, spec
 from optim.muon import Muon
 
 Q_NAME, K_NAME = "q_proj", "k_proj"
+MLA_Q_UP, MLA_K_UP = "q_up", "k_up"  # lm/mla.py: the query (after a low-rank q_down) and no-RoPE key up-projections
+_ROLES = {Q_NAME: "q", K_NAME: "k", MLA_Q_UP: "q", MLA_K_UP: "k_up"}
 
 
 class QKClipState(NamedTuple):
@@ -67,16 +78,24 @@ def _layer_index(path: tuple[str, ...]) -> int | None:
 
 
 def _locate(params: Any) -> dict[tuple[str, ...], dict[str, int]]:
-    """``{attention path: {"q": leaf index, "k": leaf index, "norm": ...}}`` over the flat leaves."""
+    """``{attention path: {"q" | "k" | "k_up" | "norm": leaf index}}`` over the flat leaves."""
     found: dict[tuple[str, ...], dict[str, int]] = {}
     for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
         names = labels.path_names(path)
         for j, name in enumerate(names):
-            if name in (Q_NAME, K_NAME) and names[-1] == "kernel":
-                found.setdefault(names[:j], {})["q" if name == Q_NAME else "k"] = i
+            if name in _ROLES and names[-1] == "kernel":
+                found.setdefault(names[:j], {})[_ROLES[name]] = i
             elif name in ("q_norm", "k_norm"):
                 found.setdefault(names[:j], {})["norm"] = i
     return found
+
+
+def _mla_query_columns(gamma: jax.Array, nope: int, rope: int) -> jax.Array:
+    """``(*layers, heads)`` factors as query-kernel multipliers: ``sqrt(gamma)`` on no-RoPE columns, ``gamma`` on RoPE ones."""
+    per_head = jnp.concatenate(
+        [jnp.repeat(jnp.sqrt(gamma)[..., None], nope, axis=-1), jnp.repeat(gamma[..., None], rope, axis=-1)], axis=-1
+    )
+    return per_head.reshape(*gamma.shape[:-1], 1, -1)
 
 
 def qk_clip_scales(params: Any, attn_max_logits: jax.Array, tau: jax.typing.ArrayLike) -> tuple[Any, jax.Array]:
@@ -100,6 +119,9 @@ def qk_clip_scales(params: Any, attn_max_logits: jax.Array, tau: jax.typing.Arra
 
     for where, found in modules.items():
         name = "/".join(where)
+        if "k_up" in found:
+            _scale_mla(scales, leaves_with_path, found, name, gamma, logits.shape)
+            continue
         if "norm" in found:
             raise ValueError(
                 f"QK-clip rescales {name}/{Q_NAME} and {K_NAME}, which the QK-norm there undoes; "
@@ -109,16 +131,7 @@ def qk_clip_scales(params: Any, attn_max_logits: jax.Array, tau: jax.typing.Arra
             raise ValueError(f"QK-clip needs both {Q_NAME}/kernel and {K_NAME}/kernel under {name}")
         q_path, q = leaves_with_path[found["q"]]
         k = leaves_with_path[found["k"]][1]
-        layers = q.shape[:-2]
-        if layers == logits.shape[:-1]:
-            g = gamma
-        elif not layers and logits.ndim == 2 and _layer_index(labels.path_names(q_path)) is not None:
-            g = gamma[_layer_index(labels.path_names(q_path))]
-        else:
-            raise ValueError(
-                f"attn_max_logits of shape {logits.shape} does not match {name}/{Q_NAME}/kernel {q.shape}: "
-                "expected (*layers, n_heads) with the kernel's leading layer axes"
-            )
+        g = _layer_gamma(gamma, logits.shape, q_path, q.shape, name)
         head_dim, rem = divmod(q.shape[-1], n_heads)
         if rem or k.shape[-1] % head_dim or n_heads % (k.shape[-1] // head_dim):
             raise ValueError(
@@ -130,6 +143,38 @@ def qk_clip_scales(params: Any, attn_max_logits: jax.Array, tau: jax.typing.Arra
         else:
             scales[found["q"]] = _per_column(g, head_dim)
     return treedef.unflatten(scales), jnp.sum(logits > tau).astype(jnp.int32)
+
+
+def _layer_gamma(gamma: jax.Array, logits_shape: tuple[int, ...], q_path: Any, q_shape: tuple[int, ...], name: str) -> jax.Array:
+    """The rows of ``gamma`` that belong to the query kernel at ``q_path`` (all layers, or its own layer)."""
+    layers = q_shape[:-2]
+    if layers == logits_shape[:-1]:
+        return gamma
+    if not layers and len(logits_shape) == 2 and _layer_index(labels.path_names(q_path)) is not None:
+        return gamma[_layer_index(labels.path_names(q_path))]
+    raise ValueError(
+        f"attn_max_logits of shape {logits_shape} does not match the query kernel {q_shape} under {name}: "
+        "expected (*layers, n_heads) with the kernel's leading layer axes"
+    )
+
+
+def _scale_mla(scales: list[Any], leaves_with_path: list[Any], found: dict[str, int], name: str, gamma, logits_shape) -> None:
+    """Kimi K2's MLA rule (module docstring) into ``scales``: query and ``k_up`` columns; the RoPE key is left alone."""
+    if "q" not in found:
+        raise ValueError(f"QK-clip needs the MLA query kernel ({Q_NAME} or {MLA_Q_UP}) next to {name}/{MLA_K_UP}")
+    q_path, q = leaves_with_path[found["q"]]
+    k_up = leaves_with_path[found["k_up"]][1]
+    n_heads = logits_shape[-1]
+    nope, rem_k = divmod(k_up.shape[-1], n_heads)
+    width, rem_q = divmod(q.shape[-1], n_heads)
+    if rem_k or rem_q or width <= nope:
+        raise ValueError(
+            f"{name}: MLA query kernel {q.shape} and {MLA_K_UP} kernel {k_up.shape} do not split into {n_heads} heads "
+            "of no-RoPE plus RoPE query columns and no-RoPE key columns"
+        )
+    g = _layer_gamma(gamma, logits_shape, q_path, q.shape, name)
+    scales[found["q"]] = _mla_query_columns(g, nope, width - nope)
+    scales[found["k_up"]] = _per_column(jnp.sqrt(g), nope)
 
 
 def qk_clip(params: Any, attn_max_logits: jax.Array, tau: float = 100.0) -> Any:

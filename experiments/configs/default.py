@@ -42,23 +42,25 @@ def get_config() -> ml_collections.ConfigDict:
     for size in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim"):
         config.model[size] = config_dict.placeholder(int)
     config.model.dtype = "float32"  # compute dtype: float32 | bfloat16
-    config.model.scan_layers = True
+    config.model.scan_layers = config_dict.placeholder(bool)  # None: the preset's (True except deepseek-v2-lite)
     config.model.scan_unroll = 1  # blocks per scan iteration
     # none | full | dots_saveable | dots_with_no_batch_dims_saveable | save_attention | dots_and_attention
     # (lm/remat.py); true = full, false = none
     config.model.remat = "none"
     config.model.qk_norm = False
-    config.model.tie_embeddings = True
+    config.model.tie_embeddings = config_dict.placeholder(bool)  # None: the preset's (untied in mixtral-8x7b, deepseek-v2-lite)
     config.model.track_attn_logits = False
     config.model.attention = "auto"  # auto | xla | cudnn | pallas; auto: XLA on CPU, cuDNN else Pallas on GPU, Pallas on TPU
     # Mixture of experts (lm/moe.py), None keeps the preset's value: n_experts (0: dense),
-    # experts_per_token, n_shared_experts, moe_every, expert_mlp_dim, capacity_factor (<= 0: dropless),
+    # experts_per_token, n_shared_experts, moe_every, first_dense_layers, expert_mlp_dim, capacity_factor (<= 0: dropless),
     # router_score (softmax | sigmoid), normalize_router_weights.
-    for size in ("n_experts", "experts_per_token", "n_shared_experts", "moe_every", "expert_mlp_dim"):
+    for size in ("n_experts", "experts_per_token", "n_shared_experts", "moe_every", "first_dense_layers", "expert_mlp_dim"):
         config.model[size] = config_dict.placeholder(int)
     config.model.capacity_factor = config_dict.placeholder(float)
     config.model.router_score = config_dict.placeholder(str)
     config.model.normalize_router_weights = config_dict.placeholder(bool)
+    # auto | ragged_dot | gmm: dropless grouped matmuls; auto: the Pallas gmm kernel on GPU, ragged_dot elsewhere
+    config.model.moe_matmul = "auto"
     config.model.attention_type = config_dict.placeholder(str)  # gqa | mla (multi-head latent attention, lm/mla.py)
     for mla_size in ("kv_lora_rank", "q_lora_rank", "rope_head_dim", "v_head_dim"):
         config.model[mla_size] = config_dict.placeholder(int)

@@ -1,12 +1,12 @@
 """`gmm`: the public grouped matmul, `jax.lax.ragged_dot`'s signature, one `custom_vjp` over the kernels.
 
-``backend`` picks the implementation: ``triton`` (ours) or ``xla`` (``jax.lax.ragged_dot``). The default
-is ``xla`` on every platform until the Triton kernels have been compiled and timed on a GPU at or above
-``ragged_dot``'s speed (docs/benchmarks.md, section 6); ``backend="triton"`` opts in. ``mosaic_tpu`` is
-not written yet. On a CPU the Triton kernels run in interpret mode (the default there when
-``backend="triton"``), which is how the tests check them. Backward: ``dlhs`` is the
-forward kernel with ``rhs`` transposed in place, ``drhs`` the ``tgmm`` kernel; no gradient flows to
-``group_sizes``.
+``backend`` picks the implementation: ``triton`` (GPU), ``mosaic_tpu`` (TPU) or ``xla``
+(``jax.lax.ragged_dot``). The default is ``xla`` on every platform until the Pallas kernels have been
+compiled and timed at or above ``ragged_dot``'s speed (docs/benchmarks.md, section 8); naming a kernel
+opts in (the MoE layer's ``model.moe_matmul=auto`` does, `lm.moe`). On a CPU the kernels run in
+interpret mode (the default there), which is how the tests check them; ``mosaic_tpu`` then uses the
+TPU interpreter. Backward: ``dlhs`` is the forward kernel with ``rhs`` transposed in place, ``drhs``
+the ``tgmm`` kernel; no gradient flows to ``group_sizes``.
 """
 
 from __future__ import annotations
@@ -17,32 +17,36 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.attention.api import platform
-from kernels_pallas.gmm import reference, triton
-from kernels_pallas.gmm.triton import Tiling
+from kernels_pallas.gmm import mosaic_tpu, reference, triton
+from kernels_pallas.gmm.base import Tiling
 
-BACKENDS = ("triton", "xla")
+KERNELS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
+BACKENDS = (*KERNELS, "xla")
+# The Pallas kernel each platform compiles; a platform not listed (CPU) runs one only in interpret mode.
+PLATFORM_BACKENDS = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}
 
-__all__ = ["BACKENDS", "Tiling", "gmm"]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _triton_gmm(lhs, rhs, group_sizes, tiling: Tiling, out_dtype, interpret: bool):
-    return triton.gmm(lhs, rhs, group_sizes, tiling=tiling, out_dtype=out_dtype, interpret=interpret)
+__all__ = ["BACKENDS", "PLATFORM_BACKENDS", "Tiling", "gmm"]
 
 
-def _triton_gmm_fwd(lhs, rhs, group_sizes, tiling, out_dtype, interpret):
-    return _triton_gmm(lhs, rhs, group_sizes, tiling, out_dtype, interpret), (lhs, rhs, group_sizes)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _pallas_gmm(lhs, rhs, group_sizes, backend: str, tiling: Tiling, out_dtype, interpret):
+    return KERNELS[backend].gmm(lhs, rhs, group_sizes, tiling=tiling, out_dtype=out_dtype, interpret=interpret)
 
 
-def _triton_gmm_bwd(tiling, out_dtype, interpret, residuals, dout):
+def _pallas_gmm_fwd(lhs, rhs, group_sizes, backend, tiling, out_dtype, interpret):
+    return _pallas_gmm(lhs, rhs, group_sizes, backend, tiling, out_dtype, interpret), (lhs, rhs, group_sizes)
+
+
+def _pallas_gmm_bwd(backend, tiling, out_dtype, interpret, residuals, dout):
     lhs, rhs, group_sizes = residuals
     dout = dout.astype(lhs.dtype)
-    dlhs = triton.gmm(dout, rhs, group_sizes, tiling=tiling, transpose_rhs=True, out_dtype=lhs.dtype, interpret=interpret)
-    drhs = triton.tgmm(lhs, dout, group_sizes, tiling=tiling, out_dtype=rhs.dtype, interpret=interpret)
+    kernels = KERNELS[backend]
+    dlhs = kernels.gmm(dout, rhs, group_sizes, tiling=tiling, transpose_rhs=True, out_dtype=lhs.dtype, interpret=interpret)
+    drhs = kernels.tgmm(lhs, dout, group_sizes, tiling=tiling, out_dtype=rhs.dtype, interpret=interpret)
     return dlhs, drhs, None
 
 
-_triton_gmm.defvjp(_triton_gmm_fwd, _triton_gmm_bwd)
+_pallas_gmm.defvjp(_pallas_gmm_fwd, _pallas_gmm_bwd)
 
 
 def gmm(
@@ -62,18 +66,19 @@ def gmm(
       rhs: ``(G, k, n)``.
       group_sizes: ``(G,)`` integers summing to at most ``m``; rows past the sum come out 0.
       preferred_element_type: output dtype; default lhs's.
-      backend: ``triton`` or ``xla`` (the default, see the module docstring).
-      interpret: run the Pallas kernel in interpret mode; default: on a CPU.
-      tiling: `Tiling` of the Triton kernels.
+      backend: ``triton``, ``mosaic_tpu`` or ``xla`` (the default, see the module docstring).
+      interpret: run the Pallas kernel in interpret mode; default: on a CPU. ``mosaic_tpu`` also takes
+        a `jax.experimental.pallas.tpu.InterpretParams`.
+      tiling: `Tiling` of the kernels; default: the backend's ``DEFAULT_TILING``.
     """
     reference.check_shapes(lhs, rhs, group_sizes)
     target = platform()
     if backend is None:
-        backend = "triton" if interpret else "xla"
+        backend = PLATFORM_BACKENDS.get(target, "triton") if interpret else "xla"
     if backend not in BACKENDS:
-        raise ValueError(f"unknown gmm backend {backend!r}; use one of {', '.join(BACKENDS)} (mosaic_tpu is not written yet)")
+        raise ValueError(f"unknown gmm backend {backend!r}; use one of {', '.join(BACKENDS)}")
     if backend == "xla":
         return reference.gmm(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     interpret = target == "cpu" if interpret is None else interpret
-    return _triton_gmm(lhs, rhs, group_sizes, tiling or Tiling(), out_dtype, interpret)
+    return _pallas_gmm(lhs, rhs, group_sizes, backend, tiling or KERNELS[backend].DEFAULT_TILING, out_dtype, interpret)

@@ -1,12 +1,9 @@
 """Grouped matmul for GPUs: Pallas Triton kernels for ``gmm`` (forward and dlhs) and ``tgmm`` (drhs).
 
-``gmm``: rows are cut into ``block_m`` tiles; a tile that straddles a group boundary is visited once
-per group it holds (a *work item* ``(group, tile)``, at most ``cdiv(m, block_m) + G - 1`` of them,
-listed by `work_items` in XLA before the call). Grid ``(work items, n tiles)``: each program
+``gmm``: grid ``(work items, n tiles)`` (`kernels_pallas.gmm.base.work_items`): each program
 multiplies its whole row tile by ``rhs[group]`` over a loop of ``block_k`` slices in float32 and
 stores only its group's rows (a masked store), so items sharing a tile write disjoint rows and no
-atomics are needed. Empty groups yield no work item; surplus items (the bound is not reached when
-groups align with tiles) skip all work. With ``transpose_rhs`` it multiplies by ``rhs[group]^T``,
+atomics are needed. Surplus items skip all work. With ``transpose_rhs`` it multiplies by ``rhs[group]^T``,
 which is dlhs without materialising a transposed ``rhs``.
 
 ``tgmm``: grid ``(G, k tiles, n tiles)``; a program loops over the row tiles its group touches,
@@ -17,7 +14,6 @@ partial tiles need no masked loads; ``tl.dot`` takes tiles of at least 16.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -26,62 +22,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.attention.base import dot_nn, dot_nt, dot_tn
+from kernels_pallas.gmm.base import Tiling, cdiv, group_bounds, pad_to, work_items
 
+DEFAULT_TILING = Tiling()
 
-@dataclasses.dataclass(frozen=True)
-class Tiling:
-    """Tile sizes (powers of two, >= 16 on a GPU) and Triton's warps and pipeline stages per program."""
-
-    block_m: int = 128
-    block_k: int = 64
-    block_n: int = 128
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def compiler_params(self) -> plgpu.CompilerParams:
-        return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
-
-
-def _cdiv(a, b: int):
-    return (a + b - 1) // b
-
-
-def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
-    pad = -x.shape[axis] % multiple
-    if not pad:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths)
-
-
-def group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
-    """``(starts, ends)`` of each group's rows, clipped to ``m``."""
-    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
-    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), ends[:-1]])
-    return starts, ends
-
-
-def work_items(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, ...]:
-    """``(group, tile, start, end)`` per work item, ``cdiv(m, block_m) + G - 1`` of them.
-
-    Item ``w`` covers the rows ``[start, end)`` of ``group`` inside row tile ``tile``; surplus items
-    have ``start == end``.
-    """
-    num_groups = group_sizes.shape[0]
-    num_items = _cdiv(m, block_m) + num_groups - 1
-    starts, ends = group_bounds(group_sizes, m)
-    first, last = starts // block_m, (ends - 1) // block_m
-    tiles = jnp.where(ends > starts, last - first + 1, 0)
-    done = jnp.cumsum(tiles)
-    w = jnp.arange(num_items, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(done, w, side="right"), num_groups - 1).astype(jnp.int32)
-    tile = first[group] + w - (done[group] - tiles[group])
-    valid = w < done[-1]
-    row0 = tile * block_m
-    start = jnp.where(valid, jnp.maximum(starts[group], row0), 0)
-    end = jnp.where(valid, jnp.minimum(ends[group], row0 + block_m), 0)
-    return group, jnp.where(valid, tile, 0), start, end
+__all__ = ["DEFAULT_TILING", "Tiling", "gmm", "tgmm", "work_items"]
 
 
 def _gmm_kernel(group_ref, tile_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, tiling: Tiling, num_k: int, transpose_rhs: bool):
@@ -111,7 +56,7 @@ def gmm(
     rhs: jax.Array,
     group_sizes: jax.Array,
     *,
-    tiling: Tiling = Tiling(),
+    tiling: Tiling = DEFAULT_TILING,
     transpose_rhs: bool = False,
     out_dtype=None,
     interpret: bool = False,
@@ -120,8 +65,8 @@ def gmm(
     m = lhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     out_dtype = out_dtype or lhs.dtype
-    lhs_p = _pad_to(_pad_to(lhs, 0, tiling.block_m), 1, tiling.block_k)
-    rhs_p = _pad_to(_pad_to(rhs, 2 if transpose_rhs else 1, tiling.block_k), 1 if transpose_rhs else 2, tiling.block_n)
+    lhs_p = pad_to(pad_to(lhs, 0, tiling.block_m), 1, tiling.block_k)
+    rhs_p = pad_to(pad_to(rhs, 2 if transpose_rhs else 1, tiling.block_k), 1 if transpose_rhs else 2, tiling.block_n)
     items = work_items(group_sizes, m, tiling.block_m)
     n_padded = n + (-n % tiling.block_n)
     kernel = functools.partial(_gmm_kernel, tiling=tiling, num_k=lhs_p.shape[1] // tiling.block_k, transpose_rhs=transpose_rhs)
@@ -129,7 +74,7 @@ def gmm(
         kernel,
         out_shape=jax.ShapeDtypeStruct((lhs_p.shape[0], n_padded), out_dtype),
         grid=(items[0].shape[0], n_padded // tiling.block_n),
-        compiler_params=tiling.compiler_params(),
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
         name="gmm",
     )(*items, lhs_p, rhs_p)
@@ -148,18 +93,18 @@ def _tgmm_kernel(start_ref, end_ref, lhs_ref, dout_ref, out_ref, *, tiling: Tili
         x = jnp.where(((rows >= start) & (rows < end))[:, None], x, jnp.zeros_like(x))
         return acc + dot_tn(x, dout_ref[pl.ds(t * bm, bm), pl.ds(j * bn, bn)])
 
-    acc = jax.lax.fori_loop(start // bm, _cdiv(end, bm), body, jnp.zeros((bk, bn), jnp.float32))
+    acc = jax.lax.fori_loop(start // bm, cdiv(end, bm), body, jnp.zeros((bk, bn), jnp.float32))
     out_ref[...] = acc.astype(out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "interpret"))
 def tgmm(
-    lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, tiling: Tiling = Tiling(), out_dtype=jnp.float32, interpret: bool = False
+    lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, tiling: Tiling = DEFAULT_TILING, out_dtype=jnp.float32, interpret: bool = False
 ) -> jax.Array:
     """``(G, k, n)``: ``sum_{i in g} lhs[i]^T dout[i]`` per group ``g`` (0 for an empty group)."""
     (m, k), n, num_groups = lhs.shape, dout.shape[1], group_sizes.shape[0]
-    lhs_p = _pad_to(_pad_to(lhs, 0, tiling.block_m), 1, tiling.block_k)
-    dout_p = _pad_to(_pad_to(dout, 0, tiling.block_m), 1, tiling.block_n)
+    lhs_p = pad_to(pad_to(lhs, 0, tiling.block_m), 1, tiling.block_k)
+    dout_p = pad_to(pad_to(dout, 0, tiling.block_m), 1, tiling.block_n)
     starts, ends = group_bounds(group_sizes, m)
     k_tiles, n_tiles = lhs_p.shape[1] // tiling.block_k, dout_p.shape[1] // tiling.block_n
     out = pl.pallas_call(
@@ -167,7 +112,7 @@ def tgmm(
         out_shape=jax.ShapeDtypeStruct((num_groups, lhs_p.shape[1], dout_p.shape[1]), out_dtype),
         grid=(num_groups, k_tiles, n_tiles),
         out_specs=pl.BlockSpec((None, tiling.block_k, tiling.block_n), lambda g, i, j: (g, i, j)),
-        compiler_params=tiling.compiler_params(),
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
         name="tgmm",
     )(starts, ends, lhs_p, dout_p)

@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from experiments import plan
 from experiments.configs import default
 from lm import config as config_lib
@@ -42,3 +44,27 @@ def test_cli_says_when_it_does_not_fit(tmp_path):
     assert result.returncode == 1, result.stderr[-2000:]
     assert "DOES NOT FIT" in result.stdout and "{'fsdp': 4}" in result.stdout
     assert (tmp_path / "p.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "preset, total, active",
+    [
+        ("mixtral-8x7b", 46.7e9, 12.9e9),  # arXiv:2401.04088
+        ("deepseek-v2-lite", 15.7e9, 2.4e9),  # arXiv:2405.04434, appendix B; active without the embedding lookup
+    ],
+)
+def test_large_moe_presets_plan_on_an_expert_fsdp_mesh_at_their_published_sizes(preset, total, active):
+    """State only (the step is not compiled): routed experts split 8 ways (expert x fsdp), the rest 4 (fsdp)."""
+    config = _config("expert:2,fsdp:4")
+    config.model.preset = preset
+    report = plan.plan(config, 80 * plan.GiB, compile_step=False)
+    cfg = config_lib.from_preset(preset)
+    lookup = 0 if cfg.tie_embeddings or preset.startswith("mixtral") else cfg.vocab_size * cfg.d_model
+    assert report["num_params"] == pytest.approx(total, rel=0.01)
+    assert report["num_active_params"] - lookup == pytest.approx(active, rel=0.03)
+    routed = (report["num_params"] - report["num_active_params"]) / (1 - cfg.experts_per_token / cfg.n_experts)
+    expected = 4 * (routed / 8 + (report["num_params"] - routed) / 4)
+    # rel 3%: MLA's k_up / v_up kernels ("latent", "heads") have no axis the fsdp rules shard (+2% in V2-Lite).
+    assert report["params_bytes"] == pytest.approx(expected, rel=0.03)
+    assert 0 <= report["optimizer_state_bytes"] - 2 * report["params_bytes"] < 1024  # AdamW's two moments and counters
+    assert report["state_only"] and report["peak_bytes"] == 2 * report["params_bytes"] + report["optimizer_state_bytes"]

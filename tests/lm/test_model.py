@@ -44,14 +44,15 @@ def test_tiny_parameter_shapes_and_logical_axes():
 
 @pytest.mark.parametrize("preset", list(config_lib.PRESETS))
 def test_every_preset_is_fully_annotated_and_counted(preset):
-    cfg = config_lib.from_preset(preset, tie_embeddings=False, qk_norm=True)
+    gqa = config_lib.PRESETS[preset].get("attention_type", "gqa") == "gqa"
+    cfg = config_lib.from_preset(preset, tie_embeddings=False, qk_norm=gqa)  # MLA normalises its latents instead
     model_def = model_lib.define(cfg)
     params, specs = _flat(model_def.abstract_params), _flat(model_def.logical_specs)
     assert params.keys() == specs.keys()
     for name, leaf in params.items():
         assert len(specs[name]) == leaf.ndim, name
         assert set(specs[name]) <= set(LOGICAL_AXES), (name, specs[name])
-    assert sum(int(np.prod(p.shape)) for p in params.values()) == cfg.num_params()
+    assert sum(int(np.prod(p.shape)) for p in params.values()) == model_lib.count_params(model_def).total
 
 
 def test_preset_sizes():

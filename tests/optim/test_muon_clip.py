@@ -210,3 +210,44 @@ def test_cautious_masks_muons_update_but_not_the_clip():
             got["blocks"]["attn"][path[0]]["kernel"], want["blocks"]["attn"][path[0]]["kernel"], rtol=2e-5, atol=1e-6
         )
     assert "cautious" not in config.muon_clip  # the common key, not a family key
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 12], ids=["q_proj", "q_down_up"])
+def test_mla_heads_over_tau_land_on_tau_and_the_shared_rope_key_is_left_alone(q_lora_rank):
+    """Kimi K2's MLA rule on `lm.mla`: no-RoPE query/key columns by sqrt(gamma), RoPE query columns by gamma."""
+    from flax import nnx
+
+    from lm import config as config_lib
+    from lm.mla import MultiHeadLatentAttention
+
+    cfg = config_lib.ModelConfig(
+        d_model=32, n_heads=4, head_dim=8, attention_type="mla", kv_lora_rank=16, q_lora_rank=q_lora_rank,
+        rope_head_dim=4, v_head_dim=6, track_attn_logits=True, attention="xla",
+    )  # fmt: skip
+    with nnx.use_eager_sharding(False):
+        graphdef, state = nnx.split(MultiHeadLatentAttention(cfg, rngs=nnx.Rngs(0)))
+    params = jax.tree.map(lambda p: 4.0 * p, nnx.to_pure_dict(state))  # logits of a few units, not ~0
+    x = jax.random.normal(jax.random.key(1), (2, 7, 32))
+
+    @jax.jit
+    def run(params):
+        new_state = nnx.State(state)
+        nnx.replace_by_pure_dict(new_state, params)
+        return nnx.merge(graphdef, new_state)(x)[1]
+
+    before = run(params)
+    tau = float(jnp.median(before))
+    clipped = jax.jit(qk_clip, static_argnums=2)(params, before, tau)
+    after = run(clipped)
+    over = np.asarray(before > tau)
+    assert over.any() and not over.all()
+    np.testing.assert_allclose(np.asarray(after)[over], tau, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(after)[~over], np.asarray(before)[~over], rtol=1e-5)
+    # By hand: head h of the query kernel is 8 no-RoPE columns then 4 RoPE ones; k_up has 8 per head.
+    gamma = np.where(over, tau / np.asarray(before), 1.0)
+    q_name = "q_up" if q_lora_rank else "q_proj"
+    q_factor = np.concatenate([np.repeat(np.sqrt(gamma)[:, None], 8, 1), np.repeat(gamma[:, None], 4, 1)], 1).reshape(-1)
+    np.testing.assert_allclose(clipped[q_name]["kernel"], params[q_name]["kernel"] * q_factor, rtol=1e-6)
+    np.testing.assert_allclose(clipped["k_up"]["kernel"], params["k_up"]["kernel"] * np.repeat(np.sqrt(gamma), 8), rtol=1e-6)
+    for untouched in ("k_rope_proj", "v_up", "kv_down", "o_proj", *(("q_down",) if q_lora_rank else ())):
+        np.testing.assert_array_equal(clipped[untouched]["kernel"], params[untouched]["kernel"])

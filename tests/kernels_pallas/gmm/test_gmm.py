@@ -2,18 +2,25 @@
 
 On CPU the Triton kernels run in Pallas interpret mode (the interpreter fills outputs with NaN first,
 so a row a kernel forgets to write fails the comparison); with a GPU as JAX's default backend
-(tests/conftest.py) they run compiled. There is no Mosaic TPU gmm kernel yet, so nothing TPU runs here.
+(tests/conftest.py) they run compiled. The Mosaic TPU kernels run in TPU interpret mode everywhere but
+on a TPU: `pltpu.InterpretParams` simulates VMEM, the block DMAs and the output block that stays
+resident across grid steps, poisons fresh buffers with NaN and raises on out-of-bounds reads. Tiles
+of 16 are smaller than a compiled TPU kernel takes (8 x 128), so that small operands span several.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas.gmm import api, reference, triton
+from kernels_pallas.gmm import api, base, mosaic_tpu, reference
 
-INTERPRET = jax.default_backend() == "cpu"
-TILING = triton.Tiling(block_m=16, block_k=16, block_n=16)
+TILING = base.Tiling(block_m=16, block_k=16, block_n=16)
+INTERPRET = {
+    "triton": jax.default_backend() == "cpu",
+    "mosaic_tpu": jax.default_backend() != "tpu" and pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise"),
+}
 
 # (m, k, n, group sizes): partial row / k / n tiles, empty groups (first, middle, last), a group inside
 # one tile, groups spanning tiles, rows past the groups; then groups aligned with whole tiles.
@@ -32,13 +39,18 @@ def _operands(m, k, n, sizes, dtype=jnp.float32):
 
 @pytest.mark.parametrize("m, k, n, sizes", CASES)
 def test_work_items_cover_each_groups_rows_exactly_once(m, k, n, sizes):
-    items = jax.jit(triton.work_items, static_argnums=(1, 2))(jnp.asarray(sizes, jnp.int32), m, 16)
+    items = jax.jit(base.work_items, static_argnums=(1, 2))(jnp.asarray(sizes, jnp.int32), m, 16)
     group, tile, start, end = (np.asarray(a) for a in items)
     covered = np.full(m, -1)
+    real = end > start
     for g, t, s, e in zip(group, tile, start, end):
         assert e == s or t * 16 <= s < e <= t * 16 + 16
         assert np.all(covered[s:e] == -1)
         covered[s:e] = g
+    # In order of (group, tile); surplus items come last and repeat the last real one's group and tile.
+    assert np.all(np.diff(group) >= 0) and np.all(np.diff(tile) >= 0)
+    last = np.flatnonzero(real)[-1]
+    assert not real[last + 1 :].any() and np.all(group[last:] == group[last]) and np.all(tile[last:] == tile[last])
     offsets = np.cumsum((0, *sizes))
     expected = np.full(m, -1)
     for g in range(len(sizes)):
@@ -46,14 +58,15 @@ def test_work_items_cover_each_groups_rows_exactly_once(m, k, n, sizes):
     np.testing.assert_array_equal(covered, expected)
 
 
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
 @pytest.mark.parametrize("m, k, n, sizes", CASES)
-def test_triton_kernels_match_ragged_dot_forward_and_backward(m, k, n, sizes):
+def test_kernels_match_ragged_dot_forward_and_backward(m, k, n, sizes, backend):
     lhs, rhs, group_sizes, dout = _operands(m, k, n, sizes)
 
     def loss(impl):
         return lambda lhs, rhs: jnp.sum(impl(lhs, rhs, group_sizes) * dout)
 
-    kernel = lambda a, b, g: api.gmm(a, b, g, backend="triton", interpret=INTERPRET, tiling=TILING)
+    kernel = lambda a, b, g: api.gmm(a, b, g, backend=backend, interpret=INTERPRET[backend], tiling=TILING)
     out, (dlhs, drhs) = jax.jit(lambda a, b: (kernel(a, b, group_sizes), jax.grad(loss(kernel), argnums=(0, 1))(a, b)))(lhs, rhs)
     want_out = reference.gmm(lhs, rhs, group_sizes)
     want_dlhs, want_drhs = jax.grad(loss(reference.gmm), argnums=(0, 1))(lhs, rhs)
@@ -64,9 +77,10 @@ def test_triton_kernels_match_ragged_dot_forward_and_backward(m, k, n, sizes):
     assert not np.any(np.asarray(drhs)[np.asarray(sizes) == 0])  # an empty group gets a zero gradient
 
 
-def test_bfloat16_accumulates_in_float32():
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+def test_bfloat16_accumulates_in_float32(backend):
     lhs, rhs, group_sizes, _ = _operands(48, 32, 32, (20, 0, 28), jnp.bfloat16)
-    out = api.gmm(lhs, rhs, group_sizes, backend="triton", interpret=INTERPRET, tiling=TILING)
+    out = api.gmm(lhs, rhs, group_sizes, backend=backend, interpret=INTERPRET[backend], tiling=TILING)
     want = reference.gmm(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(out.astype(jnp.float32), want, atol=0.1, rtol=2e-2)
@@ -77,8 +91,8 @@ def test_default_backend_on_cpu_is_ragged_dot_and_bad_input_names_the_fix():
     np.testing.assert_array_equal(api.gmm(lhs, rhs, group_sizes), jax.lax.ragged_dot(lhs, rhs, group_sizes))
     with pytest.raises(ValueError, match="one matrix per group"):
         api.gmm(lhs, rhs[:1], group_sizes)
-    with pytest.raises(ValueError, match="unknown gmm backend 'mosaic_tpu'"):
-        api.gmm(lhs, rhs, group_sizes, backend="mosaic_tpu")
+    with pytest.raises(ValueError, match="unknown gmm backend 'cuda'"):
+        api.gmm(lhs, rhs, group_sizes, backend="cuda")
 
 
 def test_forward_and_backward_lower_to_triton_for_a_gpu_on_any_host():
@@ -92,3 +106,18 @@ def test_forward_and_backward_lower_to_triton_for_a_gpu_on_any_host():
 
     text = jax.jit(forward_and_pullback).trace(lhs, rhs, group_sizes).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 3  # gmm, gmm with rhs transposed (dlhs), tgmm (drhs)
+
+
+def test_tpu_kernels_lower_to_mosaic_on_any_host():
+    """Pallas -> Mosaic MLIR for a TPU runs on the host at the default (8, 128)-aligned tiles; Mosaic's
+    compiler needs a TPU (not here), so this checks what lowering checks (block shapes, ops), no more."""
+    lhs, rhs = jax.ShapeDtypeStruct((200, 256), jnp.bfloat16), jax.ShapeDtypeStruct((4, 256, 384), jnp.bfloat16)
+    group_sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+    def forward_and_pullback(a, b, g):
+        out, pullback = jax.vjp(lambda a, b: api.gmm(a, b, g, backend="mosaic_tpu", interpret=False), a, b)
+        return out, pullback(out)
+
+    text = jax.jit(forward_and_pullback).trace(lhs, rhs, group_sizes).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 3  # gmm, gmm with rhs transposed (dlhs), tgmm (drhs)
+    assert mosaic_tpu.DEFAULT_TILING.block_k % 128 == 0 and mosaic_tpu.DEFAULT_TILING.block_n % 128 == 0

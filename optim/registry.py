@@ -172,7 +172,7 @@ def make_spec(config: Mapping[str, Any], total_steps: int, *, replica_axis: str 
     fields = spec.defaults(cls)
     if "axis_name" in fields:
         family["axis_name"] = replica_axis
-    if "num_steps" in fields:  # a learned optimizer's time features
+    if "num_steps" in fields and not family.get("num_steps"):  # a learned optimizer's time features
         family["num_steps"] = total_steps
     inner = inner_name(config)
     if inner is not None:

@@ -41,7 +41,7 @@ NORMALIZE_EPS = 1e-5
 class Decays(NamedTuple):
     """Decay rates of the accumulators (arrays: they may be meta-learned)."""
 
-    momentum: jax.Array  # (K_m,)
+    momentum: jax.Array  # (K_m,); a tuple of floats for the initial decays
     rms: jax.Array  # (1,)
     adafactor: jax.Array  # (K_a,)
 

@@ -45,9 +45,7 @@ import optax
 from optim import labels, spec
 from optim.learned import features as feat
 
-INITIAL_DECAYS = feat.Decays(
-    momentum=jnp.asarray([0.9, 0.99, 0.999]), rms=jnp.asarray([0.999]), adafactor=jnp.asarray([0.9, 0.99, 0.999])
-)
+INITIAL_DECAYS = feat.Decays(momentum=(0.9, 0.99, 0.999), rms=(0.999,), adafactor=(0.9, 0.99, 0.999))
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 MetaParams = dict[str, Any]
 
@@ -71,7 +69,7 @@ def init_meta_params(key: jax.Array, hidden_size: int = 32, hidden_layers: int =
         key, sub = jax.random.split(key)
         mlp[f"w{i}"] = jax.random.truncated_normal(sub, -2.0, 2.0, (n_in, n_out), jnp.float32) / np.sqrt(n_in)
         mlp[f"b{i}"] = jnp.zeros((n_out,), jnp.float32)
-    offsets = {f"{name}_decays": jnp.zeros_like(d, jnp.float32) for name, d in INITIAL_DECAYS._asdict().items()}
+    offsets = {f"{name}_decays": jnp.zeros((len(d),), jnp.float32) for name, d in INITIAL_DECAYS._asdict().items()}
     return {"mlp": mlp, **offsets}
 
 
@@ -79,7 +77,7 @@ def decays(meta_params: MetaParams) -> feat.Decays:
     """The accumulator decays, ``1 - (1 - decay_0) exp(10 offset)`` clipped to [0, 1)."""
 
     def one(initial, offset):
-        return jnp.clip(1 - (1 - initial) * jnp.exp(10 * offset), 0.0, 1.0 - 1e-7)
+        return jnp.clip(1 - (1 - jnp.asarray(initial, jnp.float32)) * jnp.exp(10 * offset), 0.0, 1.0 - 1e-7)
 
     return feat.Decays(*(one(d, meta_params[f"{n}_decays"]) for n, d in INITIAL_DECAYS._asdict().items()))
 
@@ -226,22 +224,22 @@ class LOpt(spec.OptimizerSpec):
 
     ``learning_rate`` multiplies the learned step: 1.0 is the optimizer as meta-trained (it has its own
     schedule through its time features; use ``optimizer.schedule=constant`` to leave it alone).
-    ``num_steps`` is the run's length (`optim.registry` passes it). ``weights``: a shipped name or a
+    ``num_steps`` is the run's length (0 in a config: `optim.registry` sets the run's). ``weights``: a shipped name or a
     ``.npz`` path; ``meta_params`` (from code) replaces them. No weight decay: the learned step
     decides what happens to the weights.
     """
 
     learning_rate: optax.ScalarOrSchedule = 1.0
     weights: str = "lopt"
-    num_steps: int | None = spec.code_only()
+    num_steps: int = 0
     meta_params: MetaParams | None = spec.code_only()
 
     def mup_base_fan_in(self) -> int:
         return 0
 
     def transform(self) -> optax.GradientTransformationExtraArgs:
-        if self.num_steps is None:
-            raise ValueError(f"{type(self).__name__} needs num_steps, the length of the run (its time features)")
+        if isinstance(self.num_steps, int) and self.num_steps < 1:
+            raise ValueError(f"{type(self).__name__} needs num_steps >= 1, the length of the run (its time features)")
         meta = self.meta_params if self.meta_params is not None else load_meta_params(weights_path(self.weights))
         return optax.chain(
             scale_by_mlp_lopt(meta, self.num_steps, mup_base_fan_in=self.mup_base_fan_in()),

@@ -19,8 +19,9 @@ flattened meta-parameters ``theta``, and ``L_i^+-`` the members' meta-losses:
   ``g = 1 / (2 N sigma^2) sum_i xi_i (L_i^+ - L_i^-)``, unbiased for the gradient of the truncation's
   loss through the whole unrolled history (``xi`` restarts with the episode).
 
-``g`` feeds AdamW with gradient clipping (the meta-optimizer). The ``2N`` members are one leading
-*population* axis, sharded over all devices of a 1-D mesh ``("population",)``: one ``jit`` for the
+``g`` feeds AdamW with gradient clipping (the meta-optimizer). Meta-training starts from the
+Adam-like warm start of `optim.learned.mlp_lopt.init_meta_params` (``--nowarm_start``: random).
+The ``2N`` members are one leading *population* axis, sharded over all devices of a 1-D mesh ``("population",)``: one ``jit`` for the
 whole estimate, GSPMD splits the members. The reference estimators are google/learned_optimization
 ``outer_trainers/truncated_pes.py`` and ``truncated_es.py``.
 
@@ -151,14 +152,14 @@ class MetaTrainer:
 
     def __init__(self, tasks: list[lopt_tasks.Task], *, estimator: str, pairs: int, sigma: float, truncation: int,
                  learning_rate: float, clip: float, weight_decay: float, mesh: jax.sharding.Mesh | None, seed: int,
-                 mup_base_fan_in: int = 0):
+                 mup_base_fan_in: int = 0, warm_start: bool = True):
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator={estimator!r}: use one of {', '.join(ESTIMATORS)}")
         if mesh is not None and (2 * pairs) % mesh.size:
             raise ValueError(f"the population (2 * pairs = {2 * pairs}) must split over {mesh.size} devices; set pairs to a multiple of {mesh.size // math.gcd(2, mesh.size)}")
         self.mup_base_fan_in = mup_base_fan_in
         self.tasks, self.estimator, self.pairs, self.sigma, self.truncation, self.mesh = tasks, estimator, pairs, sigma, truncation, mesh
-        theta, self.unravel = ravel_pytree(mlp_lopt.init_meta_params(jax.random.key(seed)))
+        theta, self.unravel = ravel_pytree(mlp_lopt.init_meta_params(jax.random.key(seed), warm_start=warm_start))
         self.meta_opt = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(learning_rate, weight_decay=weight_decay))
         self.theta, self.opt_state = theta, self.meta_opt.init(theta)
         self.iteration, self.key = 0, jax.random.key(seed + 1)
@@ -260,6 +261,7 @@ flags.DEFINE_integer("num_devices", 0, "CPU devices to split the population over
 flags.DEFINE_integer("seed", 0, "seed")
 flags.DEFINE_integer("checkpoint_every", 50, "meta-iterations between checkpoints")
 flags.DEFINE_string("weights_name", "lopt", "file name of the weights written at the end")
+flags.DEFINE_bool("warm_start", True, "start from the Adam-like MLP (mlp_lopt.init_meta_params), else random")
 flags.DEFINE_integer("mup_base_fan_in", 0, "record this base width with the weights (μLO); 0: none")
 
 
@@ -275,7 +277,7 @@ def main(argv: list[str]) -> None:
     trainer = MetaTrainer(tasks, estimator=FLAGS.estimator, pairs=FLAGS.pairs, sigma=FLAGS.sigma,
                           truncation=FLAGS.truncation, learning_rate=FLAGS.learning_rate, clip=FLAGS.clip,
                           weight_decay=FLAGS.weight_decay, mesh=mesh, seed=FLAGS.seed,
-                          mup_base_fan_in=FLAGS.mup_base_fan_in)
+                          mup_base_fan_in=FLAGS.mup_base_fan_in, warm_start=FLAGS.warm_start)
     checkpoint = workdir / "checkpoint.npz"
     history = trainer.restore(checkpoint) if checkpoint.exists() else []
     if history:
@@ -298,6 +300,7 @@ def main(argv: list[str]) -> None:
             "horizons": [FLAGS.min_horizon, FLAGS.max_horizon],
             "meta_optimizer": f"adamw lr={FLAGS.learning_rate} clip={FLAGS.clip} wd={FLAGS.weight_decay}",
             "seed": FLAGS.seed,
+            "warm_start": FLAGS.warm_start,
             "command": "python -m experiments.meta_train " + " ".join(sys.argv[1:]),
             "date": datetime.date.today().isoformat(),
             "machine": f"{platform.machine()} CPU, {len(devices)} jax device(s), no accelerator",

@@ -60,15 +60,36 @@ class MLPLOptState(NamedTuple):
     col: tuple[optax.Updates, ...]  # Adafactor column factors per decay (size-1 for < 2 axes)
 
 
-def init_meta_params(key: jax.Array, hidden_size: int = 32, hidden_layers: int = 2) -> MetaParams:
-    """Fresh meta-parameters: MLP weights ~ truncated normal of std 1/sqrt(fan_in), zero biases and decay offsets."""
-    sizes = [feat.num_features(len(INITIAL_DECAYS.momentum), len(INITIAL_DECAYS.adafactor))]
+def init_meta_params(key: jax.Array, hidden_size: int = 32, hidden_layers: int = 2, *, warm_start: bool = True) -> MetaParams:
+    """Meta-parameters to start meta-training from.
+
+    MLP weights ~ truncated normal of std 1/sqrt(fan_in), zero biases and decay offsets. With
+    ``warm_start`` the MLP starts as a per-tensor-normalised Adam: two hidden units of every layer
+    carry ``relu(x) - relu(-x) = x`` for the feature ``x = m_0 / sqrt(nu)`` (momentum 0.9, normalised
+    per tensor) to the direction output, and the random units' weights into the outputs are scaled
+    by 0.01, so the first step is ``-1e-3 x`` (a sign-correct, Adam-like step) and meta-training
+    starts from a working optimizer instead of a random one.
+    """
+    num_momenta = len(INITIAL_DECAYS.momentum)
+    sizes = [feat.num_features(num_momenta, len(INITIAL_DECAYS.adafactor))]
     sizes += [hidden_size] * hidden_layers + [2]
     mlp = {}
     for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
         key, sub = jax.random.split(key)
         mlp[f"w{i}"] = jax.random.truncated_normal(sub, -2.0, 2.0, (n_in, n_out), jnp.float32) / np.sqrt(n_in)
         mlp[f"b{i}"] = jnp.zeros((n_out,), jnp.float32)
+    if warm_start:
+        adam = 3 + num_momenta  # the feature m_0 * rsqrt(nu): after g, p, the momenta and nu
+        last = len(sizes) - 2
+        for i in range(last + 1):
+            w = mlp[f"w{i}"]
+            if i == last:
+                w = (0.01 * w).at[:2, :].set(0.0).at[0, 0].set(1.0).at[1, 0].set(-1.0)
+            else:
+                rows = jnp.asarray([adam]) if i == 0 else jnp.asarray([0, 1])
+                w = w.at[:, :2].set(0.0).at[rows[0], 0].set(1.0).at[rows[-1], 1].set(1.0 if i else -1.0)
+                w = w.at[:2, 2:].set(0.0) if i else w
+            mlp[f"w{i}"] = w
     offsets = {f"{name}_decays": jnp.zeros((len(d),), jnp.float32) for name, d in INITIAL_DECAYS._asdict().items()}
     return {"mlp": mlp, **offsets}
 

@@ -22,7 +22,7 @@ def test_registered_optimizer_trains_tiny_lm_on_fsdp(name, tmp_path):
     config.mesh = "fsdp:8"
     config.optimizer.name = name
     config.optimizer.warmup_steps = 0
-    config.optimizer.learning_rate = 0.1 if name == "sgd" else 3e-3
+    config.optimizer.learning_rate = {"sgd": 0.1, "lopt": 1.0}.get(name, 3e-3)  # lopt's is a multiplier of its learned step
     summary = train.run(config, tmp_path)
     assert summary["skipped_steps"] == 0
     assert math.isfinite(summary["final_val_loss"])

@@ -32,6 +32,7 @@ from optim.cautious import cautious
 from optim.came import Came
 from optim.demo import DeMo, check_chunk_layout
 from optim.diloco import DiLoCo, StreamingDiLoCo
+from optim.learned.mlp_lopt import LOpt
 from optim.lion import Lion
 from optim.mars_muon import MarsMuon
 from optim.muon import Muon
@@ -103,6 +104,7 @@ OPTIMIZERS: dict[str, type[Spec]] = {
     "diloco": DiLoCo,
     "streaming_diloco": StreamingDiLoCo,
     "powersgd": PowerSGD,
+    "lopt": LOpt,
 }
 
 # Optimizers whose update takes the model's per-head max attention logits (``attn_max_logits``).
@@ -172,6 +174,8 @@ def make_spec(
     fields = spec.defaults(cls)
     if "axis_name" in fields:
         family["axis_name"] = replica_axis
+    if "num_steps" in fields and not family.get("num_steps"):  # a learned optimizer's time features
+        family["num_steps"] = total_steps
     inner = inner_name(config)
     if inner is not None:
         family["inner"] = build({**config, "name": inner, "grad_clip_norm": None}, total_steps, param_specs=param_specs)

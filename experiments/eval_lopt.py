@@ -1,0 +1,169 @@
+r"""Evaluates the shipped learned optimizer on held-out tasks against AdamW, default and tuned.
+
+    python -m experiments.eval_lopt --workdir=runs/eval_lopt --steps=200
+
+Held-out tasks (`experiments.lopt_tasks`, instances drawn from task keys that meta-training never
+uses): by default the meta-training family's tiny LM (``lm-w16-d1``), a 4x wider one (``lm-w64-d1``)
+and a 3x deeper one (``lm-w16-d3``). Per task, with the protocol of `experiments.compare_optimizers`
+(grid on seed 0, the best setting by final loss, then seeds ``1 .. seeds - 1``):
+
+- ``lopt``: the shipped weights (``--weights``), no tuning (learning-rate multiplier 1, its own time
+  features for the run's length);
+- ``adamw-default``: the registry's AdamW at its default learning rate and hyperparameters, cosine
+  decay to 10% as in training runs;
+- ``adamw-tuned``: the same AdamW, the learning rate picked from ``--adamw_grid`` on seed 0.
+
+The *final loss* of a run is its mean loss on `EVAL_BATCHES` fresh batches after the last step.
+Writes ``results.json`` (settings, final losses per seed, curves), ``results.md`` (the table) and
+``curves.png`` (training loss, smoothed, seed 0).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+import optax
+from absl import app, flags
+
+from experiments import lopt_tasks
+from optim import labels, registry, spec
+from optim.learned import mlp_lopt
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+EVAL_BATCHES = 8
+EVAL_SEED_OFFSET = 10_000  # task keys jax.random.key(10_000 + seed): never drawn by meta-training's key chain
+
+
+def adamw(learning_rate: jax.Array, steps: int) -> optax.GradientTransformation:
+    """The registry's AdamW (its default b1, b2, eps, weight decay) on a cosine decay to 10%."""
+    defaults = spec.defaults(registry.AdamW)
+    schedule = optax.cosine_decay_schedule(learning_rate, steps, alpha=0.1)
+    return optax.adamw(schedule, b1=defaults["b1"], b2=defaults["b2"], eps=defaults["eps"],
+                       weight_decay=defaults["weight_decay"], mask=labels.decay_mask)
+
+
+@functools.cache
+def _runner(task: lopt_tasks.Task, make_tx: Callable[[jax.Array], optax.GradientTransformation], steps: int) -> Callable:
+    """One compiled run per task and optimizer kind; the learning rate and task key are its arguments."""
+
+    @jax.jit
+    def run(task_key, learning_rate):
+        tx = make_tx(learning_rate)
+        params = task.init(task_key)
+
+        def step(carry, i):
+            params, state = carry
+            loss, grads = jax.value_and_grad(task.loss)(params, task_key, i)
+            updates, state = tx.update(grads, state, params)
+            return (optax.apply_updates(params, updates), state), loss
+
+        (params, _), losses = jax.lax.scan(step, (params, tx.init(params)), jnp.arange(steps))
+        fresh = jax.vmap(lambda i: task.loss(params, task_key, i))(steps + 1 + jnp.arange(EVAL_BATCHES))
+        return losses, jnp.mean(fresh)
+
+    return run
+
+
+def train(task: lopt_tasks.Task, make_tx: Callable, learning_rate: float, steps: int, seed: int) -> tuple[list[float], float]:
+    """``(training losses per step, final loss on fresh batches)`` of ``make_tx(learning_rate)`` on instance ``seed``."""
+    run = _runner(task, make_tx, steps)
+    losses, final = run(jax.random.key(EVAL_SEED_OFFSET + seed), jnp.float32(learning_rate))
+    final = float(final)
+    return [float(x) for x in losses], final if np.isfinite(final) else float("inf")
+
+
+def _lopt(meta: Any, steps: int, learning_rate: jax.Array) -> optax.GradientTransformation:
+    return optax.chain(mlp_lopt.scale_by_mlp_lopt(meta, steps), optax.scale(learning_rate))
+
+
+def evaluate_task(task: lopt_tasks.Task, meta: Any, *, steps: int, seeds: int, grid: list[float]) -> dict[str, Any]:
+    """Every optimizer's runs on ``task``: settings, final losses per seed, seed-0 curves."""
+    default_lr = spec.defaults(registry.AdamW)["learning_rate"]
+    out: dict[str, Any] = {}
+    lopt = functools.partial(_lopt, meta, steps)
+    adam = functools.partial(adamw, steps=steps)
+    lopt_runs = [train(task, lopt, 1.0, steps, s) for s in range(seeds)]
+    out["lopt"] = {"setting": "shipped weights", "finals": [r[1] for r in lopt_runs], "curve": lopt_runs[0][0]}
+    grid_runs = {lr: train(task, adam, lr, steps, 0) for lr in sorted(set(grid) | {default_lr})}
+    best = min(grid_runs, key=lambda lr: grid_runs[lr][1])
+    for name, lr in (("adamw-default", default_lr), ("adamw-tuned", best)):
+        runs = [grid_runs[lr]] + [train(task, adam, lr, steps, s) for s in range(1, seeds)]
+        out[name] = {"setting": f"lr={lr:g}", "finals": [r[1] for r in runs], "curve": runs[0][0]}
+    out["adamw-grid"] = {f"{lr:g}": run[1] for lr, run in grid_runs.items()}
+    return out
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def table(results: dict[str, Any]) -> str:
+    """Markdown: final loss (mean +- std over seeds) per task and optimizer, and lopt's gaps to AdamW."""
+    lines = ["| task | lopt (no tuning) | AdamW default lr | AdamW tuned lr | lopt vs default | lopt vs tuned |",
+             "|---|---|---|---|---|---|"]
+    for task, runs in results.items():
+        cells, means = [], {}
+        for name in ("lopt", "adamw-default", "adamw-tuned"):
+            mean, std = _mean_std(runs[name]["finals"])
+            means[name] = mean
+            cells.append(f"{mean:.3f} ± {std:.3f} ({runs[name]['setting']})")
+        gaps = [f"{100 * (means['lopt'] / means[b] - 1):+.1f}%" for b in ("adamw-default", "adamw-tuned")]
+        lines.append(f"| {task} | " + " | ".join(cells + gaps) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+    for ax, (task, runs) in zip(axes[0], results.items(), strict=True):
+        for name in ("lopt", "adamw-default", "adamw-tuned"):
+            curve = np.asarray(runs[name]["curve"])
+            window = max(len(curve) // 20, 1)
+            smooth = np.convolve(curve, np.ones(window) / window, mode="valid")
+            ax.plot(np.arange(window - 1, len(curve)), smooth, label=f"{name} ({runs[name]['setting']})")
+        ax.set(title=task, xlabel="step", ylabel="training loss")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("workdir", None, "output folder")
+flags.DEFINE_string("tasks", "lm-w16-d1,lm-w64-d1,lm-w16-d3", "held-out tasks (experiments.lopt_tasks.family)")
+flags.DEFINE_string("weights", "lopt", "shipped weights name or a .npz path")
+flags.DEFINE_integer("steps", 200, "training steps per run")
+flags.DEFINE_integer("seeds", 2, "task instances (seed 0 picks AdamW's learning rate)")
+flags.DEFINE_list("adamw_grid", ["1e-3", "3e-3", "1e-2", "3e-2"], "AdamW learning rates to tune over")
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    workdir = Path(FLAGS.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    weights = mlp_lopt.weights_path(FLAGS.weights)
+    meta = mlp_lopt.load_meta_params(weights)
+    results = {}
+    for task in lopt_tasks.family(FLAGS.tasks):
+        results[task.name] = evaluate_task(task, meta, steps=FLAGS.steps, seeds=FLAGS.seeds, grid=[float(x) for x in FLAGS.adamw_grid])
+        print(table({task.name: results[task.name]}).splitlines()[-1], flush=True)
+    record = {"steps": FLAGS.steps, "seeds": FLAGS.seeds, "weights": str(weights), "weights_record": mlp_lopt.load_record(weights)}
+    (workdir / "results.json").write_text(json.dumps({"config": record, "results": results}, indent=1) + "\n")
+    (workdir / "results.md").write_text(table(results))
+    plot(results, workdir / "curves.png")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("workdir")
+    app.run(main)

@@ -1,0 +1,168 @@
+"""The MLP learned optimizer: NumPy reference of its rule, features, optax interface, sharding, weights.
+
+Jit, inject_hyperparams, bf16, state_bits=8 + cautious, checkpoints through the registry: test_common.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from optim.learned import features as feat
+from optim.learned import mlp_lopt
+
+DECAYS = mlp_lopt.INITIAL_DECAYS
+
+
+@pytest.fixture(scope="module")
+def meta():
+    m = mlp_lopt.init_meta_params(jax.random.key(0))
+    # non-zero decay offsets and biases, so the reference checks how they enter
+    m["momentum_decays"] = jnp.asarray([0.01, -0.02, 0.03])
+    m["adafactor_decays"] = jnp.asarray([-0.01, 0.02, 0.0])
+    m["mlp"]["b0"] = 0.1 * jnp.ones_like(m["mlp"]["b0"])
+    return m
+
+
+def _params(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"w": rng.normal(size=(2, 6, 8)).astype(np.float32), "b": rng.normal(size=(8,)).astype(np.float32)}
+
+
+def _grads(seed, params):
+    rng = np.random.default_rng(100 + seed)
+    return {k: (0.1 * rng.normal(size=v.shape)).astype(np.float32) for k, v in params.items()}
+
+
+def _reference(meta, params, grads_seq, num_steps, base_fan_in=0):
+    """The rule of arXiv:2203.11860's AdafacMLPLOpt as stated in optim/learned, in float64 NumPy."""
+    m = jax.tree.map(lambda x: np.asarray(x, np.float64), meta)
+    decay = {n: 1 - (1 - np.asarray(d)) * np.exp(10 * m[f"{n}_decays"]) for n, d in DECAYS._asdict().items()}
+    w = {k: v.astype(np.float64) for k, v in params.items()}
+    mom = {k: [np.zeros_like(v) for _ in range(3)] for k, v in w.items()}
+    nu = {k: np.zeros_like(v) for k, v in w.items()}
+    fac = {k: [[0.0, 0.0] for _ in range(3)] for k in w}
+    for t, grads in enumerate(grads_seq):
+        time = np.tanh(t / num_steps / np.asarray(feat.TIME_SCALES) - 1)
+        for k in w:
+            g, p = grads[k].astype(np.float64), w[k]
+            for i in range(3):
+                mom[k][i] = decay["momentum"][i] * mom[k][i] + (1 - decay["momentum"][i]) * g
+            nu[k] = decay["rms"][0] * nu[k] + (1 - decay["rms"][0]) * g**2
+            f = [g, p, *mom[k], nu[k], *(mi / np.sqrt(nu[k] + 1e-6) for mi in mom[k]), 1 / np.sqrt(nu[k] + 1e-6)]
+            for j in range(3):
+                a = decay["adafactor"][j]
+                if g.ndim >= 2:
+                    r = a * fac[k][j][0] + (1 - a) * np.mean(g**2 + 1e-30, axis=-1, keepdims=True)
+                    c = a * fac[k][j][1] + (1 - a) * np.mean(g**2 + 1e-30, axis=-2, keepdims=True)
+                    fac[k][j] = [r, c]
+                    v = r * c / np.mean(r, axis=-2, keepdims=True)
+                    r, c = np.broadcast_to(r, g.shape), np.broadcast_to(c, g.shape)
+                else:
+                    r = c = v = a * fac[k][j][0] + (1 - a) * (g**2 + 1e-30)
+                    fac[k][j][0] = v
+                f += [g / np.sqrt(v + 1e-30), r, c, 1 / np.sqrt(r + 1e-8), 1 / np.sqrt(c + 1e-8), mom[k][j] / np.sqrt(v + 1e-30)]
+            x = np.stack([fi / np.sqrt(np.mean(fi**2) + 1e-5) for fi in f], axis=-1)
+            x = np.concatenate([x, np.broadcast_to(time, (*g.shape, len(time)))], axis=-1)
+            for i in range(3):
+                x = x @ m["mlp"][f"w{i}"] + m["mlp"][f"b{i}"]
+                x = np.maximum(x, 0) if i < 2 else x
+            scale = base_fan_in / p.shape[-2] if base_fan_in and k == "w" else 1.0
+            w[k] = p - x[..., 0] * np.exp(1e-3 * x[..., 1]) * 1e-3 * scale
+    return w
+
+
+@pytest.mark.parametrize("base_fan_in", [0, 3])
+def test_matches_the_numpy_reference(meta, base_fan_in):
+    params = _params()
+    grads_seq = [_grads(t, params) for t in range(3)]
+    tx = mlp_lopt.scale_by_mlp_lopt(meta, 10, mup_base_fan_in=base_fan_in)
+    state, p = tx.init(params), params
+    step = jax.jit(tx.update)
+    for grads in grads_seq:
+        updates, state = step(grads, state, p, loss=jnp.float32(1.0))
+        p = optax.apply_updates(p, updates)
+    want = _reference(meta, params, grads_seq, 10, base_fan_in)
+    for k in want:
+        np.testing.assert_allclose(p[k], want[k], rtol=0, atol=2e-6 * np.max(np.abs(want[k])))
+    assert int(state.count) == 3
+
+
+def test_feature_count_and_per_tensor_normalisation():
+    rng = np.random.default_rng(0)
+    p, g1, g2 = (jnp.asarray(100 * rng.normal(size=(5, 7)), jnp.float32) for _ in range(3))  # all raw features >> 1e-5
+
+    @jax.jit
+    def run(p, g1, g2):
+        rates = mlp_lopt.decays(mlp_lopt.init_meta_params(jax.random.key(1)))
+        acc = feat.init_accumulators(p, 3, 3)
+        acc = feat.update_accumulators(feat.update_accumulators(acc, g1, rates), g2, rates)
+        return feat.features(p, g2, acc, feat.time_features(jnp.int32(3), 12)), acc
+
+    x, acc = run(p, g1, g2)
+    assert x.shape == (5, 7, feat.num_features()) == (5, 7, 33)
+    n_norm = feat.num_features() - len(feat.TIME_SCALES)
+    second_moments = np.mean(np.square(np.asarray(x[..., :n_norm])), axis=(0, 1))
+    assert np.all(second_moments <= 1.0 + 1e-6) and np.all(second_moments > 0.97)  # m / (m + 1e-5), m >~ 1e-3 here
+    y = rng.normal(size=(4, 3, 5)) * np.asarray([1e-4, 1e-3, 1e-2, 1.0, 1e3])  # one scale per feature
+    m = np.mean(y**2, axis=(0, 1))
+    np.testing.assert_allclose(np.mean(np.square(feat.normalize(jnp.asarray(y, jnp.float32))), axis=(0, 1)), m / (m + 1e-5), rtol=1e-5)
+    np.testing.assert_allclose(x[2, 3, n_norm:], np.tanh(3 / 12 / np.asarray(feat.TIME_SCALES) - 1), rtol=1e-6)
+    # the Adafactor factors keep the tensor's rank: (rows, 1) and (1, cols)
+    assert acc.row[0].shape == (5, 1) and acc.col[0].shape == (1, 7)
+
+
+def test_shapes_dtypes_and_wrong_weights(meta):
+    params = {"w": jnp.ones((3, 4), jnp.bfloat16), "s": jnp.float32(2.0), "v": jnp.ones((4,))}
+    tx = mlp_lopt.lopt(1.0, num_steps=5, meta_params=meta)
+    state = tx.init(params)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.01), params)
+    updates, state = jax.jit(tx.update)(grads, state, params, loss=jnp.float32(3.0))
+    assert jax.tree.map(lambda u: (u.shape, u.dtype), updates) == jax.tree.map(lambda p: (p.shape, p.dtype), params)
+    with pytest.raises(ValueError, match="reads the parameters"):
+        tx.update(grads, state)
+    bad = {**meta, "mlp": {**meta["mlp"], "w0": meta["mlp"]["w0"][:-1]}}
+    with pytest.raises(ValueError, match="features"):
+        mlp_lopt.scale_by_mlp_lopt(bad, 5)
+    with pytest.raises(ValueError, match="num_steps"):
+        mlp_lopt.lopt(1.0, meta_params=meta)
+
+
+def test_sharding_preserved_on_8_devices(meta):
+    """FSDP x tensor: updates and parameter-shaped state keep the parameters' shardings; steps match the reference."""
+    params = {"w": _params()["w"].reshape(4, 24)[:, :16], "b": _params()["b"]}
+    grads = _grads(0, params)
+    tx = mlp_lopt.scale_by_mlp_lopt(meta, 10)
+    want = _reference(meta, params, [grads], 10)
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    shard = {"w": jax.NamedSharding(mesh, jax.P("fsdp", "tensor")), "b": jax.NamedSharding(mesh, jax.P("tensor"))}
+    with jax.set_mesh(mesh):
+        p = jax.device_put(params, shard)
+        state = jax.jit(tx.init)(p)
+        updates, state = jax.jit(tx.update)(jax.device_put(grads, shard), state, p)
+    for k in params:
+        assert updates[k].sharding.is_equivalent_to(shard[k], updates[k].ndim)
+        for tree in (*state.mu, state.nu):
+            assert tree[k].sharding.is_equivalent_to(shard[k], updates[k].ndim)
+        np.testing.assert_allclose(params[k] + updates[k], want[k], rtol=0, atol=2e-6 * np.max(np.abs(want[k])))
+    assert state.row[0]["w"].sharding.spec[0] == "fsdp" and state.col[0]["w"].sharding.spec[1] == "tensor"
+
+
+def test_weights_round_trip(meta, tmp_path):
+    path = tmp_path / "w.npz"
+    mlp_lopt.save_meta_params(path, meta, {"estimator": "pes"})
+    loaded = mlp_lopt.load_meta_params(path)
+    assert jax.tree.structure(loaded) == jax.tree.structure(meta)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(meta), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert mlp_lopt.load_record(path) == {"estimator": "pes"}
+    with pytest.raises(FileNotFoundError, match="meta-train"):
+        mlp_lopt.load_meta_params(tmp_path / "missing.npz")
+
+
+def test_shipped_weights_load_with_their_record():
+    meta = mlp_lopt.load_meta_params(mlp_lopt.weights_path("lopt"))
+    assert meta["mlp"]["w0"].shape == (feat.num_features(), 32)
+    record = mlp_lopt.load_record(mlp_lopt.weights_path("lopt"))
+    assert {"estimator", "tasks", "iterations", "command", "date", "machine"} <= set(record)

@@ -16,7 +16,6 @@ from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib
 
-pytestmark = pytest.mark.usefixtures("fast_xla_compile")
 
 
 @pytest.mark.parametrize(

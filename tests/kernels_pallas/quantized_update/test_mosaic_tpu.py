@@ -20,7 +20,6 @@ import kernels_pallas.quantized_update as qu
 from optim import labels
 from optim.quantize_state import Fused, quantize_state
 
-pytestmark = pytest.mark.usefixtures("fast_xla_compile")
 
 CASES = [
     # bits, shape, stochastic, zero rows, blocks. Every SMEM table read is a host callback in the

@@ -113,20 +113,19 @@ def test_feature_count_and_per_tensor_normalisation():
     assert acc.row[0].shape == (5, 1) and acc.col[0].shape == (1, 7)
 
 
-def test_shapes_dtypes_and_wrong_weights(meta):
-    params = {"w": jnp.ones((3, 4), jnp.bfloat16), "s": jnp.float32(2.0), "v": jnp.ones((4,))}
+def test_clear_errors(meta):
+    """(Shapes, bf16 dtypes, jit and inject_hyperparams through the registry: test_common.py.)"""
+    params = {"w": jnp.ones((3, 4), jnp.bfloat16)}
     tx = mlp_lopt.lopt(1.0, num_steps=5, meta_params=meta)
-    state = tx.init(params)
-    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.01), params)
-    updates, state = jax.jit(tx.update)(grads, state, params, loss=jnp.float32(3.0))
-    assert jax.tree.map(lambda u: (u.shape, u.dtype), updates) == jax.tree.map(lambda p: (p.shape, p.dtype), params)
     with pytest.raises(ValueError, match="reads the parameters"):
-        tx.update(grads, state)
+        tx.update(params, tx.init(params))
     bad = {**meta, "mlp": {**meta["mlp"], "w0": meta["mlp"]["w0"][:-1]}}
     with pytest.raises(ValueError, match="features"):
         mlp_lopt.scale_by_mlp_lopt(bad, 5)
     with pytest.raises(ValueError, match="num_steps"):
         mlp_lopt.lopt(1.0, meta_params=meta)
+    with pytest.raises(ValueError, match="mup_base_fan_in"):
+        mlp_lopt.mulo(1.0, num_steps=5, weights=str(mlp_lopt.weights_path("lopt")))
 
 
 def test_sharding_preserved_on_8_devices(meta):

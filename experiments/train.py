@@ -122,6 +122,23 @@ class RunSpec:
     shardings: train_lib.Shardings
 
 
+def _check_replica_kernels(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:
+    """Pallas kernels run interpreted on a CPU, which the replica-local step cannot host (`kernels_pallas.varying`)."""
+    if mesh.devices.flat[0].platform != "cpu":
+        return
+    chosen = {
+        "model.attention": (config.model.attention, "pallas", "xla"),
+        "model.moe_matmul": (config.model.moe_matmul, "gmm", "ragged_dot"),
+        "optimizer.state_kernel": (config.optimizer.state_kernel, "pallas", "xla"),
+    }
+    for key, (value, kernel, fix) in chosen.items():
+        if value == kernel:
+            raise ValueError(
+                f"{key}={kernel} runs in Pallas interpret mode on a CPU, which cannot run inside the replica-local "
+                f"train step (config.replicas); use {key}={fix} or auto here (compiled GPU/TPU kernels are unaffected)"
+            )
+
+
 def build_run(config: ml_collections.ConfigDict) -> RunSpec:
     """Checks ``config`` and builds its `RunSpec`; every bad-input error becomes a `UsageError`."""
     try:
@@ -147,6 +164,8 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
                 f"{n_batch_shards} batch shards of mesh {dict(mesh.shape)}; use a batch_size divisible by {n_batch_shards * config.grad_accum_steps}"
             )
         replica_axis = config.get("replicas") or None
+        if replica_axis:
+            _check_replica_kernels(config, mesh)
         balancing(config)  # checked here so a bad value is a usage error
         model_def = model_lib.define(cfg)
         # The fused quantized-state kernel runs per shard of these specs (optim.quantize_state).

@@ -13,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import varying
 from kernels_pallas.attention import base, mosaic_tpu, reference, triton
 from kernels_pallas.attention.base import BlockSizes
 
@@ -28,20 +29,24 @@ def platform() -> str:
     return device.platform if device is not None else jax.default_backend()
 
 
+def _forward(q, k, v, segment_ids, backend: str, spec: base.Spec):
+    return varying.call_opaque(lambda *a: BACKENDS[backend].forward(*a, spec), q, k, v, segment_ids)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _flash(q, k, v, segment_ids, backend: str, spec: base.Spec):
-    out, row_max, _ = BACKENDS[backend].forward(q, k, v, segment_ids, spec)
+    out, row_max, _ = _forward(q, k, v, segment_ids, backend, spec)
     return out, row_max
 
 
 def _flash_fwd(q, k, v, segment_ids, backend: str, spec: base.Spec):
-    out, row_max, residuals = BACKENDS[backend].forward(q, k, v, segment_ids, spec)
+    out, row_max, residuals = _forward(q, k, v, segment_ids, backend, spec)
     return (out, row_max), residuals
 
 
 def _flash_bwd(backend: str, spec: base.Spec, residuals, cotangents):
     d_out, _ = cotangents  # the row maxima are a statistic (QK-clip's input): no gradient flows through them
-    dq, dk, dv = BACKENDS[backend].backward(residuals, d_out, spec)
+    dq, dk, dv = varying.call_opaque(lambda r, d: BACKENDS[backend].backward(r, d, spec), residuals, d_out)
     return dq, dk, dv, None
 
 
@@ -105,6 +110,9 @@ def flash_attention(
         return_row_max=return_max_logits,
     )
     segment_ids = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    q, k, v, segment_ids = varying.unify(q, k, v, segment_ids)
+    if interpret:
+        varying.check_interpretable("flash_attention", "use model.attention=xla on a CPU", q)
     out, row_max = _flash(q, k, v, segment_ids, backend, spec)
     if not return_max_logits:
         return out

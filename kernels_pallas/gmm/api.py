@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import varying
 from kernels_pallas.attention.api import platform
 from kernels_pallas.gmm import mosaic_tpu, reference, triton
 from kernels_pallas.gmm.base import Tiling
@@ -30,7 +31,8 @@ __all__ = ["BACKENDS", "PLATFORM_BACKENDS", "Tiling", "gmm"]
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _pallas_gmm(lhs, rhs, group_sizes, backend: str, tiling: Tiling, out_dtype, interpret):
-    return KERNELS[backend].gmm(lhs, rhs, group_sizes, tiling=tiling, out_dtype=out_dtype, interpret=interpret)
+    kernel = functools.partial(KERNELS[backend].gmm, tiling=tiling, out_dtype=out_dtype, interpret=interpret)
+    return varying.call_opaque(kernel, lhs, rhs, group_sizes)
 
 
 def _pallas_gmm_fwd(lhs, rhs, group_sizes, backend, tiling, out_dtype, interpret):
@@ -41,9 +43,9 @@ def _pallas_gmm_bwd(backend, tiling, out_dtype, interpret, residuals, dout):
     lhs, rhs, group_sizes = residuals
     dout = dout.astype(lhs.dtype)
     kernels = KERNELS[backend]
-    dlhs = kernels.gmm(dout, rhs, group_sizes, tiling=tiling, transpose_rhs=True, out_dtype=lhs.dtype, interpret=interpret)
-    drhs = kernels.tgmm(lhs, dout, group_sizes, tiling=tiling, out_dtype=rhs.dtype, interpret=interpret)
-    return dlhs, drhs, None
+    dlhs = functools.partial(kernels.gmm, tiling=tiling, transpose_rhs=True, out_dtype=lhs.dtype, interpret=interpret)
+    drhs = functools.partial(kernels.tgmm, tiling=tiling, out_dtype=rhs.dtype, interpret=interpret)
+    return varying.call_opaque(dlhs, dout, rhs, group_sizes), varying.call_opaque(drhs, lhs, dout, group_sizes), None
 
 
 _pallas_gmm.defvjp(_pallas_gmm_fwd, _pallas_gmm_bwd)
@@ -81,4 +83,7 @@ def gmm(
         return reference.gmm(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     interpret = target == "cpu" if interpret is None else interpret
+    lhs, rhs, group_sizes = varying.unify(lhs, rhs, group_sizes)
+    if interpret:
+        varying.check_interpretable("gmm", "use model.moe_matmul=ragged_dot on a CPU", lhs)
     return _pallas_gmm(lhs, rhs, group_sizes, backend, tiling or KERNELS[backend].DEFAULT_TILING, out_dtype, interpret)

@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import varying
 from kernels_pallas.attention.api import platform
 from kernels_pallas.quantized_update import base, mosaic_tpu, reference, triton
 from kernels_pallas.quantized_update.triton import BlockSizes
@@ -124,9 +125,12 @@ def quantized_update(
     mesh = jax.sharding.get_abstract_mesh()
     # Inside an enclosing shard_map (the replica-local train step) only the axes left automatic are split here.
     free = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in getattr(mesh, "manual_axes", ()))
+    inputs = (scalars, param, grad, moments, noise)
+    if interpret:
+        varying.check_interpretable("quantized_update", "use optimizer.state_kernel=xla on a CPU", *inputs)
     if spec is None or not free:
-        return local(scalars, param, grad, moments, noise)
-    return _sharded(local, spec, free, layouts, scalars, param, grad, moments, noise)
+        return varying.call_opaque(local, *inputs)
+    return varying.vary_like(_sharded(local, spec, free, layouts, *inputs), *inputs)
 
 
 def _sharded(local, spec, free, layouts, scalars, param, grad, moments, noise):

@@ -185,6 +185,8 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
         ({"optimizer.schedule": "step"}, "one of constant, cosine"),
         ({"mesh": "tensor:8", "devices": 0, "rules": "tp", "model.mlp_dim": 100}, "does not split over mesh axes \\('tensor',\\)"),
         ({"devices": 9}, "only 8 devices"),
+        ({"mesh": "data:2", "devices": 2, "replicas": "data", "optimizer.name": "diloco", "model.attention": "pallas"},
+         "model.attention=pallas runs in Pallas interpret mode .* use model.attention=xla"),
     ],
 )
 def test_bad_input_is_a_usage_error_naming_the_fix(tmp_path, overrides, message):

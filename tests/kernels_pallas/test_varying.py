@@ -1,0 +1,72 @@
+"""kernels_pallas.varying: the kernels inside a type-checked `jax.shard_map` (the replica-local train step).
+
+Each replica's gradient is taken inside ``jax.shard_map(..., check_vma=True)`` over the replica axis,
+so a kernel's outputs and its `custom_vjp`'s gradients must be typed as varying over that axis like
+its inputs. Compiled kernels are checked by lowering for a GPU on this host; interpret mode, which
+jax's Pallas interpreter cannot run on such values, must be a clear error.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import varying
+from kernels_pallas.attention import flash_attention
+from kernels_pallas.gmm import api as gmm_api
+
+REPLICAS = 2
+
+
+def _per_replica(fn):
+    """``fn`` per replica inside a type-checked `jax.shard_map` over axis ``data`` (arguments split on axis 0)."""
+    mesh = jax.make_mesh((REPLICAS,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=jax.P("data"), out_specs=jax.P("data"), check_vma=True)), mesh
+
+
+def _lowers_for_cuda(fn, *abstract):
+    step, mesh = _per_replica(fn)
+    with jax.set_mesh(mesh):
+        return step.trace(*abstract).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_flash_attention_gradients_are_typed_like_their_inputs():
+    def grads(q, k, v):
+        loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, backend="triton").astype(jnp.float32))  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    shape = jax.ShapeDtypeStruct((REPLICAS, 128, 4, 64), jnp.bfloat16)
+    assert _lowers_for_cuda(grads, shape, shape, shape).count("triton") >= 3  # forward, dQ, dK/dV
+
+
+def test_gmm_gradients_are_typed_like_their_inputs():
+    def grads(lhs, rhs, group_sizes):
+        loss = lambda a, b: jnp.sum(gmm_api.gmm(a[0], b[0], group_sizes[0], backend="triton", interpret=False))  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1))(lhs, rhs)
+
+    args = (
+        jax.ShapeDtypeStruct((REPLICAS, 64, 64), jnp.bfloat16),
+        jax.ShapeDtypeStruct((REPLICAS, 4, 64, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((REPLICAS, 4), jnp.int32),
+    )
+    assert _lowers_for_cuda(grads, *args).count("__gpu$xla.gpu.triton") == 2  # dlhs, drhs (a sum's gradient needs no forward)
+
+
+def test_interpret_mode_inside_the_replica_step_names_the_xla_path():
+    q = jnp.zeros((REPLICAS, 8, 2, 16), jnp.float32)
+    attention, mesh = _per_replica(lambda q: flash_attention(q, q, q, interpret=True))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="interpret mode cannot run .*'data'.*model.attention=xla"):
+        attention(q)
+    lhs, rhs = jnp.zeros((REPLICAS, 8, 16)), jnp.zeros((REPLICAS, 2, 16, 16))
+    sizes = jnp.full((REPLICAS, 2), 4, jnp.int32)
+    grouped, _ = _per_replica(lambda a, b, g: gmm_api.gmm(a[0], b[0], g[0], backend="triton", interpret=True)[None])
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="model.moe_matmul=ragged_dot"):
+        grouped(lhs, rhs, sizes)
+
+
+def test_interpret_mode_outside_a_shard_map_is_unaffected():
+    rng = np.random.default_rng(0)
+    q = jnp.float32(rng.standard_normal((1, 8, 2, 16)))
+    np.testing.assert_allclose(flash_attention(q, q, q, interpret=True), flash_attention(q, q, q, backend="triton", interpret=True))
+    x = jnp.float32(rng.standard_normal((3,)))
+    assert varying.varying_axes(x) == frozenset() and varying.unify(x, None)[0] is x

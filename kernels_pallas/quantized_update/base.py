@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,3 +160,68 @@ def as_3d(shape: tuple[int, ...]) -> tuple[int, int, int]:
     if len(shape) == 1:
         return 1, 1, shape[0]
     return int(np.prod(shape[:-2], dtype=np.int64)), shape[-2], shape[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Operands:
+    """`pl.pallas_call`'s grid, arguments, specs, output shapes and aliases, the same for every backend.
+
+    Arguments: scalars, the code tables (values, search points per moment), param, grad, then per moment
+    its codes and absmax (block-wise) or codes, row, column, new row, new column maxima (rank-1), then the
+    uniforms of stochastic rounding. Outputs: the update, then per moment its codes (and absmax), each
+    written in place of its input.
+    """
+
+    grid: tuple[int, int, int]
+    args: list[jax.Array]
+    in_specs: list[Any]
+    out_specs: list[Any]
+    out_shape: list[jax.ShapeDtypeStruct]
+    aliases: dict[int, int]
+
+
+def operands(
+    spec: Spec,
+    scalars: jax.Array,
+    param: jax.Array,
+    grad: jax.Array,
+    moments: list[tuple[jax.Array, ...]],
+    noise: list[jax.Array] | None,
+    small: Callable[[jax.Array], Any],
+) -> Operands:
+    """The kernel call's `Operands`; ``small(x)`` is the spec of the scalars and the code tables (backend memory)."""
+    b, rows, cols = spec.shape3
+    bm, bn = spec.block
+    matrix = pl.BlockSpec((None, bm, bn), lambda z, i, j: (z, i, j))
+    codes_spec = pl.BlockSpec((None, bm, bn // spec.parts), lambda z, i, j: (z, i, j))
+    row_spec = pl.BlockSpec((None, bm, 1), lambda z, i, j: (z, i, 0))
+    col_spec = pl.BlockSpec((None, 1, bn), lambda z, i, j: (z, 0, j))
+    tables = [jnp.asarray(t) for m in spec.layouts for t in (m.values(), m.search_points())]
+    args = [scalars, *tables, param, grad]
+    in_specs = [small(scalars), *map(small, tables), matrix, matrix]
+    out_shape, out_specs, aliases = [jax.ShapeDtypeStruct(spec.shape3, grad.dtype)], [matrix], {}
+
+    def written_in_place(x, block_spec, dtype):
+        aliases[len(args)] = len(out_shape)
+        args.append(x)
+        in_specs.append(block_spec)
+        out_shape.append(jax.ShapeDtypeStruct(x.shape, dtype))
+        out_specs.append(block_spec)
+
+    for m, q in zip(spec.layouts, moments, strict=True):
+        written_in_place(q[0], codes_spec, q[0].dtype)
+        if m.tile:
+            written_in_place(q[1], pl.BlockSpec((None, bm // m.tile[0], bn // m.tile[1]), lambda z, i, j: (z, i, j)), jnp.float32)
+        else:
+            args.extend(q[1:])
+            in_specs.extend([row_spec, col_spec, row_spec, col_spec])
+    if spec.stochastic:
+        args.extend(noise)
+        in_specs.extend([matrix] * len(noise))
+    return Operands((b, pl.cdiv(rows, bm), pl.cdiv(cols, bn)), args, in_specs, out_specs, out_shape, aliases)
+
+
+def split_outputs(spec: Spec, outs: list[jax.Array]) -> tuple[jax.Array, list[tuple[jax.Array, ...]]]:
+    """The update and, per moment, its new codes and (block-wise) absmax, from the kernel's outputs."""
+    update, rest = outs[0], iter(outs[1:])
+    return update, [(next(rest), next(rest)) if m.tile else (next(rest),) for m in spec.layouts]

@@ -207,53 +207,19 @@ def fused_update(
     ``num_warps`` is ignored (a Triton setting, accepted so that `api` calls every backend alike).
     """
     del num_warps
-    b, rows, cols = spec.shape3
-    bm, bn = spec.block
-    if spec.parts == 2 and bn % 2:
-        raise ValueError(f"4-bit blocks need an even column count, got {bn}")
-    grid = (b, pl.cdiv(rows, bm), pl.cdiv(cols, bn))
-    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
-    matrix = pl.BlockSpec((None, bm, bn), lambda z, i, j: (z, i, j))
-    codes_spec = pl.BlockSpec((None, bm, bn // spec.parts), lambda z, i, j: (z, i, j))
-    row_spec = pl.BlockSpec((None, bm, 1), lambda z, i, j: (z, i, 0))
-    col_spec = pl.BlockSpec((None, 1, bn), lambda z, i, j: (z, 0, j))
-
-    tables = []
-    for m in spec.layouts:
-        tables += [jnp.asarray(m.values()), jnp.asarray(m.search_points())]
-    args, in_specs = [scalars, *tables, param, grad], [smem] * (1 + len(tables)) + [matrix, matrix]
-    out_shape, out_specs, aliases = [], [], {}
-    for m, q in zip(spec.layouts, moments, strict=True):
-        aliases[len(args)] = len(out_shape) + 1
-        args.append(q[0])
-        in_specs.append(codes_spec)
-        out_shape.append(jax.ShapeDtypeStruct(q[0].shape, q[0].dtype))
-        out_specs.append(codes_spec)
-        if m.tile:
-            absmax_spec = pl.BlockSpec((None, bm // m.tile[0], bn // m.tile[1]), lambda z, i, j: (z, i, j))
-            aliases[len(args)] = len(out_shape) + 1
-            args.append(q[1])
-            in_specs.append(absmax_spec)
-            out_shape.append(jax.ShapeDtypeStruct(q[1].shape, jnp.float32))
-            out_specs.append(absmax_spec)
-        else:
-            args += list(q[1:])
-            in_specs += [row_spec, col_spec, row_spec, col_spec]
-    if spec.stochastic:
-        args += list(noise)
-        in_specs += [matrix] * len(noise)
+    if spec.parts == 2 and spec.block[1] % 2:
+        raise ValueError(f"4-bit blocks need an even column count, got {spec.block[1]}")
+    ops = base.operands(spec, scalars, param, grad, moments, noise, small=lambda _: pl.BlockSpec(memory_space=pltpu.SMEM))
     outs = pl.pallas_call(
         functools.partial(_kernel, spec=spec),
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=[matrix, *out_specs],
-        out_shape=[jax.ShapeDtypeStruct(spec.shape3, grad.dtype), *out_shape],
+        grid=ops.grid,
+        in_specs=ops.in_specs,
+        out_specs=ops.out_specs,
+        out_shape=ops.out_shape,
         # jax 0.10's TPU interpreter returns an aliased buffer padded to whole blocks: alias compiled only.
-        input_output_aliases=aliases if interpret is False else {},
+        input_output_aliases=ops.aliases if interpret is False else {},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
         interpret=pltpu.InterpretParams() if interpret is True else interpret,
         name="quantized_update",
-    )(*args)
-    update, outs = outs[0], iter(outs[1:])
-    new = [(next(outs), next(outs)) if m.tile else (next(outs),) for m in spec.layouts]
-    return update, new
+    )(*ops.args)
+    return base.split_outputs(spec, outs)

@@ -170,51 +170,17 @@ def fused_update(
     Codes ``(B, R, ceil(C / parts))``, absmax ``(B, nR, nC)``, rows ``(B, R, 1)``, columns ``(B, 1, C)``.
     Returns the update ``(B, R, C)`` and, per moment, its new codes and (block-wise) absmax.
     """
-    b, rows, cols = spec.shape3
-    bm, bn = spec.block
-    grid = (b, pl.cdiv(rows, bm), pl.cdiv(cols, bn))
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
-    matrix = pl.BlockSpec((None, bm, bn), lambda z, i, j: (z, i, j))
-    codes_spec = pl.BlockSpec((None, bm, bn // spec.parts), lambda z, i, j: (z, i, j))
-    row_spec = pl.BlockSpec((None, bm, 1), lambda z, i, j: (z, i, 0))
-    col_spec = pl.BlockSpec((None, 1, bn), lambda z, i, j: (z, 0, j))
-
-    tables = []
-    for m in spec.layouts:
-        tables += [jnp.asarray(m.values()), jnp.asarray(m.search_points())]
-    args, in_specs, out_shape, out_specs, aliases = [scalars, *tables, param, grad], [], [], [], {}
-    in_specs = [full(scalars), *map(full, tables), matrix, matrix]
-    for m, q in zip(spec.layouts, moments, strict=True):
-        aliases[len(args)] = len(out_shape) + 1
-        args.append(q[0])
-        in_specs.append(codes_spec)
-        out_shape.append(jax.ShapeDtypeStruct(q[0].shape, q[0].dtype))
-        out_specs.append(codes_spec)
-        if m.tile:
-            k1, k2 = bm // m.tile[0], bn // m.tile[1]
-            absmax_spec = pl.BlockSpec((None, k1, k2), lambda z, i, j: (z, i, j))
-            aliases[len(args)] = len(out_shape) + 1
-            args.append(q[1])
-            in_specs.append(absmax_spec)
-            out_shape.append(jax.ShapeDtypeStruct(q[1].shape, jnp.float32))
-            out_specs.append(absmax_spec)
-        else:
-            args += list(q[1:])
-            in_specs += [row_spec, col_spec, row_spec, col_spec]
-    if spec.stochastic:
-        args += list(noise)
-        in_specs += [matrix] * len(noise)
+    ops = base.operands(spec, scalars, param, grad, moments, noise, small=full)
     outs = pl.pallas_call(
         functools.partial(_kernel, spec=spec),
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=[matrix, *out_specs],
-        out_shape=[jax.ShapeDtypeStruct(spec.shape3, grad.dtype), *out_shape],
-        input_output_aliases=aliases,
+        grid=ops.grid,
+        in_specs=ops.in_specs,
+        out_specs=ops.out_specs,
+        out_shape=ops.out_shape,
+        input_output_aliases=ops.aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="quantized_update",
-    )(*args)
-    update, outs = outs[0], iter(outs[1:])
-    new = [(next(outs), next(outs)) if m.tile else (next(outs),) for m in spec.layouts]
-    return update, new
+    )(*ops.args)
+    return base.split_outputs(spec, outs)

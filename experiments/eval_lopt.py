@@ -7,8 +7,8 @@ uses): by default the meta-training family's tiny LM (``lm-w16-d1``), a 4x wider
 and a 3x deeper one (``lm-w16-d3``). Per task, with the protocol of `experiments.compare_optimizers`
 (grid on seed 0, the best setting by final loss, then seeds ``1 .. seeds - 1``):
 
-- ``lopt``: the shipped weights (``--weights``), no tuning (learning-rate multiplier 1, its own time
-  features for the run's length);
+- ``lopt``: the shipped weights (``--weights``, e.g. ``mulo`` for μLO's, whose base width comes from
+  their record), no tuning (learning-rate multiplier 1, its own time features for the run's length);
 - ``adamw-default``: the registry's AdamW at its default learning rate and hyperparameters, cosine
   decay to 10% as in training runs;
 - ``adamw-tuned``: the same AdamW, the learning rate picked from ``--adamw_grid`` on seed 0.
@@ -83,15 +83,20 @@ def train(task: lopt_tasks.Task, make_tx: Callable, learning_rate: float, steps:
     return [float(x) for x in losses], final if np.isfinite(final) else float("inf")
 
 
-def _lopt(meta: Any, steps: int, learning_rate: jax.Array) -> optax.GradientTransformation:
-    return optax.chain(mlp_lopt.scale_by_mlp_lopt(meta, steps), optax.scale(learning_rate))
+def _lopt(meta: Any, steps: int, mup_base_fan_in: int, learning_rate: jax.Array) -> optax.GradientTransformation:
+    return optax.chain(mlp_lopt.scale_by_mlp_lopt(meta, steps, mup_base_fan_in=mup_base_fan_in), optax.scale(learning_rate))
 
 
-def evaluate_task(task: lopt_tasks.Task, meta: Any, *, steps: int, seeds: int, grid: list[float]) -> dict[str, Any]:
-    """Every optimizer's runs on ``task``: settings, final losses per seed, seed-0 curves."""
+def evaluate_task(
+    task: lopt_tasks.Task, meta: Any, *, steps: int, seeds: int, grid: list[float], mup_base_fan_in: int = 0
+) -> dict[str, Any]:
+    """Every optimizer's runs on ``task``: settings, final losses per seed, seed-0 curves.
+
+    ``mup_base_fan_in``: μLO's base width for weights meta-trained with it (their JSON record), else 0.
+    """
     default_lr = spec.defaults(registry.AdamW)["learning_rate"]
     out: dict[str, Any] = {}
-    lopt = functools.partial(_lopt, meta, steps)
+    lopt = functools.partial(_lopt, meta, steps, mup_base_fan_in)
     adam = functools.partial(adamw, steps=steps)
     lopt_runs = [train(task, lopt, 1.0, steps, s) for s in range(seeds)]
     out["lopt"] = {"setting": "shipped weights", "finals": [r[1] for r in lopt_runs], "curve": lopt_runs[0][0]}
@@ -139,12 +144,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", None, "output folder")
-flags.DEFINE_string("tasks", "lm-w16-d1,lm-w64-d1,lm-w16-d3", "held-out tasks (experiments.lopt_tasks.family)")
-flags.DEFINE_string("weights", "lopt", "shipped weights name or a .npz path")
-flags.DEFINE_integer("steps", 200, "training steps per run")
-flags.DEFINE_integer("seeds", 2, "task instances (seed 0 picks AdamW's learning rate)")
-flags.DEFINE_list("adamw_grid", ["1e-3", "3e-3", "1e-2", "3e-2"], "AdamW learning rates to tune over")
+
+
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a script, so importing this module defines none)."""
+    flags.DEFINE_string("workdir", None, "output folder")
+    flags.DEFINE_string("tasks", "lm-w16-d1,lm-w64-d1,lm-w16-d3", "held-out tasks (experiments.lopt_tasks.family)")
+    flags.DEFINE_string("weights", "mulo", "shipped weights name (mulo, lopt) or a .npz path")
+    flags.DEFINE_integer("steps", 200, "training steps per run")
+    flags.DEFINE_integer("seeds", 2, "task instances (seed 0 picks AdamW's learning rate)")
+    flags.DEFINE_list("adamw_grid", ["1e-3", "3e-3", "1e-2", "3e-2"], "AdamW learning rates to tune over")
 
 
 def main(argv: list[str]) -> None:
@@ -153,9 +162,11 @@ def main(argv: list[str]) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     weights = mlp_lopt.weights_path(FLAGS.weights)
     meta = mlp_lopt.load_meta_params(weights)
+    base = int(mlp_lopt.load_record(weights).get("mup_base_fan_in", 0))
+    grid = [float(x) for x in FLAGS.adamw_grid]
     results = {}
     for task in lopt_tasks.family(FLAGS.tasks):
-        results[task.name] = evaluate_task(task, meta, steps=FLAGS.steps, seeds=FLAGS.seeds, grid=[float(x) for x in FLAGS.adamw_grid])
+        results[task.name] = evaluate_task(task, meta, steps=FLAGS.steps, seeds=FLAGS.seeds, grid=grid, mup_base_fan_in=base)
         print(table({task.name: results[task.name]}).splitlines()[-1], flush=True)
     record = {"steps": FLAGS.steps, "seeds": FLAGS.seeds, "weights": str(weights), "weights_record": mlp_lopt.load_record(weights)}
     (workdir / "results.json").write_text(json.dumps({"config": record, "results": results}, indent=1) + "\n")
@@ -165,5 +176,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     flags.mark_flag_as_required("workdir")
     app.run(main)

@@ -107,9 +107,16 @@ def lm_model_def(width: int, depth: int, seq_len: int) -> model_lib.ModelDef:
         return model_lib.define(cfg)
 
 
-def lm_task(*, width: int = 32, depth: int = 1, seq_len: int = 32, batch: int = 8) -> Task:
-    """A byte-level transformer LM of ``width`` and ``depth`` on random corpus windows."""
-    model_def = lm_model_def(width, depth, seq_len)
+def preset_model_def(preset: str, seq_len: int) -> model_lib.ModelDef:
+    """A model preset of `lm.config` (e.g. ``small``), for ``seq_len`` tokens."""
+    cfg = config_lib.from_preset(preset, max_seq_len=seq_len, attention="xla")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        return model_lib.define(cfg)
+
+
+def lm_task(*, width: int = 32, depth: int = 1, seq_len: int = 32, batch: int = 8, preset: str | None = None) -> Task:
+    """A byte-level transformer LM of ``width`` and ``depth`` (or a model ``preset``) on random corpus windows."""
+    model_def = preset_model_def(preset, seq_len) if preset else lm_model_def(width, depth, seq_len)
     tokens = jnp.asarray(_corpus_slice())
 
     def loss(params, task_key, step):
@@ -119,7 +126,7 @@ def lm_task(*, width: int = 32, depth: int = 1, seq_len: int = 32, batch: int = 
         logits = model_lib.apply(model_def, params, windows[:, :-1])
         return cross_entropy(logits, windows[:, 1:])[0]
 
-    return Task(f"lm-w{width}-d{depth}", functools.partial(_lm_init, model_def), loss)
+    return Task(preset or f"lm-w{width}-d{depth}", functools.partial(_lm_init, model_def), loss)
 
 
 def _lm_init(model_def: model_lib.ModelDef, task_key: jax.Array) -> Any:
@@ -134,10 +141,13 @@ def _lm_init(model_def: model_lib.ModelDef, task_key: jax.Array) -> Any:
 
 
 def family(names: str) -> list[Task]:
-    """Tasks from a comma-separated list: ``mlp_regression``, ``mlp_classification``, ``lm-w<width>-d<depth>``."""
+    """Tasks from a comma-separated list: ``mlp_regression``, ``mlp_classification``, ``lm-w<width>-d<depth>``,
+    or a model preset of `lm.config` (e.g. ``small``)."""
     out = []
     for name in (n.strip() for n in names.split(",") if n.strip()):
-        if name.startswith("lm-w"):
+        if name in config_lib.PRESETS:
+            out.append(lm_task(preset=name))
+        elif name.startswith("lm-w"):
             width, depth = name[len("lm-w") :].split("-d")
             out.append(lm_task(width=int(width), depth=int(depth)))
         else:

@@ -152,14 +152,16 @@ class MetaTrainer:
 
     def __init__(self, tasks: list[lopt_tasks.Task], *, estimator: str, pairs: int, sigma: float, truncation: int,
                  learning_rate: float, clip: float, weight_decay: float, mesh: jax.sharding.Mesh | None, seed: int,
-                 mup_base_fan_in: int = 0, warm_start: bool = True):
+                 mup_base_fan_in: int = 0, warm_start: bool = True, initial: Any = None):
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator={estimator!r}: use one of {', '.join(ESTIMATORS)}")
         if mesh is not None and (2 * pairs) % mesh.size:
             raise ValueError(f"the population (2 * pairs = {2 * pairs}) must split over {mesh.size} devices; set pairs to a multiple of {mesh.size // math.gcd(2, mesh.size)}")
         self.mup_base_fan_in = mup_base_fan_in
         self.tasks, self.estimator, self.pairs, self.sigma, self.truncation, self.mesh = tasks, estimator, pairs, sigma, truncation, mesh
-        theta, self.unravel = ravel_pytree(mlp_lopt.init_meta_params(jax.random.key(seed), warm_start=warm_start))
+        if initial is None:  # the Adam-like warm start, or random
+            initial = mlp_lopt.init_meta_params(jax.random.key(seed), warm_start=warm_start)
+        theta, self.unravel = ravel_pytree(initial)
         self.meta_opt = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(learning_rate, weight_decay=weight_decay))
         self.theta, self.opt_state = theta, self.meta_opt.init(theta)
         self.iteration, self.key = 0, jax.random.key(seed + 1)
@@ -245,24 +247,29 @@ def plot_meta_loss(history: list[float], path: Path, title: str) -> None:
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", None, "output folder (resumes from its checkpoint.npz)")
-flags.DEFINE_enum("estimator", "pes", ESTIMATORS, "gradient estimator")
-flags.DEFINE_string("tasks", "mlp_regression,mlp_classification,lm-w16-d1,lm-w32-d1", "task family (experiments.lopt_tasks.family)")
-flags.DEFINE_integer("iterations", 1000, "meta-iterations (truncations)")
-flags.DEFINE_integer("pairs", 4, "antithetic pairs (population = 2 * pairs, split over the devices)")
-flags.DEFINE_float("sigma", 0.01, "perturbation standard deviation")
-flags.DEFINE_integer("truncation", 10, "inner steps per truncation")
-flags.DEFINE_integer("min_horizon", 50, "shortest inner run (steps)")
-flags.DEFINE_integer("max_horizon", 200, "longest inner run (steps)")
-flags.DEFINE_float("learning_rate", 3e-3, "meta-optimizer (AdamW) learning rate")
-flags.DEFINE_float("clip", 1.0, "meta-gradient clipping norm")
-flags.DEFINE_float("weight_decay", 1e-4, "meta-optimizer weight decay")
-flags.DEFINE_integer("num_devices", 0, "CPU devices to split the population over (0: what jax has)")
-flags.DEFINE_integer("seed", 0, "seed")
-flags.DEFINE_integer("checkpoint_every", 50, "meta-iterations between checkpoints")
-flags.DEFINE_string("weights_name", "lopt", "file name of the weights written at the end")
-flags.DEFINE_bool("warm_start", True, "start from the Adam-like MLP (mlp_lopt.init_meta_params), else random")
-flags.DEFINE_integer("mup_base_fan_in", 0, "record this base width with the weights (μLO); 0: none")
+
+
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a script, so importing this module defines none)."""
+    flags.DEFINE_string("workdir", None, "output folder (resumes from its checkpoint.npz)")
+    flags.DEFINE_enum("estimator", "pes", ESTIMATORS, "gradient estimator")
+    flags.DEFINE_string("tasks", "mlp_regression,mlp_classification,lm-w16-d1,lm-w32-d1", "task family (experiments.lopt_tasks.family)")
+    flags.DEFINE_integer("iterations", 1000, "meta-iterations (truncations)")
+    flags.DEFINE_integer("pairs", 4, "antithetic pairs (population = 2 * pairs, split over the devices)")
+    flags.DEFINE_float("sigma", 0.01, "perturbation standard deviation")
+    flags.DEFINE_integer("truncation", 10, "inner steps per truncation")
+    flags.DEFINE_integer("min_horizon", 50, "shortest inner run (steps)")
+    flags.DEFINE_integer("max_horizon", 200, "longest inner run (steps)")
+    flags.DEFINE_float("learning_rate", 3e-3, "meta-optimizer (AdamW) learning rate")
+    flags.DEFINE_float("clip", 1.0, "meta-gradient clipping norm")
+    flags.DEFINE_float("weight_decay", 1e-4, "meta-optimizer weight decay")
+    flags.DEFINE_integer("num_devices", 0, "CPU devices to split the population over (0: what jax has)")
+    flags.DEFINE_integer("seed", 0, "seed")
+    flags.DEFINE_integer("checkpoint_every", 50, "meta-iterations between checkpoints")
+    flags.DEFINE_string("weights_name", "lopt", "file name of the weights written at the end")
+    flags.DEFINE_bool("warm_start", True, "start from the Adam-like MLP (mlp_lopt.init_meta_params), else random")
+    flags.DEFINE_string("init_weights", "", "start from these meta-parameters instead (a shipped name such as lopt, or a .npz path)")
+    flags.DEFINE_integer("mup_base_fan_in", 0, "record this base width with the weights (μLO); 0: none")
 
 
 def main(argv: list[str]) -> None:
@@ -277,7 +284,8 @@ def main(argv: list[str]) -> None:
     trainer = MetaTrainer(tasks, estimator=FLAGS.estimator, pairs=FLAGS.pairs, sigma=FLAGS.sigma,
                           truncation=FLAGS.truncation, learning_rate=FLAGS.learning_rate, clip=FLAGS.clip,
                           weight_decay=FLAGS.weight_decay, mesh=mesh, seed=FLAGS.seed,
-                          mup_base_fan_in=FLAGS.mup_base_fan_in, warm_start=FLAGS.warm_start)
+                          mup_base_fan_in=FLAGS.mup_base_fan_in, warm_start=FLAGS.warm_start,
+                          initial=mlp_lopt.load_meta_params(mlp_lopt.weights_path(FLAGS.init_weights)) if FLAGS.init_weights else None)
     checkpoint = workdir / "checkpoint.npz"
     history = trainer.restore(checkpoint) if checkpoint.exists() else []
     if history:
@@ -300,7 +308,7 @@ def main(argv: list[str]) -> None:
             "horizons": [FLAGS.min_horizon, FLAGS.max_horizon],
             "meta_optimizer": f"adamw lr={FLAGS.learning_rate} clip={FLAGS.clip} wd={FLAGS.weight_decay}",
             "seed": FLAGS.seed,
-            "warm_start": FLAGS.warm_start,
+            "warm_start": FLAGS.init_weights or FLAGS.warm_start,
             "command": "python -m experiments.meta_train " + " ".join(sys.argv[1:]),
             "date": datetime.date.today().isoformat(),
             "machine": f"{platform.machine()} CPU, {len(devices)} jax device(s), no accelerator",
@@ -334,5 +342,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     flags.mark_flag_as_required("workdir")
     app.run(main)

@@ -27,7 +27,8 @@ its other axis. The MLP acts on the trailing feature axis only, so no parameter 
 
 Meta-parameters are a plain dict of arrays: `init_meta_params` draws fresh ones, `save_meta_params` /
 `load_meta_params` write and read them as NumPy ``.npz`` with a JSON record next to them; the spec
-`LOpt` (registered as ``lopt``) loads the shipped weights, ``optim/learned/weights/lopt.npz``.
+`LOpt` (registered as ``lopt``) loads shipped weights from ``optim/learned/weights/``: ``mulo`` (the
+default; μLO, meta-trained at base width 16, which its record names) or ``lopt`` (no μLO scaling).
 """
 
 from __future__ import annotations
@@ -246,17 +247,20 @@ class LOpt(spec.OptimizerSpec):
     ``learning_rate`` multiplies the learned step: 1.0 is the optimizer as meta-trained (it has its own
     schedule through its time features; use ``optimizer.schedule=constant`` to leave it alone).
     ``num_steps`` is the run's length (0 in a config: `optim.registry` sets the run's). ``weights``: a shipped name or a
-    ``.npz`` path; ``meta_params`` (from code) replaces them. No weight decay: the learned step
-    decides what happens to the weights.
+    ``.npz`` path; ``meta_params`` (from code) replaces them. Weights meta-trained as μLO (their record
+    names a ``mup_base_fan_in``, e.g. the shipped ``mulo``) take μLO's per-tensor scaling at that base
+    width, as they were trained. No weight decay: the learned step decides what happens to the weights.
     """
 
     learning_rate: optax.ScalarOrSchedule = 1.0
-    weights: str = "lopt"
+    weights: str = "mulo"
     num_steps: int = 0
     meta_params: MetaParams | None = spec.code_only()
 
     def mup_base_fan_in(self) -> int:
-        return 0
+        if self.meta_params is not None:
+            return 0
+        return int(load_record(weights_path(self.weights)).get("mup_base_fan_in", 0))
 
     def transform(self) -> optax.GradientTransformationExtraArgs:
         if isinstance(self.num_steps, int) and self.num_steps < 1:
@@ -275,16 +279,14 @@ class MuLOpt(LOpt):
     ``base_fan_in`` 0 takes the width recorded with the weights (``mup_base_fan_in`` in their JSON).
     """
 
-    weights: str = "mulo"
     base_fan_in: int = 0
 
     def mup_base_fan_in(self) -> int:
-        if self.base_fan_in:
-            return self.base_fan_in
-        record = weights_path(self.weights).with_suffix(".json")
-        base = int(load_record(record).get("mup_base_fan_in", 0))
+        base = self.base_fan_in or super().mup_base_fan_in()
         if not base:
-            raise ValueError(f"{record} records no mup_base_fan_in; set base_fan_in to the width the weights were meta-trained at")
+            raise ValueError(
+                f"weights {self.weights!r} record no mup_base_fan_in; set base_fan_in to the width they were meta-trained at"
+            )
         return base
 
 

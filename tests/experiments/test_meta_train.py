@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from experiments import lopt_tasks, meta_train
+from optim.learned import mlp_lopt
 
 DIM, SIGMA, PAIRS, SAMPLES = 3, 0.1, 2, 4000
 A = jnp.asarray([[2.0, 0.5, 0.0], [0.5, 1.0, 0.2], [0.0, 0.2, 0.5]])
@@ -141,3 +142,22 @@ def test_checkpoint_resumes_the_meta_state(toy_task, tmp_path):
     np.testing.assert_array_equal(resumed.theta, trainer.theta)
     for a, b in zip(jax.tree.leaves(resumed.opt_state), jax.tree.leaves(trainer.opt_state), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_meta_training_can_start_from_shipped_weights(toy_task):
+    """``--init_weights=lopt``: the starting meta-parameters are the shipped ones, not the warm start."""
+    kwargs = dict(estimator="es", pairs=2, sigma=0.01, truncation=5, learning_rate=1e-2, clip=1.0, weight_decay=0.0, mesh=None, seed=0)
+    shipped = mlp_lopt.load_meta_params(mlp_lopt.weights_path("lopt"))
+    trainer = meta_train.MetaTrainer([toy_task], **kwargs, initial=shipped)
+    for a, b in zip(jax.tree.leaves(trainer.meta_params()), jax.tree.leaves(shipped), strict=True):
+        np.testing.assert_array_equal(a, b)
+    warm = meta_train.MetaTrainer([toy_task], **kwargs).meta_params()
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(warm), jax.tree.leaves(shipped), strict=True))
+
+
+def test_task_family_parses_widths_depths_and_model_presets():
+    narrow, small = lopt_tasks.family("lm-w16-d1, small")
+    assert (narrow.name, small.name) == ("lm-w16-d1", "small")
+    count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))  # noqa: E731
+    preset = lopt_tasks.preset_model_def("small", 32).abstract_params
+    assert count(jax.eval_shape(small.init, jax.random.key(0))) == count(preset) > 20 * count(jax.eval_shape(narrow.init, jax.random.key(0)))

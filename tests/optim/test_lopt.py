@@ -89,6 +89,19 @@ def test_matches_the_numpy_reference(meta, base_fan_in):
     assert int(state.count) == 3
 
 
+def test_weights_meta_trained_as_mulo_take_its_scaling_through_lopt(meta, tmp_path):
+    """``--config.optimizer.lopt.weights=<μLO weights>``: the base width comes from the weights' record."""
+    path = tmp_path / "mu.npz"
+    mlp_lopt.save_meta_params(path, meta, {"mup_base_fan_in": 3})
+    params = _params()
+    grads = _grads(0, params)
+    for tx, base in ((mlp_lopt.lopt(1.0, num_steps=10, weights=str(path)), 3), (mlp_lopt.lopt(1.0, num_steps=10, meta_params=meta), 0)):
+        updates, _ = tx.update(grads, tx.init(params), params)
+        want = _reference(meta, params, [grads], 10, base)
+        for k in want:
+            np.testing.assert_allclose(params[k] + updates[k], want[k], rtol=0, atol=2e-6 * np.max(np.abs(want[k])))
+
+
 def test_feature_count_and_per_tensor_normalisation():
     rng = np.random.default_rng(0)
     p, g1, g2 = (jnp.asarray(100 * rng.normal(size=(5, 7)), jnp.float32) for _ in range(3))  # all raw features >> 1e-5
@@ -160,8 +173,11 @@ def test_weights_round_trip(meta, tmp_path):
         mlp_lopt.load_meta_params(tmp_path / "missing.npz")
 
 
-def test_shipped_weights_load_with_their_record():
-    meta = mlp_lopt.load_meta_params(mlp_lopt.weights_path("lopt"))
+@pytest.mark.parametrize("name", ["lopt", "mulo"])
+def test_shipped_weights_load_with_their_record(name):
+    meta = mlp_lopt.load_meta_params(mlp_lopt.weights_path(name))
     assert meta["mlp"]["w0"].shape == (feat.num_features(), 32)
-    record = mlp_lopt.load_record(mlp_lopt.weights_path("lopt"))
+    record = mlp_lopt.load_record(mlp_lopt.weights_path(name))
     assert {"estimator", "tasks", "iterations", "command", "date", "machine"} <= set(record)
+    base = 16 if name == "mulo" else 0  # μLO's base width, meta-trained at d_model 16
+    assert record.get("mup_base_fan_in", 0) == base == mlp_lopt.LOpt(weights=name).mup_base_fan_in()

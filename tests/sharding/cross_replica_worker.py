@@ -2,14 +2,15 @@
 
     python tests/sharding/cross_replica_worker.py WORKDIR [--preempt] COORDINATOR NUM_PROCESSES PROCESS_ID
 
-Each optimizer (DiLoCo, Streaming DiLoCo, DeMo, PowerSGD) trains a small model replica-locally on a
+Each optimizer with its own collectives (DiLoCo, DeMo, PowerSGD) trains a small model replica-locally on a
 ``data:2`` mesh (one replica per process of a 2-process job; the test runs the same configs on two
 devices of its own process as the reference) with `experiments.train.run` into ``WORKDIR/<name>``,
 XLA with most optimisations off (``jax_disable_most_optimizations``, as the reference). With
 ``--preempt`` the DiLoCo run first stops as if preempted after step 3 (checkpoint, return) and is
 then resumed from that checkpoint: its synchronisations every 2 steps put the stop where the
 replicas' parameters differ. (Every one of them resumes bit-exactly in
-tests/experiments/test_replica_local.py; here they check their collectives across processes.) One
+tests/experiments/test_replica_local.py; here they check their collectives across processes. Streaming
+DiLoCo synchronises through DiLoCo's all-reduce, a fragment at a time, and is checked there only.) One
 launch trains them all, so the job's start-up and distributed initialisation are paid once.
 """
 
@@ -22,7 +23,6 @@ from sharding import multihost
 STOP_AT = 3
 OPTIMIZERS = {
     "diloco": {"sync_every": 2},
-    "streaming_diloco": {"sync_every": 2, "exchange": "bfloat16"},
     "demo": {"chunk": 16, "topk": 8},
     "powersgd": {"rank": 2},
 }

@@ -18,16 +18,21 @@ def _matmul_setup(platform: str) -> tuple[int, jnp.dtype]:
 
 
 def measure_matmul_flops(device: jax.Device, repeats: int = 5) -> float:
-    """Best-of-``repeats`` FLOP/s of a square matmul on ``device`` (fp32 on CPU, bf16 elsewhere)."""
+    """Best-of-``repeats`` FLOP/s of a square matmul on ``device`` (fp32 on CPU, bf16 elsewhere).
+
+    Runs on a one-device mesh of its own, so a caller's context mesh (a training loop's) does not apply.
+    """
     n, dtype = _matmul_setup(device.platform)
-    a = jax.device_put(jnp.ones((n, n), dtype), device)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+    own_mesh = jax.make_mesh((1,), ("device",), devices=[device], axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(own_mesh):
+        a = jax.device_put(jnp.ones((n, n), dtype), device)
+        f = jax.jit(lambda x: x @ x)
         f(a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            f(a).block_until_ready()
+            best = min(best, time.perf_counter() - start)
     return 2.0 * n**3 / best
 
 

@@ -39,3 +39,10 @@ def test_unknown_devices_fall_back_to_the_measured_matmul_rate_and_say_so(monkey
     assert jax.local_devices()[0].platform == "cpu"
     cpu = hardware.peak_flops_per_device("float32")
     assert cpu.flops_per_second == 1.5e12 and "measured matmul rate (cpu device" in cpu.source
+
+
+def test_matmul_rate_is_measured_inside_a_training_loops_mesh():
+    """A fresh machine has no cached rate: the first run measures it under its own 8-device mesh."""
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        assert hardware.measure_matmul_flops(jax.local_devices()[0], repeats=1) > 0

@@ -10,12 +10,12 @@ log-magnitude ``m``, and the update is
     u = -lr * s_T * d * exp(c1 m) * c2,        c1 = c2 = 1e-3 (the reference's exp_mult, step_mult)
 
 with ``lr = 1`` as meta-trained and ``s_T = 1``, or for the μP-aware variant (``mup_base_fan_in =
-n0 > 0``, μLO) ``s_T = n0 / fan_in`` on hidden and output matrices (``"matrix"`` leaves of
-`optim.labels.matrix_labels`, ``fan_in`` their second-last axis) and 1 on embeddings, norms and biases:
-μP's per-layer Adam-style scaling relative to the base width ``n0`` at which it was meta-trained, so
-its steps shrink like μP's as the model widens. The meta-parameters also hold offsets of the
-accumulator decays, ``decay = 1 - (1 - decay_0) exp(10 o)`` (``decay_0`` = `INITIAL_DECAYS`,
-the reference's ``param_to_decay(decay_to_param(decay_0) + o)``).
+n0 > 0``, μLO) μP's per-layer scaling of an Adam-like step (Tensor Programs V, arXiv:2203.03466,
+Table 3) relative to the base width ``n0`` at which it was meta-trained (`mup_scales`): ``n0 / fan_in``
+on hidden matrices and on the readout (the LM head, or the tied embedding, which is the readout too),
+1 on input embeddings, norms and biases, so its steps shrink like μP's as the model widens. The
+meta-parameters also hold offsets of the accumulator decays, ``decay = 1 - (1 - decay_0) exp(10 o)``
+(``decay_0`` = `INITIAL_DECAYS`, the reference's ``param_to_decay(decay_to_param(decay_0) + o)``).
 
 This is ``AdafacMLPLOpt`` of google/learned_optimization (``learned_optimizers/adafac_mlp_lopt.py``),
 the reference this follows, with hidden size 32 (the reference defaults to 4) and a time embedding
@@ -114,13 +114,31 @@ def apply_mlp(mlp: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     return x
 
 
+READOUT_NAMES = ("lm_head", "unembed")  # untied output layers, (fan_in, vocab)
+TIED_EMBEDDING_NAMES = ("embed", "embedding", "embeddings", "wte")  # token tables, (vocab, width)
+
+
 def mup_scales(params: Any, base_fan_in: int) -> Any:
-    """μLO's per-tensor step multipliers: ``base_fan_in / fan_in`` on "matrix" leaves, 1 elsewhere."""
-    return jax.tree.map(
-        lambda label, p: base_fan_in / p.shape[-2] if label == labels.MATRIX else 1.0,
-        labels.matrix_labels(params),
-        params,
-    )
+    """μLO's per-tensor step multipliers ``s_T`` at base width ``n0 = base_fan_in``.
+
+    - ``n0 / fan_in`` on hidden matrices ("matrix" leaves of `optim.labels.matrix_labels`, ``fan_in``
+      their second-last axis) and on an untied readout (``lm_head`` / ``unembed``, ``(fan_in, vocab)``);
+    - ``n0 / width`` on a token embedding ``(vocab, width)`` when the tree has no separate readout:
+      tied, it is the readout too, and a step on it moves every logit by a sum over ``width`` terms
+      (left at 1, the learned step sent `small`'s loss from 5.8 to above 20 in its first 25 steps);
+    - 1 on untied input embeddings, position tables, norm scales and biases.
+    """
+    paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+    tied = not any(labels.is_embedding_path(path, READOUT_NAMES) for path in paths)
+
+    def scale(path, label, p):
+        if label == labels.MATRIX or labels.is_embedding_path(path, READOUT_NAMES):
+            return base_fan_in / p.shape[-2]
+        if tied and len(p.shape) == 2 and labels.is_embedding_path(path, TIED_EMBEDDING_NAMES):
+            return base_fan_in / p.shape[-1]
+        return 1.0
+
+    return jax.tree_util.tree_map_with_path(scale, labels.matrix_labels(params), params)
 
 
 def scale_by_mlp_lopt(
@@ -138,7 +156,7 @@ def scale_by_mlp_lopt(
       num_steps: the length of the run, for the time features (may be traced).
       exp_mult: ``c1``, scale of the log-magnitude output.
       step_mult: ``c2``, scale of the step.
-      mup_base_fan_in: 0 for the plain optimizer; ``n0 > 0`` for μLO's ``n0 / fan_in`` per-tensor scaling.
+      mup_base_fan_in: 0 for the plain optimizer; ``n0 > 0`` for μLO's per-tensor scaling (`mup_scales`).
     """
     num_momenta, num_adafactor = len(INITIAL_DECAYS.momentum), len(INITIAL_DECAYS.adafactor)
     expected = feat.num_features(num_momenta, num_adafactor)
@@ -274,7 +292,7 @@ class LOpt(spec.OptimizerSpec):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MuLOpt(LOpt):
-    """μLO: `LOpt` with the per-tensor ``n0 / fan_in`` step scaling (``n0 = base_fan_in``).
+    """μLO: `LOpt` with the per-tensor step scaling of `mup_scales` at ``n0 = base_fan_in``.
 
     ``base_fan_in`` 0 takes the width recorded with the weights (``mup_base_fan_in`` in their JSON).
     """

@@ -8,7 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
+from lm import config as config_lib
+from lm.transformer import Transformer
 from optim.learned import features as feat
 from optim.learned import mlp_lopt
 
@@ -100,6 +103,29 @@ def test_weights_meta_trained_as_mulo_take_its_scaling_through_lopt(meta, tmp_pa
         want = _reference(meta, params, [grads], 10, base)
         for k in want:
             np.testing.assert_allclose(params[k] + updates[k], want[k], rtol=0, atol=2e-6 * np.max(np.abs(want[k])))
+
+
+def _lm_param_shapes(tie_embeddings: bool) -> dict:
+    cfg = config_lib.from_preset("tiny", d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=16, mlp_dim=192,
+                                 tie_embeddings=tie_embeddings)
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    return nnx.to_pure_dict(nnx.state(model))
+
+
+@pytest.mark.parametrize("tie_embeddings", [True, False])
+def test_mulo_scales_the_readout_like_a_hidden_matrix(tie_embeddings):
+    """μP for Adam-like steps at base width 16, on a width-64 LM: hidden matrices and the readout n0 / fan_in,
+    the tied embedding (the readout too) n0 / width, an untied input embedding and the norms 1."""
+    shapes = _lm_param_shapes(tie_embeddings)
+    scales = mlp_lopt.mup_scales(shapes, 16)
+    assert scales["blocks"]["attn"]["q_proj"]["kernel"] == 16 / 64
+    assert scales["blocks"]["mlp"]["down_proj"]["kernel"] == 16 / 192
+    assert scales["blocks"]["attn_norm"]["scale"] == scales["final_norm"]["scale"] == 1.0
+    if tie_embeddings:
+        assert "lm_head" not in shapes and scales["embed"]["embedding"] == 16 / 64
+    else:
+        assert scales["lm_head"]["kernel"] == 16 / 64 and scales["embed"]["embedding"] == 1.0
 
 
 def test_feature_count_and_per_tensor_normalisation():

@@ -13,7 +13,7 @@ from lm import model as model_lib
 from lm import moe
 from optim import registry
 
-STEPS = 20
+STEPS = 8
 
 
 def _state(model_def, tx):

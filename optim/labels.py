@@ -23,9 +23,12 @@ ADAM = "adam"
 # Leaf names of vectors that scan stacking turns into (layers, dim) arrays: never matrices.
 VECTOR_NAMES: tuple[str, ...] = ("scale", "bias")
 
-# Path components that mark vocabulary-sized tables. They are matrices by shape but must never be
-# orthogonalised (the tied embedding is also the LM head).
-EMBEDDING_NAMES: tuple[str, ...] = ("embed", "embedding", "embeddings", "lm_head", "unembed", "wte", "wpe")
+# Path components that mark vocabulary-sized tables: token embeddings ``(vocab, width)``, untied
+# readouts (LM heads) ``(width, vocab)``, and position tables. They are matrices by shape but must never
+# be orthogonalised (the tied embedding is also the LM head).
+TOKEN_EMBEDDING_NAMES: tuple[str, ...] = ("embed", "embedding", "embeddings", "wte")
+READOUT_NAMES: tuple[str, ...] = ("lm_head", "unembed")
+EMBEDDING_NAMES: tuple[str, ...] = (*TOKEN_EMBEDDING_NAMES, *READOUT_NAMES, "wpe")
 
 LabelFn = Callable[[Any], Any]
 

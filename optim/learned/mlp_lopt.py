@@ -114,10 +114,6 @@ def apply_mlp(mlp: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     return x
 
 
-READOUT_NAMES = ("lm_head", "unembed")  # untied output layers, (fan_in, vocab)
-TIED_EMBEDDING_NAMES = ("embed", "embedding", "embeddings", "wte")  # token tables, (vocab, width)
-
-
 def mup_scales(params: Any, base_fan_in: int) -> Any:
     """μLO's per-tensor step multipliers ``s_T`` at base width ``n0 = base_fan_in``.
 
@@ -129,12 +125,12 @@ def mup_scales(params: Any, base_fan_in: int) -> Any:
     - 1 on untied input embeddings, position tables, norm scales and biases.
     """
     paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(params)]
-    tied = not any(labels.is_embedding_path(path, READOUT_NAMES) for path in paths)
+    tied = not any(labels.is_embedding_path(path, labels.READOUT_NAMES) for path in paths)
 
     def scale(path, label, p):
-        if label == labels.MATRIX or labels.is_embedding_path(path, READOUT_NAMES):
+        if label == labels.MATRIX or labels.is_embedding_path(path, labels.READOUT_NAMES):
             return base_fan_in / p.shape[-2]
-        if tied and len(p.shape) == 2 and labels.is_embedding_path(path, TIED_EMBEDDING_NAMES):
+        if tied and len(p.shape) == 2 and labels.is_embedding_path(path, labels.TOKEN_EMBEDDING_NAMES):
             return base_fan_in / p.shape[-1]
         return 1.0
 

@@ -169,7 +169,8 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
         balancing(config)  # checked here so a bad value is a usage error
         model_def = model_lib.define(cfg)
         # The fused quantized-state kernel runs per shard of these specs (optim.quantize_state).
-        param_specs = jax.tree.map(lambda s: s.spec, partition.named_shardings(model_def.logical_specs, mesh, rules))
+        param_shardings = partition.named_shardings(model_def.logical_specs, mesh, rules, model_def.abstract_params)
+        param_specs = jax.tree.map(lambda s: s.spec, param_shardings)
         tx = registry.build(config.optimizer, config.steps, replica_axis=replica_axis, param_specs=param_specs)
         shardings = train_lib.make_shardings(model_def, tx, mesh, rules, replica_axis)
         registry.check_layout(config.optimizer, model_def.abstract_params, shardings.params, replica_axis)

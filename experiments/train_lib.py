@@ -89,7 +89,7 @@ def make_shardings(
     rules: rules_lib.Rules,
     replica_axis: str | None = None,
 ) -> Shardings:
-    params = partition.named_shardings(model_def.logical_specs, mesh, rules)
+    params = partition.named_shardings(model_def.logical_specs, mesh, rules, model_def.abstract_params)
     partition.check_divisible(model_def.abstract_params, params)
     if replica_axis:
         check_replica_axis(replica_axis, mesh, rules, params)

@@ -132,13 +132,21 @@ def logical_shard_map(
     return sharded
 
 
-def named_shardings(logical_specs: Any, mesh: jax.sharding.Mesh, rules: rules_lib.Rules) -> Any:
-    """Maps a pytree of logical parameter `PartitionSpec`s (from `nnx.get_partition_spec`) to `NamedSharding`s."""
-    return jax.tree.map(
-        lambda spec: jax.NamedSharding(mesh, rules_lib.logical_to_mesh_spec(tuple(spec), rules.params, mesh.axis_names)),
-        logical_specs,
-        is_leaf=lambda x: isinstance(x, jax.P),
-    )
+def named_shardings(logical_specs: Any, mesh: jax.sharding.Mesh, rules: rules_lib.Rules, abstract: Any = None) -> Any:
+    """Maps a pytree of logical parameter `PartitionSpec`s (from `nnx.get_partition_spec`) to `NamedSharding`s.
+
+    ``abstract``: the parameters' shapes (same tree), so that optional mesh axes (`sharding.rules`)
+    go only where they split a dimension evenly.
+    """
+    is_spec = lambda x: isinstance(x, jax.P)  # noqa: E731
+
+    def sharding(spec: jax.P, shape: tuple[int, ...] | None) -> jax.NamedSharding:
+        mesh_spec = rules_lib.logical_to_mesh_spec(tuple(spec), rules.params, mesh.axis_names, shape=shape, axis_sizes=mesh.shape)
+        return jax.NamedSharding(mesh, mesh_spec)
+
+    if abstract is None:
+        return jax.tree.map(lambda spec: sharding(spec, None), logical_specs, is_leaf=is_spec)
+    return jax.tree.map(lambda spec, leaf: sharding(spec, leaf.shape), logical_specs, abstract, is_leaf=is_spec)
 
 
 def check_divisible(abstract: Any, shardings: Any) -> None:

@@ -10,14 +10,27 @@ data parallelism.
 Presets (mesh axis names ``data``, ``fsdp``, ``tensor``, ``seq``, ``expert``):
 
 - ``dp``: batch over ``data``; parameters replicated.
-- ``fsdp`` (default): batch over ``data`` and ``fsdp``; parameters, gradients and optimizer state
-  sharded along ``embed`` over ``fsdp`` (ZeRO-3), gathered per layer by GSPMD. With no ``fsdp``
+- ``fsdp`` (default): batch over ``data``, ``fsdp`` and ``expert``; parameters, gradients and optimizer
+  state sharded along ``embed`` over ``fsdp`` (ZeRO-3), gathered per layer by GSPMD. With no ``fsdp``
   axis in the mesh this is plain data parallelism.
 - ``tp``: Megatron tensor parallelism: ``heads`` / ``kv_heads`` / ``mlp`` / ``vocab`` over ``tensor``,
   one all-reduce after attention and one after the MLP; combined with FSDP on ``embed``.
 - ``sp``: the ``tp`` rules plus activations sharded along ``seq`` over ``seq`` (context parallelism).
 
-``expert`` parallelism maps ``experts`` onto the ``expert`` axis in every preset.
+``expert`` parallelism maps ``experts`` onto the ``expert`` axis in every preset. The ``expert`` axis
+is a data-parallel axis for everything but the routed experts, so the sharded presets also split
+``embed`` over it where it is free: dense weights, norms and embeddings are split over ``fsdp`` x
+``expert`` (ZeRO-3 over every data-parallel axis but ``data``, as MaxText's rules do), an expert stack
+``(experts, embed, mlp)`` over ``expert`` on its first axis and ``fsdp`` on ``embed``. ``latent`` (the
+rank of multi-head latent attention's down- and up-projections) takes ``fsdp`` and ``expert`` where
+free too, so MLA's up-projections ``(latent, heads)`` are split under FSDP while the down-projections
+``(embed, latent)`` are split on ``embed``.
+
+Optional mesh axes: a mesh axis written with a trailing ``?`` (``embed: ("fsdp", "expert?")``, or
+``--config.rule_overrides=embed=fsdp+expert?``) is taken by a dimension only where no other dimension
+of the same array takes it (required axes first, then optional ones in dimension order) and, when
+the array's shape is known, only where it keeps the dimension evenly split. A required axis claimed
+by two dimensions stays an error.
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
 import jax
+import numpy as np
 
 MeshAxes = tuple[str, ...]
 RuleTable = tuple[tuple[str, MeshAxes], ...]
@@ -48,15 +62,17 @@ class Rules:
 
 _BATCH = ("data", "fsdp", "expert")
 _TENSOR = {"heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",), "vocab": ("tensor",)}
+# ZeRO-3 parameter splitting: `embed` over fsdp, and over expert where the routed-expert axis leaves it free.
+_ZERO3 = {"embed": ("fsdp", "expert?"), "latent": ("fsdp?", "expert?"), "experts": ("expert",)}
 
 PRESETS: dict[str, dict[str, dict[str, MeshAxes]]] = {
     "dp": {"params": {"experts": ("expert",)}, "activations": {"batch": _BATCH, "experts": ("expert",)}},
     "fsdp": {
-        "params": {"embed": ("fsdp",), "experts": ("expert",)},
+        "params": _ZERO3,
         "activations": {"batch": _BATCH, "experts": ("expert",)},
     },
     "tp": {
-        "params": {"embed": ("fsdp",), **_TENSOR, "experts": ("expert",)},
+        "params": {**_ZERO3, **_TENSOR},
         "activations": {"batch": _BATCH, **_TENSOR, "experts": ("expert",)},
     },
 }
@@ -107,23 +123,32 @@ def parse_overrides(text: str) -> dict[str, str]:
     return out
 
 
+OPTIONAL = "?"
+
+
 def logical_to_mesh_spec(
     logical: Sequence[str | None] | None,
     rules: RuleTable,
     mesh_axis_names: Iterable[str],
+    *,
+    shape: Sequence[int] | None = None,
+    axis_sizes: Mapping[str, int] | None = None,
 ) -> jax.P:
     """Maps one array's logical axis names to a `PartitionSpec` on a mesh with ``mesh_axis_names``.
 
-    Mesh axes missing from the mesh (or of which the mesh has only the name) are dropped. Mapping two
-    dimensions of one array onto the same mesh axis is an error, never a silent drop.
+    Mesh axes missing from the mesh are dropped. Mapping two dimensions of one array onto the same
+    required mesh axis is an error, never a silent drop. Optional axes (``"expert?"``) go, in
+    dimension order, to the dimensions whose rule names them where the mesh axis is still free and,
+    given the array's ``shape`` and the mesh's ``axis_sizes``, where the dimension still splits evenly.
     """
     if logical is None:
         return jax.P()
     table = dict(rules)
     present = set(mesh_axis_names)
+    rule = [table.get(name, ()) if name is not None else () for name in logical]
     spec, used = [], {}
     for dim, name in enumerate(logical):
-        axes = tuple(a for a in table.get(name, ()) if a in present) if name is not None else ()
+        axes = tuple(a for a in rule[dim] if not a.endswith(OPTIONAL) and a in present)
         for axis in axes:
             if axis in used:
                 raise ValueError(
@@ -131,5 +156,15 @@ def logical_to_mesh_spec(
                     f"with logical axes {tuple(logical)} onto the same mesh axis {axis!r}; override one rule"
                 )
             used[axis] = dim
-        spec.append(axes[0] if len(axes) == 1 else (axes or None))
-    return jax.P(*spec)
+        spec.append(list(axes))
+    for dim, axes in enumerate(spec):
+        for axis in (a.removesuffix(OPTIONAL) for a in rule[dim] if a.endswith(OPTIONAL)):
+            if axis not in present or axis in used:
+                continue
+            if shape is not None and axis_sizes is not None:
+                ways = int(np.prod([axis_sizes[a] for a in (*axes, axis)]))
+                if shape[dim] % ways:
+                    continue
+            axes.append(axis)
+            used[axis] = dim
+    return jax.P(*(axes[0] if len(axes) == 1 else (tuple(axes) or None) for axes in spec))

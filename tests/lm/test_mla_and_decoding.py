@@ -149,9 +149,12 @@ def test_mla_shards_under_fsdp_and_tensor_parallelism():
     forward = jax.jit(lambda p, t: model_lib.apply(model_def, p, t))
     single = forward(params, tokens)
     mesh, rules = mesh_lib.make_mesh("data:2,fsdp:2,tensor:2"), rules_lib.make_rules("tp")
-    shardings = partition.named_shardings(model_def.logical_specs, mesh, rules)
-    assert shardings["blocks"]["attn"]["k_up"]["kernel"].spec == jax.P(None, None, "tensor")
+    shardings = partition.named_shardings(model_def.logical_specs, mesh, rules, model_def.abstract_params)
+    # The latent rank takes fsdp where embed leaves it free: up-projections split on it, down-projections on embed.
+    assert shardings["blocks"]["attn"]["k_up"]["kernel"].spec == jax.P(None, "fsdp", "tensor")
+    assert shardings["blocks"]["attn"]["q_up"]["kernel"].spec == jax.P(None, "fsdp", "tensor")
     assert shardings["blocks"]["attn"]["kv_down"]["kernel"].spec == jax.P(None, "fsdp", None)
+    assert shardings["blocks"]["attn"]["kv_norm"]["scale"].spec == jax.P(None, "fsdp")
     with jax.set_mesh(mesh), partition.use_rules(rules):
         sharded = forward(jax.device_put(params, shardings), tokens)
     np.testing.assert_allclose(sharded, single, atol=1e-4, rtol=1e-4)

@@ -54,6 +54,28 @@ def test_two_dimensions_on_one_mesh_axis_is_an_error():
         rules_lib.logical_to_mesh_spec(("embed", "mlp"), rules.params, ("fsdp",))
 
 
+@pytest.mark.parametrize("preset", ["fsdp", "tp"])
+def test_expert_axis_splits_embed_where_the_routed_experts_leave_it_free(preset):
+    params = rules_lib.make_rules(preset).params
+    sizes = {"fsdp": 2, "expert": 4}
+    spec = lambda logical, shape=None: rules_lib.logical_to_mesh_spec(logical, params, sizes, shape=shape, axis_sizes=sizes)  # noqa: E731
+    assert spec(("embed",)) == jax.P(("fsdp", "expert"))  # a norm scale: ZeRO-3 over both data-parallel axes
+    assert spec(("experts", "embed", "mlp"))[:2] == ("expert", "fsdp")  # the stack's experts keep expert
+    assert spec(("embed", "experts")) == jax.P("fsdp", "expert")  # the router, whichever dimension comes first
+    assert spec(("layers", "embed", "latent")) == jax.P(None, ("fsdp", "expert"), None)  # MLA down-projection
+    assert spec(("layers", "latent", "heads"))[:2] == (None, ("fsdp", "expert"))  # MLA up-projection
+    # With the shape known, an optional axis goes only where the dimension still splits evenly.
+    assert spec(("embed", "mlp"), shape=(12, 8)) == jax.P("fsdp", None)  # 12 splits 2 ways, not 8
+    assert spec(("latent", "heads"), shape=(6, 8))[0] == "fsdp"
+    assert spec(("latent", "heads"), shape=(3, 8))[0] is None
+
+
+def test_optional_axes_from_overrides_yield_to_required_ones():
+    rules = rules_lib.make_rules("fsdp", rules_lib.parse_overrides("params.embed=fsdp?,params.mlp=fsdp"))
+    assert rules_lib.logical_to_mesh_spec(("embed", "mlp"), rules.params, ("fsdp",)) == jax.P(None, "fsdp")
+    assert rules_lib.logical_to_mesh_spec(("embed", "vocab"), rules.params, ("fsdp",)) == jax.P("fsdp", None)
+
+
 def test_overrides_parse_and_validate():
     rules = rules_lib.make_rules("fsdp", rules_lib.parse_overrides("mlp=tensor,batch=data+fsdp,params.embed="))
     params, acts = dict(rules.params), dict(rules.activations)

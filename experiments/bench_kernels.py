@@ -1,10 +1,12 @@
 r"""Kernels: attention (forward and forward+backward of every implementation, checked against XLA) and
 the quantized optimizer-state update (`experiments.bench_quantized_update`).
 
-    python -m experiments.bench_kernels --json_out=/tmp/kernels.json             # on a GPU
+    python -m experiments.bench_kernels --json_out=/tmp/kernels.json             # on a GPU: attention and gmm
     python -m experiments.bench_kernels --shapes=1x64x2x32 --implementations=pallas,xla \
         --gmm_shapes=2x40x16x16 --gmm_block_m=16 --gmm_block_k=16 --gmm_block_n=16   # CPU smoke run
     python -m experiments.bench_kernels --sections=quantized_update   # the update on gpt2-124m's block matrices
+
+``--sections`` picks any of ``attention``, ``gmm`` and ``quantized_update`` (default: the first two).
 
 Implementations (causal self-attention, ``(batch, seq, heads, head_dim)``):
 
@@ -23,7 +25,7 @@ backward 2.5x the forward. ``peak`` is ``--peak_tflops`` (default: H100 SXM dens
 absolute difference from the ``xla`` row's output (fwd) or gradients (fwd_bwd), in float32.
 An implementation that cannot run here (cuDNN off an NVIDIA GPU) is listed with its reason.
 
-Grouped matmul (``--gmm_shapes``, ``GxMxKxN``; empty to skip): `kernels_pallas.gmm.gmm` (``pallas``,
+Grouped matmul (section ``gmm``, ``--gmm_shapes``, ``GxMxKxN``): `kernels_pallas.gmm.gmm` (``pallas``,
 Triton on GPU, Mosaic on TPU, Triton in interpret mode on CPU) against ``jax.lax.ragged_dot`` (``ragged_dot``) for ``lhs (M, K)``,
 ``rhs (G, K, N)`` and group sizes drawn as a multinomial of ``M`` tokens over ``G`` equally likely experts
 (seeded). FLOPs: ``2 M K N`` forward, three times that forward+backward (dlhs and drhs). ``vs_ragged_dot``
@@ -35,17 +37,14 @@ from __future__ import annotations
 
 import datetime
 import json
-import statistics
-import time
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments import bench_quantized_update
+from experiments import bench_quantized_update, timing
 from kernels_pallas import gmm as gmm_lib
 from kernels_pallas.attention import BlockSizes, flash_attention
 from kernels_pallas.gmm import Tiling
@@ -54,25 +53,9 @@ from kernels_pallas.gmm import api as gmm_api
 DEFAULT_SHAPES = ["16x1024x12x64", "4x4096x16x128", "1x16384x8x128"]
 IMPLEMENTATIONS = ("pallas", "cudnn", "xla", "jax_triton")
 
-_SHAPES = flags.DEFINE_list("shapes", DEFAULT_SHAPES, "BATCHxSEQxHEADSxHEAD_DIM, causal self-attention.")
-_IMPLEMENTATIONS = flags.DEFINE_list("implementations", list(IMPLEMENTATIONS), f"From {', '.join(IMPLEMENTATIONS)}.")
-_MODES = flags.DEFINE_list("modes", ["fwd", "fwd_bwd"], "fwd and/or fwd_bwd.")
-_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Input dtype.")
-_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed calls first (compilation included).")
-_ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per row.")
-_PEAK = flags.DEFINE_float("peak_tflops", 989.0, "Dense peak TFLOP/s of the device in --dtype (H100 SXM bf16: 989).")
-_JSON_OUT = flags.DEFINE_string("json_out", "", "Write the rows as JSON here.")
-_SECTIONS = flags.DEFINE_list("sections", ["attention"], "attention and/or quantized_update.")
-_Q_SHAPES = flags.DEFINE_list(
-    "quantized_shapes", bench_quantized_update.GPT2_124M_MATRICES, "Parameter shapes (AxBxC) of the quantized-update section."
-)
-_Q_VARIANTS = flags.DEFINE_list("quantized_variants", list(bench_quantized_update.VARIANTS), "Rows of the quantized-update section.")
-_GMM_SHAPES = flags.DEFINE_list("gmm_shapes", ["8x16384x768x2048"], "GROUPSxMxKxN grouped matmuls; empty to skip.")
-_GMM_TILING = {name: flags.DEFINE_integer(f"gmm_{name}", 0, f"Tiling.{name} of the gmm kernel (0: default).") for name in ("block_m", "block_k", "block_n")}
-_BLOCKS = {
-    name: flags.DEFINE_integer(name, 0, f"BlockSizes.{name} of the pallas rows (0: the backend's default).")
-    for name in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_q_dkv", "block_kv_dkv", "num_warps", "num_stages")
-}
+SECTIONS = ("attention", "gmm", "quantized_update")
+BLOCK_FLAGS = ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_q_dkv", "block_kv_dkv", "num_warps", "num_stages")
+GMM_TILING_FLAGS = ("block_m", "block_k", "block_n")
 
 
 def parse_dims(text: str) -> tuple[int, ...]:
@@ -115,17 +98,6 @@ def implementation(name: str, *, block_sizes: BlockSizes | None, interpret: bool
     raise app.UsageError(f"unknown implementation {name!r}; use {', '.join(IMPLEMENTATIONS)}")
 
 
-def _timed(fn: Callable[[], Any], warmup: int, iters: int) -> list[float]:
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    seconds = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        seconds.append(time.perf_counter() - start)
-    return seconds
-
-
 def _inputs(shape, dtype, seed=0):
     keys = jax.random.split(jax.random.key(seed), 4)
     return tuple(jax.random.normal(key, shape, dtype) for key in keys)  # q, k, v, output cotangent
@@ -163,50 +135,36 @@ def bench(
                 else:
                     step = jax.jit(lambda q, k, v, d_out, attend=attend: jax.vjp(attend, q, k, v)[1](d_out))
                     args = (q, k, v, d_out)
-                try:
-                    seconds = _timed(lambda step=step, args=args: step(*args), warmup, iters)
-                except Exception as e:  # noqa: BLE001 -- one failing row (out of memory, unsupported) must not end the run
-                    row["unavailable"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                out = timing.timed_row(row, lambda step=step, args=args: step(*args), warmup, iters)
+                if out is None:
                     continue
-                results[name, mode] = step(*args)
-                ms = statistics.median(seconds) * 1e3
-                tflops = attention_flops(shape, mode) / (ms * 1e-3) / 1e12
-                row.update(ms=ms, ms_min=min(seconds) * 1e3, tflops=tflops, peak_fraction=tflops / peak_tflops)
+                results[name, mode] = out
+                tflops = attention_flops(shape, mode) / (row["ms"] * 1e-3) / 1e12
+                row.update(tflops=tflops, peak_fraction=tflops / peak_tflops)
         for row in shape_rows:
             if "ms" in row:
-                cudnn = results.get(("cudnn", row["mode"])) is not None and next(
-                    r for r in shape_rows if r["mode"] == row["mode"] and r["implementation"] == "cudnn"
-                )
+                cudnn = next((r for r in shape_rows if r["mode"] == row["mode"] and r["implementation"] == "cudnn" and "ms" in r), None)
                 row["vs_cudnn"] = cudnn["ms"] / row["ms"] if cudnn else None
-                row["max_err"] = _max_err(results[row["implementation"], row["mode"]], results.get(("xla", row["mode"])))
+                row["max_err"] = timing.max_abs_diff(results[row["implementation"], row["mode"]], results.get(("xla", row["mode"])))
         rows += shape_rows
     return rows
 
 
-def _max_err(got: Any, reference: Any) -> float | None:
-    if reference is None:
-        return None
-    return max(
-        float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(reference), strict=True)
-    )
+_TIMES_AND_RATE = {**timing.TIME_COLUMNS, "TFLOP/s": lambda r: f"{r['tflops']:.1f}"}
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [
-        "| shape BxTxHxD | implementation | mode | ms (median) | ms (min) | TFLOP/s | % of peak | vs cuDNN | max err vs xla |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
-    for r in rows:
-        if "ms" not in r:
-            lines.append(f"| {r['shape']} | {r['implementation']} | {r['mode']} | not run: {r['unavailable']} | | | | | |")
-            continue
-        lines.append(
-            f"| {r['shape']} | {r['implementation']} | {r['mode']} | {r['ms']:.3f} | {r['ms_min']:.3f} | {r['tflops']:.1f} | "
-            f"{100 * r['peak_fraction']:.1f} | {fmt(r['vs_cudnn'], '.2f')} | {fmt(r['max_err'], '.2e')} |"
-        )
-    return "\n".join(lines)
+    return timing.markdown_table(
+        rows,
+        ["shape", "implementation", "mode"],
+        {
+            **_TIMES_AND_RATE,
+            "% of peak": lambda r: f"{100 * r['peak_fraction']:.1f}",
+            "vs cuDNN": lambda r: timing.optional(r["vs_cudnn"], ".2f"),
+            "max err vs xla": lambda r: timing.optional(r["max_err"], ".2e"),
+        },
+        header=["shape BxTxHxD", "implementation", "mode"],
+    )
 
 
 GMM_IMPLEMENTATIONS = ("pallas", "ragged_dot")
@@ -244,39 +202,31 @@ def bench_gmm(
                     step = jax.jit(lambda a, b, fn=fn: fn(a, b, sizes))
                 else:
                     step = jax.jit(lambda a, b, fn=fn: jax.vjp(lambda a, b: fn(a, b, sizes), a, b)[1](d_out))
-                try:
-                    seconds = _timed(lambda step=step: step(lhs, rhs), warmup, iters)
-                except Exception as e:  # noqa: BLE001 -- one failing row must not end the run
-                    row["unavailable"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                out = timing.timed_row(row, lambda step=step: step(lhs, rhs), warmup, iters)
+                if out is None:
                     continue
-                results[name] = step(lhs, rhs)
-                ms = statistics.median(seconds) * 1e3
-                flops = 2.0 * m * k * n * (1 if mode == "fwd" else 3)
-                row.update(ms=ms, ms_min=min(seconds) * 1e3, tflops=flops / (ms * 1e-3) / 1e12)
+                results[name] = out
+                row["tflops"] = 2.0 * m * k * n * (1 if mode == "fwd" else 3) / (row["ms"] * 1e-3) / 1e12
             baseline = next((r for r in shape_rows if r["implementation"] == "ragged_dot" and "ms" in r), None)
             for row in shape_rows:
                 if "ms" in row:
                     row["vs_ragged_dot"] = baseline["ms"] / row["ms"] if baseline else None
-                    row["max_err"] = _max_err(results[row["implementation"]], results.get("ragged_dot"))
+                    row["max_err"] = timing.max_abs_diff(results[row["implementation"]], results.get("ragged_dot"))
             rows += shape_rows
     return rows
 
 
 def format_gmm_table(rows: list[dict]) -> str:
-    lines = [
-        "| shape GxMxKxN | implementation | mode | ms (median) | ms (min) | TFLOP/s | vs ragged_dot | max err vs ragged_dot |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
-    for r in rows:
-        if "ms" not in r:
-            lines.append(f"| {r['shape']} | {r['implementation']} | {r['mode']} | not run: {r['unavailable']} | | | | |")
-            continue
-        lines.append(
-            f"| {r['shape']} | {r['implementation']} | {r['mode']} | {r['ms']:.3f} | {r['ms_min']:.3f} | {r['tflops']:.1f} | "
-            f"{fmt(r['vs_ragged_dot'], '.2f')} | {fmt(r['max_err'], '.2e')} |"
-        )
-    return "\n".join(lines)
+    return timing.markdown_table(
+        rows,
+        ["shape", "implementation", "mode"],
+        {
+            **_TIMES_AND_RATE,
+            "vs ragged_dot": lambda r: timing.optional(r["vs_ragged_dot"], ".2f"),
+            "max err vs ragged_dot": lambda r: timing.optional(r["max_err"], ".2e"),
+        },
+        header=["shape GxMxKxN", "implementation", "mode"],
+    )
 
 
 def environment() -> dict:
@@ -289,49 +239,65 @@ def environment() -> dict:
     }
 
 
-def main(argv):
+def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    unknown = sorted(set(_SECTIONS.value) - {"attention", "quantized_update"})
+    f = flags.FLAGS
+    unknown = sorted(set(f.sections) - set(SECTIONS))
     if unknown:
-        raise app.UsageError(f"unknown section(s) {unknown}; use attention and/or quantized_update")
-    env = environment()
-    out = {**env}
-    if "quantized_update" in _SECTIONS.value:
-        q_rows = bench_quantized_update.bench(
-            [parse_dims(s) for s in _Q_SHAPES.value], _Q_VARIANTS.value, warmup=_WARMUP.value, iters=_ITERS.value
-        )
-        print(f"{env['device_kind']} ({env['backend']}), jax {env['jax']}, {env['date']}: quantized AdamW update")
-        print(bench_quantized_update.format_table(q_rows))
-        out["quantized_update_rows"] = q_rows
-    if "attention" in _SECTIONS.value:
-        out.update(_attention(env))
-    if _JSON_OUT.value:
-        with open(_JSON_OUT.value, "w") as f:
-            json.dump(out, f, indent=1)
-
-
-def _attention(env: dict) -> dict:
-    for mode in _MODES.value:
+        raise app.UsageError(f"unknown section(s) {unknown}; use {', '.join(SECTIONS)}")
+    for mode in f.modes:
         if mode not in ("fwd", "fwd_bwd"):
             raise app.UsageError(f"unknown mode {mode!r}; use fwd and/or fwd_bwd")
-    shapes = [parse_shape(s) for s in _SHAPES.value]
-    sizes = {name: flag.value or None for name, flag in _BLOCKS.items()}
-    rows = bench(
-        shapes, _IMPLEMENTATIONS.value, _MODES.value, dtype=_DTYPE.value, warmup=_WARMUP.value, iters=_ITERS.value,
-        peak_tflops=_PEAK.value, block_sizes=BlockSizes(**sizes),
-    )  # fmt: skip
-    print(f"{env['device_kind']} ({env['backend']}), jax {env['jax']}, {env['date']}, {_DTYPE.value}, peak {_PEAK.value} TFLOP/s")
-    print(format_table(rows))
-    gmm_rows = []
-    if _GMM_SHAPES.value:
-        chosen = {name: flag.value for name, flag in _GMM_TILING.items() if flag.value}
+    env = environment()
+    out = {**env}
+    heading = f"{env['device_kind']} ({env['backend']}), jax {env['jax']}, {env['date']}"
+    if "quantized_update" in f.sections:
+        q_rows = bench_quantized_update.bench([parse_dims(s) for s in f.quantized_shapes], f.quantized_variants, warmup=f.warmup, iters=f.iters)
+        print(f"{heading}: quantized AdamW update")
+        print(bench_quantized_update.format_table(q_rows))
+        out["quantized_update_rows"] = q_rows
+    if "attention" in f.sections:
+        sizes = {name: f[name].value or None for name in BLOCK_FLAGS}
+        rows = bench(
+            [parse_shape(s) for s in f.shapes], f.implementations, f.modes, dtype=f.dtype, warmup=f.warmup, iters=f.iters,
+            peak_tflops=f.peak_tflops, block_sizes=BlockSizes(**sizes),
+        )  # fmt: skip
+        print(f"{heading}, {f.dtype}, peak {f.peak_tflops} TFLOP/s: attention")
+        print(format_table(rows))
+        out.update(peak_tflops=f.peak_tflops, block_sizes=sizes, rows=rows)
+    if "gmm" in f.sections:
+        chosen = {name: f[f"gmm_{name}"].value for name in GMM_TILING_FLAGS if f[f"gmm_{name}"].value}
         tiling = Tiling(**chosen) if chosen else None  # None: the backend's default tiles
-        gmm_shapes = [parse_shape(s) for s in _GMM_SHAPES.value]
-        gmm_rows = bench_gmm(gmm_shapes, _MODES.value, dtype=_DTYPE.value, warmup=_WARMUP.value, iters=_ITERS.value, tiling=tiling)
+        shapes = [parse_shape(s) for s in f.gmm_shapes]
+        gmm_rows = bench_gmm(shapes, f.modes, dtype=f.dtype, warmup=f.warmup, iters=f.iters, tiling=tiling)
+        print(f"{heading}, {f.dtype}: grouped matmul")
         print(format_gmm_table(gmm_rows))
-    return {"peak_tflops": _PEAK.value, "block_sizes": sizes, "rows": rows, "gmm_rows": gmm_rows}
+        out["gmm_rows"] = gmm_rows
+    if f.json_out:
+        with open(f.json_out, "w") as file:
+            json.dump(out, file, indent=1)
+
+
+def define_flags() -> None:
+    flags.DEFINE_list("sections", ["attention", "gmm"], f"From {', '.join(SECTIONS)}.")
+    flags.DEFINE_list("shapes", DEFAULT_SHAPES, "BATCHxSEQxHEADSxHEAD_DIM, causal self-attention.")
+    flags.DEFINE_list("implementations", list(IMPLEMENTATIONS), f"From {', '.join(IMPLEMENTATIONS)}.")
+    flags.DEFINE_list("modes", ["fwd", "fwd_bwd"], "fwd and/or fwd_bwd.")
+    flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Input dtype (attention and gmm).")
+    flags.DEFINE_integer("warmup", 3, "Untimed calls first (compilation included).")
+    flags.DEFINE_integer("iters", 20, "Timed calls per row.")
+    flags.DEFINE_float("peak_tflops", 989.0, "Dense peak TFLOP/s of the device in --dtype (H100 SXM bf16: 989).")
+    flags.DEFINE_string("json_out", "", "Write the rows as JSON here.")
+    flags.DEFINE_list("quantized_shapes", bench_quantized_update.GPT2_124M_MATRICES, "Parameter shapes (AxBxC) of the quantized-update section.")
+    flags.DEFINE_list("quantized_variants", list(bench_quantized_update.VARIANTS), "Rows of the quantized-update section.")
+    flags.DEFINE_list("gmm_shapes", ["8x16384x768x2048"], "GROUPSxMxKxN grouped matmuls.")
+    for name in GMM_TILING_FLAGS:
+        flags.DEFINE_integer(f"gmm_{name}", 0, f"Tiling.{name} of the gmm kernel (0: default).")
+    for name in BLOCK_FLAGS:
+        flags.DEFINE_integer(name, 0, f"BlockSizes.{name} of the pallas rows (0: the backend's default).")
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -60,17 +60,6 @@ TREES = {
 }
 TOTAL_STEPS = 1000
 
-_OPTIMIZERS = flags.DEFINE_list(
-    "optimizers", ["adamw", "muon", "normuon", "muon_clip", "mars_muon", "muon@optax", "optax_muon"], "Rows to time; 'all': every registered optimizer."
-)
-_TREES = flags.DEFINE_list("trees", ["tiny", "small"], f"Parameter trees, from {sorted(TREES)}.")
-_REPEATS = flags.DEFINE_integer("repeats", 20, "Timed calls per row (median and minimum reported).")
-_OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
-_TRAIN_BATCH = flags.DEFINE_string(
-    "train_batch", "", "BATCHxSEQ_LEN: time whole training steps of the preset named by --trees at this batch; empty: updates only."
-)
-
-
 def param_tree(d, layers, heads, kv_heads, head_dim, mlp, vocab, seed=0) -> dict[str, Any]:
     """Random arrays with the model's parameter shapes (see the layout in optim/labels.py)."""
     shapes = {
@@ -235,24 +224,25 @@ def train_step_calls(names: list[str], preset: str, batch: int, seq_len: int) ->
     return calls
 
 
-def main(argv):
+def main(argv: list[str]) -> None:
     del argv
-    train_step = bool(_TRAIN_BATCH.value)
+    f = flags.FLAGS
+    train_step = bool(f.train_batch)
     try:
-        batch, seq_len = bench_throughput.parse_batch_shape(_TRAIN_BATCH.value) if train_step else (0, 0)
+        batch, seq_len = bench_throughput.parse_batch_shape(f.train_batch) if train_step else (0, 0)
     except train.UsageError as e:
         train.usage_exit(str(e))
-    unknown = sorted(set(_TREES.value) - set(TREES))
+    unknown = sorted(set(f.trees) - set(TREES))
     if unknown:
         train.usage_exit(f"unknown tree {unknown[0]!r}; --trees takes {', '.join(TREES)}")
-    names = row_names(_OPTIMIZERS.value, train_step=train_step)
+    names = row_names(f.optimizers, train_step=train_step)
     results: dict[str, Any] = {
         "device": str(jax.devices()[0].device_kind),
         "backend": jax.default_backend(),
         "mode": f"train step {batch}x{seq_len}" if train_step else "update",
         "trees": {},
     }
-    for tree_name in _TREES.value:
+    for tree_name in f.trees:
         tree = TREES[tree_name]
         if train_step:
             calls = train_step_calls(names, tree_name, batch, seq_len)
@@ -260,7 +250,7 @@ def main(argv):
             calls = {name: compile_row(EXTRA_ROWS.get(name) or registered(name), tree) for name in names}
         rows = {
             name: {"ms": 1e3 * statistics.median(t), "min_ms": 1e3 * min(t)}
-            for name, t in time_rows(calls, _REPEATS.value).items()
+            for name, t in time_rows(calls, f.repeats).items()
         }
         for name, (plain, refresh, every) in AMORTISED.items():
             if plain in rows and refresh in rows:
@@ -278,7 +268,7 @@ def main(argv):
         results["trees"][tree_name] = rows
 
         what = f"whole training step, batch {batch}x{seq_len}" if train_step else "update + apply_updates"
-        print(f"\n{tree_name}, {what} ({results['backend']}: {results['device']}), median and min of {_REPEATS.value}")
+        print(f"\n{tree_name}, {what} ({results['backend']}: {results['device']}), median and min of {f.repeats}")
         print(f"{'optimizer':<22}{'ms/step':>10}{'min ms':>10}{'x AdamW':>10}{'x optax':>10}{'(min)':>8}{'B/param':>9}")
         for name, r in rows.items():
             vs_adamw = f"{r['vs_adamw']:.2f}" if r["vs_adamw"] else "-"
@@ -286,10 +276,22 @@ def main(argv):
             vs_optax_min = f"{r['vs_optax_muon_min']:.2f}" if "vs_optax_muon_min" in r else ""
             min_ms = f"{r['min_ms']:.2f}" if "min_ms" in r else "-"
             print(f"{name:<22}{r['ms']:>10.2f}{min_ms:>10}{vs_adamw:>10}{vs_optax:>10}{vs_optax_min:>8}{r['state_bytes_per_param']:>9.2f}")
-    if _OUT.value:
-        with open(_OUT.value, "w") as f:
-            json.dump(results, f, indent=2)
+    if f.out:
+        with open(f.out, "w") as file:
+            json.dump(results, file, indent=2)
+
+
+def define_flags() -> None:
+    rows = ["adamw", "muon", "normuon", "muon_clip", "mars_muon", "muon@optax", "optax_muon"]
+    flags.DEFINE_list("optimizers", rows, "Rows to time; 'all': every registered optimizer.")
+    flags.DEFINE_list("trees", ["tiny", "small"], f"Parameter trees, from {sorted(TREES)}.")
+    flags.DEFINE_integer("repeats", 20, "Timed calls per row (median and minimum reported).")
+    flags.DEFINE_string("out", "", "Write the results as JSON here.")
+    flags.DEFINE_string(
+        "train_batch", "", "BATCHxSEQ_LEN: time whole training steps of the preset named by --trees at this batch; empty: updates only."
+    )
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -12,8 +12,6 @@ read than this minimum. Rows that cannot run here (the kernel off a GPU) say why
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
 
 import jax
@@ -21,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 import kernels_pallas.quantized_update as qu
+from experiments import timing
 from optim.quantize_state import Fused, quantize_state
 
 VARIANTS = ("fp32", "8bit_xla", "8bit_pallas", "4bit_xla", "4bit_pallas")
@@ -71,22 +70,23 @@ def bench(shapes: list[tuple[int, ...]], variants: list[str], *, warmup: int = 2
             u, s = tx.update(g, s, p)
             return optax.apply_updates(p, u), s
 
-        p, s = jax.tree.map(jnp.copy, params), tx.init(params)
-        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(p, s, grads).compile()
-        seconds = []
-        for i in range(warmup + iters):
-            start = time.perf_counter()
-            p, s = jax.block_until_ready(compiled(p, s, grads))
-            if i >= warmup:
-                seconds.append(time.perf_counter() - start)
-        ms = statistics.median(seconds) * 1e3
+        carried = [jax.tree.map(jnp.copy, params), tx.init(params)]
+        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*carried, grads).compile()
+
+        def one_step(compiled=compiled, carried=carried):  # parameters and state donated and carried, as in training
+            carried[:] = compiled(*carried, grads)
+            return carried
+
+        rows.append(row)
+        if timing.timed_row(row, one_step, warmup, iters) is None:
+            continue
         per_param = sum(bytes_per_param(variant, x.shape) * x.size for x in params.values()) / n
         memory = compiled.memory_analysis()
-        rows.append({
-            **row, "ms": ms, "ms_min": min(seconds) * 1e3, "bytes_per_param": per_param,
-            "gb_per_s": per_param * n / (ms * 1e-3) / 1e9,
-            "temp_bytes": None if memory is None else int(memory.temp_size_in_bytes),
-        })  # fmt: skip
+        row.update(
+            bytes_per_param=per_param,
+            gb_per_s=per_param * n / (row["ms"] * 1e-3) / 1e9,
+            temp_bytes=None if memory is None else int(memory.temp_size_in_bytes),
+        )
     fp32 = next((r for r in rows if r["variant"] == "fp32" and "ms" in r), None)
     for r in rows:
         if "ms" in r:
@@ -95,18 +95,14 @@ def bench(shapes: list[tuple[int, ...]], variants: list[str], *, warmup: int = 2
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [
-        "| variant | params | ms (median) | ms (min) | time vs fp32 | bytes/param | GB/s | step temp MiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
-    for r in rows:
-        if "ms" not in r:
-            lines.append(f"| {r['variant']} | {r['params']:,} | not run: {r['unavailable']} | | | | | |")
-            continue
-        temp = None if r["temp_bytes"] is None else r["temp_bytes"] / 2**20
-        lines.append(
-            f"| {r['variant']} | {r['params']:,} | {r['ms']:.3f} | {r['ms_min']:.3f} | {fmt(r['vs_fp32'], '.2f')} | "
-            f"{r['bytes_per_param']:.2f} | {r['gb_per_s']:.1f} | {fmt(temp, '.1f')} |"
-        )
-    return "\n".join(lines)
+    return timing.markdown_table(
+        rows,
+        ["variant", "params"],
+        {
+            **timing.TIME_COLUMNS,
+            "time vs fp32": lambda r: timing.optional(r["vs_fp32"], ".2f"),
+            "bytes/param": lambda r: f"{r['bytes_per_param']:.2f}",
+            "GB/s": lambda r: f"{r['gb_per_s']:.1f}",
+            "step temp MiB": lambda r: timing.optional(None if r["temp_bytes"] is None else r["temp_bytes"] / 2**20, ".1f"),
+        },
+    )

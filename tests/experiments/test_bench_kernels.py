@@ -1,6 +1,10 @@
 """experiments.bench_kernels at a tiny shape on CPU (Pallas in interpret mode): rows, checks, table, JSON."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from absl import app
@@ -55,3 +59,22 @@ def test_tiny_cpu_gmm_rows_check_against_ragged_dot():
     assert by["pallas"]["max_err"] < 1e-4 and by["ragged_dot"]["max_err"] == 0
     assert by["pallas"]["tflops"] == pytest.approx(2 * 40 * 16 * 16 / by["pallas"]["ms"] / 1e9)
     assert "| 3x40x16x16 | pallas | fwd |" in bench_kernels.format_gmm_table(rows)
+
+
+def test_cli_runs_the_chosen_sections_and_writes_json(tmp_path):
+    out = tmp_path / "kernels.json"
+    args = [
+        sys.executable, "-m", "experiments.bench_kernels", "--sections=attention,gmm", "--shapes=1x40x2x32",
+        "--implementations=pallas,xla", "--modes=fwd", "--dtype=float32", "--warmup=0", "--iters=1",
+        "--gmm_shapes=2x40x16x16", "--gmm_block_m=16", "--gmm_block_k=16", "--gmm_block_n=16", f"--json_out={out}",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [(r["implementation"], r["mode"]) for r in data["rows"]] == [("pallas", "fwd"), ("xla", "fwd")]
+    assert {r["implementation"] for r in data["gmm_rows"]} == {"pallas", "ragged_dot"}
+    assert "quantized_update_rows" not in data
+    assert "attention" in result.stdout and "grouped matmul" in result.stdout
+    bad = subprocess.run([*args[:3], "--sections=attn"], env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "unknown section(s) ['attn']" in bad.stderr

@@ -13,20 +13,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import varying
+from kernels_pallas import backends, varying
 from kernels_pallas.attention import base, mosaic_tpu, reference, triton
 from kernels_pallas.attention.base import BlockSizes
+from kernels_pallas.backends import platform
 
 BACKENDS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
-_PLATFORM_BACKENDS = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu", "cpu": "triton"}
 
 __all__ = ["BACKENDS", "BlockSizes", "flash_attention", "platform"]
-
-
-def platform() -> str:
-    """The platform kernels target: the devices of the mesh in context, else JAX's default backend."""
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    return device.platform if device is not None else jax.default_backend()
 
 
 def _forward(q, k, v, segment_ids, backend: str, spec: base.Spec):
@@ -82,8 +76,7 @@ def flash_attention(
       block_sizes: tile sizes; `None` fields take the backend's defaults.
       interpret: run the kernels in Pallas interpret mode (any platform, slow; for tests). The TPU
         backend also takes a `jax.experimental.pallas.tpu.InterpretParams`.
-      backend: ``"triton"`` or ``"mosaic_tpu"``; default from `platform()`. Naming one also lets a
-        CPU host lower the kernels for another platform (``.lower(lowering_platforms=("cuda",))``).
+      backend: ``"triton"`` or ``"mosaic_tpu"``; default: the platform's (`kernels_pallas.backends`).
 
     Returns:
       ``(batch, seq, heads, v_head_dim)`` in q's dtype, or ``(out, max_logits)``.
@@ -95,13 +88,7 @@ def flash_attention(
         )
     if segment_ids is not None and not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise ValueError(f"segment_ids must be integers; got {segment_ids.dtype}")
-    target = platform()
-    if backend is None:
-        if target == "cpu" and not interpret:
-            raise ValueError("Pallas kernels do not compile for CPU: pass interpret=True (slow, for tests) or use the XLA reference")
-        backend = _PLATFORM_BACKENDS.get(target)
-    if backend not in BACKENDS:
-        raise ValueError(f"no flash attention backend {backend!r} for platform {target!r}; pass backend= one of {sorted(BACKENDS)}")
+    backend = backends.choose("flash_attention", platform(), backend, interpret, tuple(BACKENDS), "use reference.attention")
     spec = base.Spec(
         causal=causal,
         sm_scale=float(q.shape[-1] ** -0.5 if sm_scale is None else sm_scale),

@@ -17,14 +17,12 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import varying
-from kernels_pallas.attention.api import platform
+from kernels_pallas.backends import PLATFORM_BACKENDS, platform
 from kernels_pallas.gmm import mosaic_tpu, reference, triton
 from kernels_pallas.gmm.base import Tiling
 
 KERNELS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
 BACKENDS = (*KERNELS, "xla")
-# The Pallas kernel each platform compiles; a platform not listed (CPU) runs one only in interpret mode.
-PLATFORM_BACKENDS = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}
 
 __all__ = ["BACKENDS", "PLATFORM_BACKENDS", "Tiling", "gmm"]
 

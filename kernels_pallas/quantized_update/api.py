@@ -1,7 +1,7 @@
 """`quantized_update`: one fused step of AdamW or Lion on a parameter whose moments are quantized.
 
-The backend follows the platform of the mesh in context, else JAX's default backend (as
-`kernels_pallas.attention.api.platform`): ``triton`` on GPUs, ``mosaic_tpu`` on TPUs; on a CPU the
+The backend follows the platform of the mesh in context, else JAX's default backend
+(`kernels_pallas.backends`): ``triton`` on GPUs, ``mosaic_tpu`` on TPUs; on a CPU the
 Triton kernel runs in interpret mode only (``interpret=True``; ``backend="mosaic_tpu"`` with it runs
 the TPU interpreter).
 Under a mesh, pass the parameter's `PartitionSpec` and the kernel runs per shard inside
@@ -16,13 +16,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import varying
-from kernels_pallas.attention.api import platform
+from kernels_pallas import backends, varying
+from kernels_pallas.backends import platform
 from kernels_pallas.quantized_update import base, mosaic_tpu, reference, triton
 from kernels_pallas.quantized_update.triton import BlockSizes
 
 BACKENDS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
-_PLATFORM_BACKENDS = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu", "cpu": "triton"}
 _DEFAULT_BLOCK_SIZES = {"triton": BlockSizes(), "mosaic_tpu": mosaic_tpu.DEFAULT_BLOCK_SIZES}
 
 __all__ = ["BACKENDS", "BlockSizes", "available", "quantized_update"]
@@ -30,7 +29,7 @@ __all__ = ["BACKENDS", "BlockSizes", "available", "quantized_update"]
 
 def available(target: str | None = None) -> bool:
     """Whether a compiled kernel exists for platform ``target`` (default: `platform()`)."""
-    return (target or platform()) in ("gpu", "cuda", "rocm", "tpu")
+    return backends.compiles(target or platform())
 
 
 def _rank1_maxima(rule, p3, g3, moments, layouts, scalars, shape, split_axes):
@@ -101,9 +100,7 @@ def quantized_update(
     Args:
       block_sizes: rows / columns per program (rounded up to whole tiles); default per backend.
       interpret: run in Pallas interpret mode (any platform; slow, for tests).
-      backend: ``"triton"`` or ``"mosaic_tpu"``; default from `platform()`. Naming it lets a CPU
-        host lower the kernel for a GPU (``.lower(lowering_platforms=("cuda",))``) or interpret the
-        TPU kernel.
+      backend: ``"triton"`` or ``"mosaic_tpu"``; default: the platform's (`kernels_pallas.backends`).
       spec: the parameter's `PartitionSpec` under the mesh in context: the kernel runs per shard in
         `jax.shard_map`, codes and block scales split like the parameter, rank-1 maxima all-reduced
         (``pmax``) over the mesh axes of the other matrix axis.
@@ -112,13 +109,7 @@ def quantized_update(
         raise ValueError(f"quantized_update: param {param.shape} and grad {grad.shape} must share one non-scalar shape")
     if len({m.bits for m in layouts}) != 1 or len(layouts) != len(rule.moments):
         raise ValueError(f"quantized_update: {type(rule).__name__} takes {len(rule.moments)} moments of one bit width")
-    target = platform()
-    if backend is None:
-        if target == "cpu" and not interpret:
-            raise ValueError("Pallas kernels do not compile for CPU: pass interpret=True (slow, for tests) or use the XLA reference")
-        backend = _PLATFORM_BACKENDS.get(target)
-    if backend not in BACKENDS:
-        raise ValueError(f"no quantized-update kernel {backend!r} for platform {target!r}; use reference.quantized_update")
+    backend = backends.choose("quantized_update", platform(), backend, interpret, tuple(BACKENDS), "use reference.quantized_update")
     local = functools.partial(
         _local_update, rule, layouts, block_sizes=block_sizes or _DEFAULT_BLOCK_SIZES[backend], backend=backend, interpret=interpret
     )

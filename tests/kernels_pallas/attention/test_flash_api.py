@@ -76,7 +76,7 @@ def test_tpu_block_sizes_must_fit_the_vector_tiles():
         ({"interpret": True, "block_sizes": BlockSizes(block_q=48)}, "block_q=48 must be a power of two"),
         ({"interpret": True, "segment_ids": jnp.zeros((2, 8))}, "segment_ids must be integers"),
         ({"interpret": True, "segment_ids": jnp.zeros((2, 9), jnp.int32)}, r"expected \(batch, seq\) = \(2, 8\)"),
-        ({"interpret": True, "backend": "cuda"}, "no flash attention backend 'cuda'"),
+        ({"interpret": True, "backend": "cuda"}, "flash_attention: no backend 'cuda' for platform 'cpu'; pass backend= one of triton"),
     ],
 )
 def test_bad_calls_say_what_to_do(kwargs, message):
@@ -88,7 +88,7 @@ def test_bad_calls_say_what_to_do(kwargs, message):
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU-only refusal")
 def test_cpu_without_interpret_mode_is_refused():
     q = jnp.zeros((2, 8, 4, 16))
-    with pytest.raises(ValueError, match="do not compile for CPU: pass interpret=True"):
+    with pytest.raises(ValueError, match="do not compile for cpu: pass interpret=True"):
         flash_attention(q, q, q)
 
 

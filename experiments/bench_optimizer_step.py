@@ -25,13 +25,16 @@ settings, with the refresh interval set beyond the timed steps), ``shampoo_refre
         --trees=small
 
 With ``--train_batch=BATCHxSEQ_LEN`` every row is instead the whole training step of the model
-preset named by ``--trees`` (forward, backward, clipping, update: `experiments.bench_throughput`'s
-step on random tokens, state carried from step to step), which is what the published overheads of
+preset named by ``--trees`` (any preset of `lm.config`; forward, backward, clipping, update:
+`experiments.bench_throughput`'s step on random tokens at ``--train_dtype``, default attention
+implementation, state carried from step to step), which is what the published overheads of
 distributed Shampoo (arXiv:2002.09018) compare. Only registered rows (and their ``_refresh``
 variants) can run this way:
 
     python -m experiments.bench_optimizer_step --optimizers=adamw,shampoo,shampoo_refresh,soap,soap_refresh \
         --trees=small --train_batch=64x256 --repeats=3
+    python -m experiments.bench_optimizer_step --optimizers=adamw,muon,normuon,mars_muon,lion \
+        --trees=gpt2-124m --train_batch=16x1024 --train_dtype=bfloat16 --repeats=10   # on a GPU
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from absl import app, flags
 
 from experiments import bench_throughput, train
 from experiments.configs import default
+from lm import config as config_lib
 from optim import labels, memory, registry
 from optim.muon import muon
 
@@ -212,16 +216,22 @@ def row_names(requested: list[str], *, train_step: bool) -> list[str]:
     return names
 
 
-def train_step_calls(names: list[str], preset: str, batch: int, seq_len: int) -> dict[str, Callable[[], Any]]:
-    """Per row, a callable taking one more training step of ``preset`` with that row's optimizer."""
-    calls = {}
+def train_step_calls(
+    names: list[str], preset: str, batch: int, seq_len: int, dtype: str = "float32"
+) -> tuple[dict[str, Callable[[], Any]], dict[str, float]]:
+    """Per row, a callable taking one more training step of ``preset`` (compute ``dtype``) with that row's
+    optimizer, and the optimizer's state bytes per parameter of the model."""
+    calls, state_bytes = {}, {}
     for name in names:
-        config = bench_throughput.case_config(preset, batch, seq_len, "float32", "", "adamw", "fsdp")
+        config = bench_throughput.case_config(preset, batch, seq_len, dtype, "", "adamw", "fsdp")
         config.optimizer = row_config(name)
-        run = bench_throughput.compile_train_steps(config).run
-        run(1)  # compilation, and the first step (SOAP's basis initialisation, Shampoo's first roots)
-        calls[name] = functools.partial(run, 1)
-    return calls
+        steps = bench_throughput.compile_train_steps(config)
+        steps.run(1)  # compilation, and the first step (SOAP's basis initialisation, Shampoo's first roots)
+        calls[name] = functools.partial(steps.run, 1)
+        params = steps.spec.model_def.abstract_params
+        state = jax.eval_shape(steps.spec.tx.init, params)
+        state_bytes[name] = memory.state_bytes(state) / sum(p.size for p in jax.tree.leaves(params))
+    return calls, state_bytes
 
 
 def main(argv: list[str]) -> None:
@@ -232,9 +242,10 @@ def main(argv: list[str]) -> None:
         batch, seq_len = bench_throughput.parse_batch_shape(f.train_batch) if train_step else (0, 0)
     except train.UsageError as e:
         train.usage_exit(str(e))
-    unknown = sorted(set(f.trees) - set(TREES))
+    trees = config_lib.PRESETS if train_step else TREES  # a whole training step builds the model preset itself
+    unknown = sorted(set(f.trees) - set(trees))
     if unknown:
-        train.usage_exit(f"unknown tree {unknown[0]!r}; --trees takes {', '.join(TREES)}")
+        train.usage_exit(f"unknown tree {unknown[0]!r}; --trees takes {', '.join(trees)}{'' if train_step else ' (any model preset with --train_batch)'}")
     names = row_names(f.optimizers, train_step=train_step)
     results: dict[str, Any] = {
         "device": str(jax.devices()[0].device_kind),
@@ -243,11 +254,13 @@ def main(argv: list[str]) -> None:
         "trees": {},
     }
     for tree_name in f.trees:
-        tree = TREES[tree_name]
         if train_step:
-            calls = train_step_calls(names, tree_name, batch, seq_len)
+            calls, state_bytes = train_step_calls(names, tree_name, batch, seq_len, f.train_dtype)
         else:
-            calls = {name: compile_row(EXTRA_ROWS.get(name) or registered(name), tree) for name in names}
+            tree = TREES[tree_name]
+            rows_of = {name: EXTRA_ROWS.get(name) or registered(name) for name in names}
+            calls = {name: compile_row(row, tree) for name, row in rows_of.items()}
+            state_bytes = {name: state_bytes_per_param(row, tree) for name, row in rows_of.items()}
         rows = {
             name: {"ms": 1e3 * statistics.median(t), "min_ms": 1e3 * min(t)}
             for name, t in time_rows(calls, f.repeats).items()
@@ -256,8 +269,7 @@ def main(argv: list[str]) -> None:
             if plain in rows and refresh in rows:
                 rows[name] = {"ms": ((every - 1) * rows[plain]["ms"] + rows[refresh]["ms"]) / every}
         for name, r in rows.items():
-            source = AMORTISED[name][0] if name in AMORTISED else name
-            r["state_bytes_per_param"] = state_bytes_per_param(EXTRA_ROWS.get(source) or registered(source), tree)
+            r["state_bytes_per_param"] = state_bytes[AMORTISED[name][0] if name in AMORTISED else name]
         base = rows.get("adamw", {}).get("ms")
         for r in rows.values():
             r["vs_adamw"] = r["ms"] / base if base else None
@@ -290,6 +302,7 @@ def define_flags() -> None:
     flags.DEFINE_string(
         "train_batch", "", "BATCHxSEQ_LEN: time whole training steps of the preset named by --trees at this batch; empty: updates only."
     )
+    flags.DEFINE_enum("train_dtype", "float32", ["float32", "bfloat16"], "Compute dtype of the --train_batch steps.")
 
 
 if __name__ == "__main__":

@@ -36,13 +36,15 @@ def test_tiny_tree_end_to_end_with_amortised_refresh_rows(tmp_path):
 
 
 def test_whole_training_steps(tmp_path):
-    flags = ["--optimizers=shampoo,shampoo_refresh", "--trees=tiny", "--train_batch=4x16", "--repeats=1"]
+    flags = ["--optimizers=shampoo,shampoo_refresh", "--trees=moe-tiny", "--train_batch=4x16", "--train_dtype=bfloat16", "--repeats=1"]
     result, data = _bench(tmp_path, *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     assert data["mode"] == "train step 4x16"
-    rows = data["trees"]["tiny"]
+    rows = data["trees"]["moe-tiny"]  # any model preset, not only the update trees
     assert set(rows) == {"shampoo", "shampoo_refresh", "shampoo@10", "shampoo@100"}
     assert all(r["ms"] > 0 and r["vs_adamw"] is None for r in rows.values())
+    # The model's own parameters: Shampoo's blocked statistics and grafting state, well above AdamW's 8 bytes.
+    assert rows["shampoo"]["state_bytes_per_param"] == rows["shampoo@10"]["state_bytes_per_param"] > 8
     assert "whole training step, batch 4x16" in result.stdout
 
 

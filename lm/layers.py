@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -42,9 +43,27 @@ class RMSNorm(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...]).astype(self.dtype)
+        return rms_norm(x, self.scale[...], self.eps, self.dtype)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(2, 3))
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: jnp.dtype) -> jax.Array:
+    """RMSNorm in float32, recomputed in the backward pass from ``x`` and ``scale`` (`jax.checkpoint`).
+
+    Left to autodiff, the backward pass would keep float32 copies of ``x`` and of the normalised
+    values: twice the bytes of the input, per norm. An unrolled XLA program fuses them away, but
+    under ``scan_layers`` they become per-layer buffers written in the forward loop and read in the
+    backward one (`lm.remat`). Recomputing them is a few elementwise passes over ``x``.
+    """
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale).astype(dtype)
+
+
+@jax.checkpoint
+def swiglu_gate(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``silu(gate) * up``, recomputed in the backward pass from the two projections (`rms_norm` says why)."""
+    return jax.nn.silu(gate) * up
 
 
 def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -73,7 +92,7 @@ class SwiGLU(nnx.Module):
         self.down_proj = linear(hidden, d_model, ("mlp", "embed"), dtype=dtype, rngs=rngs, scale=out_scale)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        hidden = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+        hidden = swiglu_gate(self.gate_proj(x), self.up_proj(x))
         hidden = constrain(hidden, ("batch", "seq", "mlp"))
         return self.down_proj(hidden)
 

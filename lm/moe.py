@@ -50,7 +50,7 @@ from flax import nnx
 
 from kernels_pallas.gmm import api as gmm_api
 from lm.config import ModelConfig
-from lm.layers import SwiGLU
+from lm.layers import SwiGLU, swiglu_gate
 from sharding import partition
 
 EXPERT_AXIS = "expert"  # the mesh axis that expert parallelism splits the experts over
@@ -112,7 +112,7 @@ def grouped_swiglu(
     order = jnp.argsort(group, stable=True)
     sizes = jnp.bincount(group, length=n_experts + 1)[:n_experts].astype(jnp.int32)  # rows past the groups: 0
     xs = rows[order]
-    hidden = jax.nn.silu(matmul(xs, w_gate, sizes)) * matmul(xs, w_up, sizes)
+    hidden = swiglu_gate(matmul(xs, w_gate, sizes), matmul(xs, w_up, sizes))
     ys = matmul(hidden, w_down, sizes)
     return jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
 
@@ -143,7 +143,7 @@ def with_capacity(x: jax.Array, experts: jax.Array, gates: jax.Array, w_gate, w_
     buffer = jnp.zeros((n_experts, cap, x.shape[-1]), x.dtype)
     buffer = buffer.at[slot_expert, position].set(x[slot_token], mode="drop")
     buffer = partition.constrain(buffer, ("experts", None, "embed"))
-    hidden = jax.nn.silu(jnp.einsum("ecd,edf->ecf", buffer, w_gate)) * jnp.einsum("ecd,edf->ecf", buffer, w_up)
+    hidden = swiglu_gate(jnp.einsum("ecd,edf->ecf", buffer, w_gate), jnp.einsum("ecd,edf->ecf", buffer, w_up))
     out = jnp.einsum("ecf,efd->ecd", hidden, w_down)
     slots = out.at[slot_expert, position].get(mode="fill", fill_value=0)  # dropped slots read 0
     y = jnp.einsum("ktd,kt->td", slots.reshape(k, t, -1), gates.T.astype(out.dtype))

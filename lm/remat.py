@@ -2,10 +2,12 @@
 
 Without remat, autodiff keeps every intermediate the backward pass reads. Under ``scan_layers`` each
 of them becomes a per-layer stacked buffer that the forward loop writes and the backward loop reads,
-including float32 RMSNorm intermediates and SwiGLU's elementwise products that an unrolled XLA
-program would fuse away. A policy keeps only some of them and recomputes the rest from the block's
-input in the backward pass (Chen et al., "Training Deep Nets with Sublinear Memory Cost",
-arXiv:1604.06174; `jax.checkpoint` policies):
+so elementwise intermediates that an unrolled XLA program would fuse away cost memory and bandwidth
+there. The cheapest of them are never kept, whatever the policy: RMSNorm's float32 work, SwiGLU's
+``silu(gate) * up`` and the loss's float32 softmax recompute from their inputs (`lm.layers.rms_norm`,
+`lm.layers.swiglu_gate`, `lm.loss.cross_entropy`). A policy keeps only some of the rest and recomputes
+the others from the block's input in the backward pass (Chen et al., "Training Deep Nets with
+Sublinear Memory Cost", arXiv:1604.06174; `jax.checkpoint` policies):
 
 - ``none``: no remat, everything is kept.
 - ``full``: only the block's input is kept; the whole block runs again in the backward pass.

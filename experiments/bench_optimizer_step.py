@@ -216,6 +216,15 @@ def row_names(requested: list[str], *, train_step: bool) -> list[str]:
     return names
 
 
+def check_trees(names: list[str], *, train_step: bool) -> None:
+    """Update rows take the parameter trees of `TREES`; whole training steps any model preset (they build it)."""
+    known = config_lib.PRESETS if train_step else TREES
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        hint = "" if train_step else " (any model preset with --train_batch)"
+        train.usage_exit(f"unknown tree {unknown[0]!r}; --trees takes {', '.join(known)}{hint}")
+
+
 def train_step_calls(
     names: list[str], preset: str, batch: int, seq_len: int, dtype: str = "float32"
 ) -> tuple[dict[str, Callable[[], Any]], dict[str, float]]:
@@ -242,10 +251,7 @@ def main(argv: list[str]) -> None:
         batch, seq_len = bench_throughput.parse_batch_shape(f.train_batch) if train_step else (0, 0)
     except train.UsageError as e:
         train.usage_exit(str(e))
-    trees = config_lib.PRESETS if train_step else TREES  # a whole training step builds the model preset itself
-    unknown = sorted(set(f.trees) - set(trees))
-    if unknown:
-        train.usage_exit(f"unknown tree {unknown[0]!r}; --trees takes {', '.join(trees)}{'' if train_step else ' (any model preset with --train_batch)'}")
+    check_trees(f.trees, train_step=train_step)
     names = row_names(f.optimizers, train_step=train_step)
     results: dict[str, Any] = {
         "device": str(jax.devices()[0].device_kind),

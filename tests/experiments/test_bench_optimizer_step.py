@@ -36,11 +36,11 @@ def test_tiny_tree_end_to_end_with_amortised_refresh_rows(tmp_path):
 
 
 def test_whole_training_steps(tmp_path):
-    flags = ["--optimizers=shampoo,shampoo_refresh", "--trees=moe-tiny", "--train_batch=4x16", "--train_dtype=bfloat16", "--repeats=1"]
+    flags = ["--optimizers=shampoo,shampoo_refresh", "--trees=tiny", "--train_batch=4x16", "--repeats=1"]
     result, data = _bench(tmp_path, *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     assert data["mode"] == "train step 4x16"
-    rows = data["trees"]["moe-tiny"]  # any model preset, not only the update trees
+    rows = data["trees"]["tiny"]
     assert set(rows) == {"shampoo", "shampoo_refresh", "shampoo@10", "shampoo@100"}
     assert all(r["ms"] > 0 and r["vs_adamw"] is None for r in rows.values())
     # The model's own parameters: Shampoo's blocked statistics and grafting state, well above AdamW's 8 bytes.
@@ -63,6 +63,18 @@ def test_bad_rows_exit_2_naming_the_fix(names, train_step, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_optimizer_step.row_names(names, train_step=train_step)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_training_steps_take_any_model_preset_and_updates_their_own_trees(capsys):
+    from experiments import bench_optimizer_step
+
+    bench_optimizer_step.check_trees(["gpt2-124m", "moe-tiny"], train_step=True)
+    bench_optimizer_step.check_trees(["tiny", "small"], train_step=False)
+    with pytest.raises(SystemExit) as exit_info:
+        bench_optimizer_step.check_trees(["gpt2-124m"], train_step=False)
+    assert exit_info.value.code == 2 and "any model preset with --train_batch" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_optimizer_step.check_trees(["gpt2-125m"], train_step=True)
 
 
 def test_row_names_expand_all_and_keep_refresh_rows():

@@ -55,7 +55,7 @@ from absl import app, flags
 from experiments import bench_throughput, train
 from experiments.configs import default
 from lm import config as config_lib
-from optim import labels, memory, registry
+from optim import build, labels, memory, registry
 from optim.muon import muon
 
 TREES = {
@@ -120,7 +120,7 @@ def registered(name: str) -> Row:
     config = row_config(name)
 
     def make(tree):
-        return registry.build(config, TOTAL_STEPS)
+        return build.build(config, TOTAL_STEPS)
 
     if name == "muon_clip":
         return Row(make, lambda tree: {"attn_max_logits": jnp.full((tree["layers"], tree["heads"]), 50.0)})

@@ -35,7 +35,8 @@ import optax
 from absl import app, flags
 
 from experiments import lopt_tasks
-from optim import labels, registry, spec
+from optim import labels, spec
+from optim.adamw import AdamW
 from optim.learned import mlp_lopt
 
 matplotlib.use("Agg")
@@ -47,7 +48,7 @@ EVAL_SEED_OFFSET = 10_000  # task keys jax.random.key(10_000 + seed): never draw
 
 def adamw(learning_rate: jax.Array, steps: int) -> optax.GradientTransformation:
     """The registry's AdamW (its default b1, b2, eps, weight decay) on a cosine decay to 10%."""
-    defaults = spec.defaults(registry.AdamW)
+    defaults = spec.defaults(AdamW)
     schedule = optax.cosine_decay_schedule(learning_rate, steps, alpha=0.1)
     return optax.adamw(schedule, b1=defaults["b1"], b2=defaults["b2"], eps=defaults["eps"],
                        weight_decay=defaults["weight_decay"], mask=labels.decay_mask)
@@ -94,7 +95,7 @@ def evaluate_task(
 
     ``mup_base_fan_in``: μLO's base width for weights meta-trained with it (their JSON record), else 0.
     """
-    default_lr = spec.defaults(registry.AdamW)["learning_rate"]
+    default_lr = spec.defaults(AdamW)["learning_rate"]
     out: dict[str, Any] = {}
     lopt = functools.partial(_lopt, meta, steps, mup_base_fan_in)
     adam = functools.partial(adamw, steps=steps)

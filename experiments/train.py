@@ -34,7 +34,7 @@ from lm import config as model_config_lib
 from lm import corpus, data, moe
 from lm import model as model_lib
 from lm.loss import flops_per_token
-from optim import registry
+from optim import build, registry
 from sharding import mesh as mesh_lib
 from sharding import multihost
 from sharding import partition
@@ -95,7 +95,7 @@ def run_meta(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConfi
     name = config.optimizer.name
     family = config.optimizer.get(name)
     family = family.to_dict() if family is not None else {}
-    inner = registry.inner_name(config.optimizer)
+    inner = build.inner_name(config.optimizer)
     if inner is not None and config.optimizer.get(inner) is not None:
         family[inner] = config.optimizer[inner].to_dict()
     model = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _RESUMABLE_MODEL_CHANGES}
@@ -147,7 +147,7 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
         if config.grad_accum_steps < 1 or config.batch_size % config.grad_accum_steps:
             raise ValueError(f"batch_size={config.batch_size} must be a multiple of grad_accum_steps={config.grad_accum_steps}")
         cfg = model_config(config)
-        if config.optimizer.name in registry.NEEDS_ATTN_LOGITS:
+        if "attn_max_logits" in registry.spec_class(config.optimizer.name).extra_args:
             cfg = dataclasses.replace(cfg, track_attn_logits=True)
         if config.data.seq_len > cfg.max_seq_len:
             raise ValueError(f"data.seq_len={config.data.seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
@@ -171,9 +171,10 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
         # The fused quantized-state kernel runs per shard of these specs (optim.quantize_state).
         param_shardings = partition.named_shardings(model_def.logical_specs, mesh, rules, model_def.abstract_params)
         param_specs = jax.tree.map(lambda s: s.spec, param_shardings)
-        tx = registry.build(config.optimizer, config.steps, replica_axis=replica_axis, param_specs=param_specs)
+        optimizer = build.make_spec(config.optimizer, config.steps, replica_axis=replica_axis, param_specs=param_specs)
+        tx = build.transform(optimizer, config.optimizer, replica_axis=replica_axis, param_specs=param_specs)
         shardings = train_lib.make_shardings(model_def, tx, mesh, rules, replica_axis)
-        registry.check_layout(config.optimizer, model_def.abstract_params, shardings.params, replica_axis)
+        optimizer.check_layout(model_def.abstract_params, shardings.params, replica_axis)
     except (ValueError, KeyError) as e:
         raise UsageError(str(e).strip("'\"")) from e
     return RunSpec(cfg, model_def, tx, mesh, rules, shardings)
@@ -224,7 +225,7 @@ def run(
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
 
     shardings = spec.shardings
-    lr_fn = registry.learning_rate_fn(config.optimizer, config.steps)
+    lr_fn = build.learning_rate_fn(config.optimizer, config.steps)
     step_fn = train_lib.make_train_step(
         spec.model_def,
         spec.tx,

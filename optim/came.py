@@ -79,13 +79,13 @@ class CameDirection:
       min_dim_size_to_factor: factor a leaf's last two axes only when both are at least this long.
     """
 
-    b1: float = 0.9
-    b2: float = 0.999
-    b3: float = 0.9999
-    eps1: float = 1e-30
-    eps2: float = 1e-16
-    clip_threshold: float = 1.0
-    min_dim_size_to_factor: int = 128
+    b1: float = spec.param(0.9, valid="[0, 1)")
+    b2: float = spec.param(0.999, valid="[0, 1)")
+    b3: float = spec.param(0.9999, valid="[0, 1)")
+    eps1: float = spec.param(1e-30, valid="(0, inf)")
+    eps2: float = spec.param(1e-16, valid="(0, inf)")
+    clip_threshold: float = spec.param(1.0, valid="(0, inf)")
+    min_dim_size_to_factor: int = spec.param(128, valid="[1, inf)")
 
     static_args: ClassVar[tuple[str, ...]] = ("min_dim_size_to_factor",)
 

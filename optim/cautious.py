@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optim import spec
+
 
 def cautious(
     inner: optax.GradientTransformation,
@@ -51,6 +53,7 @@ def cautious(
       descent: True when ``inner`` returns updates to add to the parameters (a full optimizer),
         False when it returns a gradient-like direction (a ``scale_by_*`` transform).
     """
+    spec.check_value("eps", eps, "(0, inf)")
     inner = optax.with_extra_args_support(inner)
     sign = -1.0 if descent else 1.0
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -103,10 +103,10 @@ class AdamGroup:
       param_labels: a label tree or function ("matrix" / "adam"); None: `optim.labels.matrix_labels`.
     """
 
-    adam_lr_ratio: float = 1.0
-    adam_b1: float = 0.9
-    adam_b2: float = 0.95
-    adam_eps: float = 1e-8
+    adam_lr_ratio: float = spec.param(1.0, valid="[0, inf)")
+    adam_b1: float = spec.param(0.9, valid="[0, 1)")
+    adam_b2: float = spec.param(0.95, valid="[0, 1)")
+    adam_eps: float = spec.param(1e-8, valid="[0, inf)")
     adam_learning_rate: optax.ScalarOrSchedule | None = spec.code_only()
     param_labels: Callable[[Any], Any] | Any | None = spec.code_only()
 
@@ -118,7 +118,9 @@ class MatrixOptimizer(AdamGroup, spec.OptimizerSpec):
     A family's spec inherits its direction spec (which defines ``direction()``) first, then this.
     """
 
-    weight_decay: float
+    weight_decay: float = spec.param(valid="[0, inf)", doc="decoupled weight decay ``lambda`` (times the learning rate) on the leaves `optim.labels.decay_mask` picks.")
+
+    applies_weight_decay: ClassVar[bool] = True
 
     def transform(self) -> optax.GradientTransformationExtraArgs:
         return with_adam(
@@ -137,7 +139,9 @@ class DirectionOptimizer(spec.OptimizerSpec):
     its direction spec (which defines ``direction()``) first, then this.
     """
 
-    weight_decay: float
+    weight_decay: float = spec.param(valid="[0, inf)", doc="decoupled weight decay ``lambda`` (times the learning rate) on the leaves `optim.labels.decay_mask` picks.")
+
+    applies_weight_decay: ClassVar[bool] = True
 
     def transform(self) -> optax.GradientTransformation:
         return optax.chain(

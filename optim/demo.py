@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import einops
 import jax
@@ -135,12 +135,14 @@ class DeMoDirection:
     """
 
     learning_rate: optax.ScalarOrSchedule
-    beta: float = 0.999
-    topk: int = 32
-    chunk: int = 64
+    beta: float = spec.param(0.999, valid="[0, 1)")
+    topk: int = spec.param(32, valid="[1, inf)")
+    chunk: int = spec.param(64, valid="[1, inf)")
     value_dtype: str = "float32"
     index_dtype: str = "int32"
     axis_name: str | None = spec.code_only()
+
+    replica_local: ClassVar[bool] = True
 
     def direction(self) -> optax.GradientTransformation:
         beta, axis_name, value_dtype, index_dtype = self.beta, self.axis_name, self.value_dtype, self.index_dtype
@@ -200,6 +202,9 @@ class DeMo(DeMoDirection, common.DirectionOptimizer):
     weight_decay: float = 0.0
 
     static_args = ("topk", "chunk", "value_dtype", "index_dtype")
+
+    def check_layout(self, params: Any, shardings: Any, replica_axis: str | None = None) -> None:
+        check_chunk_layout(params, shardings, int(self.chunk), replica_axis=replica_axis)
 
 
 scale_by_demo = spec.function(DeMoDirection, "direction", name="scale_by_demo")

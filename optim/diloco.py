@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -134,15 +134,17 @@ class DiLoCo(spec.WrapperSpec):
       axis_name: the replica axis of the enclosing `jax.shard_map` (None: one replica).
     """
 
-    sync_every: int = 500
-    outer_learning_rate: float = 0.7
-    outer_momentum: float = 0.9
-    warm_start_steps: int = 0
+    sync_every: int = spec.param(500, valid="[1, inf)")
+    outer_learning_rate: float = spec.param(0.7, valid="(0, inf)")
+    outer_momentum: float = spec.param(0.9, valid="[0, 1)")
+    warm_start_steps: int = spec.param(0, valid="[0, inf)")
     axis_name: str | None = spec.code_only()
+
+    replica_local: ClassVar[bool] = True
 
     def transform(self) -> optax.GradientTransformation:
         return _diloco(
-            self.inner_transform(), self.sync_every, self.outer_learning_rate, self.outer_momentum, self.axis_name,
+            self.inner, self.sync_every, self.outer_learning_rate, self.outer_momentum, self.axis_name,
             self.warm_start_steps,
         )  # fmt: skip
 
@@ -231,17 +233,17 @@ class StreamingDiLoCo(DiLoCo):
       axis_name: the replica axis (None: one replica).
     """
 
-    sync_every: int = 100
-    fragments: int = 2
-    overlap: int = 1
-    mixing: float = 0.5
+    sync_every: int = spec.param(100, valid="[1, inf)")
+    fragments: int = spec.param(2, valid="[1, inf)")
+    overlap: int = spec.param(1, valid="[0, inf)")
+    mixing: float = spec.param(0.5, valid="[0, 1]")
     exchange: str = "int4"
     layer_key: str = "blocks"
 
     def transform(self) -> optax.GradientTransformation:
         fields = spec.values(self, StreamingDiLoCo)
         del fields["inner"]
-        return _streaming_diloco(self.inner_transform(), **fields)
+        return _streaming_diloco(self.inner, **fields)
 
 
 def _streaming_diloco(

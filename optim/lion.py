@@ -44,8 +44,8 @@ class LionDirection:
       b2: decay of the momentum.
     """
 
-    b1: float = 0.9
-    b2: float = 0.99
+    b1: float = spec.param(0.9, valid="[0, 1]")
+    b2: float = spec.param(0.99, valid="[0, 1)")
 
     def direction(self) -> optax.GradientTransformation:
         b1, b2 = self.b1, self.b2

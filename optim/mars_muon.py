@@ -52,7 +52,7 @@ class MarsMuonDirection(MuonDirection):
       clip_c: divide ``c_t`` by its Frobenius norm when that exceeds 1.
     """
 
-    gamma: float = 0.025
+    gamma: float = spec.param(0.025, valid="[0, inf)")
     clip_c: bool = True
     nesterov: bool = False
 

@@ -124,9 +124,9 @@ class NewtonSchulz:
     """
 
     ns_coeffs: ns.Coeffs = "jordan"
-    ns_steps: int = 0
+    ns_steps: int = spec.param(0, valid="[0, inf)")
     ns_dtype: str = "auto"
-    ns_eps: float = 1e-7
+    ns_eps: float = spec.param(1e-7, valid="(0, inf)")
     ns_batching: str = "auto"
     ns_sharding: str = "as_is"
 
@@ -164,7 +164,7 @@ class MuonDirection(NewtonSchulz):
       (ns_*: `NewtonSchulz`.)
     """
 
-    beta: float = 0.95
+    beta: float = spec.param(0.95, valid="[0, 1)")
     momentum_form: str = "ema"
     nesterov: bool = True
     shape_scale: str = "moonlight"

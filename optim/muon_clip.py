@@ -222,10 +222,11 @@ class MuonClip(Muon):
 
     learning_rate: optax.ScalarOrSchedule = 1.2e-2  # docs/benchmarks.md, "Default learning rates"
     weight_decay: float = 0.1
-    tau: float = 100.0
-    cautious: bool = False
+    tau: float = spec.param(100.0, valid="(0, inf)", doc="the QK-clip threshold on each head's max attention logit (Kimi K2: 100).")
+    cautious: bool = spec.param(False, doc="mask Muon's update (not the QK-clip) with `optim.cautious.cautious`.")
 
     extra_args: ClassVar[tuple[str, ...]] = ("attn_max_logits",)
+    applies_cautious: ClassVar[bool] = True
 
     def transform(self) -> optax.GradientTransformationExtraArgs:
         inner = super().transform()

@@ -60,8 +60,8 @@ class NorMuonDirection(MuonDirection):
       eps: added to ``sqrt(v_t)`` and to ``||P_t||_F``.
     """
 
-    beta2: float = 0.95
-    eps: float = 1e-10
+    beta2: float = spec.param(0.95, valid="[0, 1)")
+    eps: float = spec.param(1e-10, valid="(0, inf)")
 
     family: ClassVar[str] = "normuon"
 

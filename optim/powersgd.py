@@ -28,7 +28,7 @@ default in the registry; the paper's own choice is SGD with momentum).
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -75,10 +75,12 @@ class PowerSGDCompressor:
       axis_name: the replica axis of the enclosing `jax.shard_map` (None: one replica, no collectives).
     """
 
-    rank: int = 4
-    min_compression_rate: float = 1.0
+    rank: int = spec.param(4, valid="[1, inf)")
+    min_compression_rate: float = spec.param(1.0, valid="[0, inf)")
     seed: int = 0
     axis_name: str | None = spec.code_only()
+
+    replica_local: ClassVar[bool] = True
 
     def compressor(self) -> optax.GradientTransformation:
         rank, min_compression_rate, axis_name, seed = self.rank, self.min_compression_rate, self.axis_name, self.seed
@@ -130,7 +132,7 @@ class PowerSGD(PowerSGDCompressor, spec.WrapperSpec):
     """
 
     def transform(self) -> optax.GradientTransformation:
-        return optax.chain(self.compressor(), self.inner_transform())
+        return optax.chain(self.compressor(), self.inner)
 
 
 scale_by_powersgd = spec.function(PowerSGDCompressor, "compressor", name="scale_by_powersgd", positional=("rank",))

@@ -127,21 +127,21 @@ class ShampooDirection:
         ``"high"`` (`blocking.matmul_precision`; roots always in full fp32).
     """
 
-    block_size: int = 1024
-    beta1: float = 0.9
-    beta2: float = 0.999
+    block_size: int = spec.param(1024, valid="[1, inf)")
+    beta1: float = spec.param(0.9, valid="[0, 1)")
+    beta2: float = spec.param(0.999, valid="(0, 1]")
     nesterov: bool = True
-    matrix_eps: float = 1e-6
-    precondition_every: int = 100
-    start_preconditioning_step: int = -1
-    exponent_override: int = 0
-    max_precond_dim: int = 4096
+    matrix_eps: float = spec.param(1e-6, valid="(0, inf)")
+    precondition_every: int = spec.param(100, valid="[1, inf)")
+    start_preconditioning_step: int = spec.param(-1, valid="[-1, inf)")
+    exponent_override: int = spec.param(0, valid="[0, inf)")
+    max_precond_dim: int = spec.param(4096, valid="[1, inf)")
     root_method: str = "eigh"
-    failure_threshold: float = 0.1
-    newton_iters: int = 100
+    failure_threshold: float = spec.param(0.1, valid="(0, inf)")
+    newton_iters: int = spec.param(100, valid="[1, inf)")
     graft_type: str = "adam"
-    graft_beta2: float = 0.999
-    graft_eps: float = 1e-8
+    graft_beta2: float = spec.param(0.999, valid="(0, 1]")
+    graft_eps: float = spec.param(1e-8, valid="(0, inf)")
     graft_per_block: bool = False
     merge_dims: bool = True
     batch_leading_axes: bool = spec.code_only(True)

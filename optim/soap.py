@@ -111,12 +111,12 @@ class SoapDirection:
         (`blocking.matmul_precision`; eigh, QR and the power step always in full fp32).
     """
 
-    b1: float = 0.95
-    b2: float = 0.95
-    eps: float = 1e-8
-    shampoo_beta: float = -1.0
-    precondition_frequency: int = 10
-    max_precond_dim: int = 10000
+    b1: float = spec.param(0.95, valid="[0, 1)")
+    b2: float = spec.param(0.95, valid="[0, 1)")
+    eps: float = spec.param(1e-8, valid="(0, inf)")
+    shampoo_beta: float = spec.param(-1.0, valid="(-inf, 1)")
+    precondition_frequency: int = spec.param(10, valid="[1, inf)")
+    max_precond_dim: int = spec.param(10000, valid="[1, inf)")
     merge_dims: bool = False
     precondition_1d: bool = False
     batch_leading_axes: bool = spec.code_only(True)

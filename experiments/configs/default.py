@@ -6,7 +6,7 @@
 import ml_collections
 from ml_collections import config_dict
 
-from optim import registry
+from optim import build, registry
 
 
 def optimizer_config(name: str = "adamw", learning_rate: float | None = None) -> ml_collections.ConfigDict:
@@ -25,7 +25,7 @@ def optimizer_config(name: str = "adamw", learning_rate: float | None = None) ->
     opt.state_bits = 0  # optimizer state in 8 or 4 bits; 0: fp32
     opt.state_kernel = "auto"  # quantized step: auto, xla, or pallas (the fused kernel; AdamW, Lion)
     for family in sorted(registry.OPTIMIZERS):
-        opt[family] = registry.family_defaults(family)
+        opt[family] = build.family_defaults(family)
     return opt
 
 

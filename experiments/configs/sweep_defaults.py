@@ -21,7 +21,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.checkpoint_every = 1000
     # The Muon family and the AdamW baseline first: their defaults are what most runs use.
     first = ["adamw", "muon", "normuon", "muon_clip", "mars_muon"]
-    names = first + sorted(set(registry.OPTIMIZERS) - set(first) - registry.CROSS_REPLICA)  # these need replicas
+    names = first + sorted(n for n, c in registry.OPTIMIZERS.items() if n not in first and not c.replica_local)  # these need replicas
     config.compare = compare.compare_block(",".join(names), seeds=1, factors=(0.5, 1.0, 2.0))
     config.compare.update_timing_repeats = 3
     return config

@@ -267,9 +267,13 @@ class LOpt(spec.OptimizerSpec):
     """
 
     learning_rate: optax.ScalarOrSchedule = 1.0
-    weights: str = "mulo"
-    num_steps: int = 0
-    meta_params: MetaParams | None = spec.code_only()
+    weights: str = spec.param("mulo", doc='a shipped weights name (``mulo``, ``lopt``) or a ``.npz`` path.')
+    num_steps: int = spec.param(0, valid="[0, inf)", doc="the run's length, for the time features; 0 in a config: the run's (`LOpt.for_run`).")
+    meta_params: MetaParams | None = spec.code_only(doc='meta-parameters from code, replacing ``weights``.')
+
+    def for_run(self, total_steps: int) -> LOpt:
+        """Takes the run's length as ``num_steps`` unless it is set."""
+        return self if self.num_steps else dataclasses.replace(self, num_steps=total_steps)
 
     def mup_base_fan_in(self) -> int:
         if self.meta_params is not None:
@@ -293,7 +297,7 @@ class MuLOpt(LOpt):
     ``base_fan_in`` 0 takes the width recorded with the weights (``mup_base_fan_in`` in their JSON).
     """
 
-    base_fan_in: int = 0
+    base_fan_in: int = spec.param(0, valid="[0, inf)", doc="μLO's base width ``n0``; 0: the width recorded with the weights.")
 
     def mup_base_fan_in(self) -> int:
         base = self.base_fan_in or super().mup_base_fan_in()

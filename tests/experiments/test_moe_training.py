@@ -11,7 +11,7 @@ from experiments.configs import default
 from lm import config as config_lib
 from lm import model as model_lib
 from lm import moe
-from optim import registry
+from optim import build
 
 STEPS = 8
 
@@ -34,7 +34,7 @@ def muon_history():
     model_def = model_lib.define(config_lib.from_preset("moe-tiny"))
     config = default.optimizer_config("muon")
     config.update(schedule="constant", warmup_steps=0)
-    tx = registry.build(config, STEPS)
+    tx = build.build(config, STEPS)
     step = jax.jit(train_lib.make_train_step(model_def, tx, balancing=moe.Balancing(bias_rate=1e-3)))
     state, batch = _state(model_def, tx), _batch(8, 64)
     bias0 = np.asarray(state["params"]["blocks"]["mlp"]["router"]["bias"])
@@ -63,7 +63,7 @@ def test_global_scope_sums_the_counts_of_every_micro_batch():
     model_def = model_lib.define(cfg)
     config = default.optimizer_config("adamw")
     config.update(schedule="constant", warmup_steps=0)
-    tx = registry.build(config, 10)
+    tx = build.build(config, 10)
     balancing = moe.Balancing(bias_rate=0.25)
     batch = jnp.asarray(np.random.default_rng(1).integers(0, 256, (4, 17)), jnp.int32)
     out = {}

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from experiments.configs import default
-from optim import cautious, labels, lion, registry
+from optim import adamw, build, cautious, labels, lion
 from sharding import partition
 
 
@@ -139,16 +139,16 @@ def test_registry_option_wraps_every_optimizer_inside_the_clip():
     grads = _grads(0, params)
     for name in ("adamw", "sgd", "lion", "came", "muon"):
         config.name = name
-        tx = registry.build(config, 100)
+        tx = build.build(config, 100)
         updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
         for k in params:
             assert np.all(np.asarray(updates[k]) * grads[k] <= 0), name
     config.name = "adamw"
     want_tx = optax.chain(
         optax.clip_by_global_norm(config.grad_clip_norm),
-        cautious.cautious(registry.adamw(registry.learning_rate_fn(config, 100))),
+        cautious.cautious(adamw.adamw(build.learning_rate_fn(config, 100))),
     )
-    got = _run(registry.build(config, 100), params, [grads])
+    got = _run(build.build(config, 100), params, [grads])
     want = _run(want_tx, params, [grads])
     for k in params:
         np.testing.assert_array_equal(got[k], want[k])
@@ -157,7 +157,7 @@ def test_registry_option_wraps_every_optimizer_inside_the_clip():
 def test_sharded_matches_unsharded():
     params = {"w": np.random.default_rng(5).normal(size=(4, 16, 8)).astype(np.float32), "b": np.ones(16, np.float32)}
     grads = _grads(1, params)
-    tx = cautious.cautious(registry.adamw(1e-2))
+    tx = cautious.cautious(adamw.adamw(1e-2))
     want_updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
     with jax.set_mesh(mesh):

@@ -32,7 +32,7 @@ import pytest
 
 from experiments import train_lib
 from experiments.configs import default
-from optim import blocking, registry, spec
+from optim import blocking, build, registry, spec
 from optim import quantization as qz
 from sharding import partition
 
@@ -41,7 +41,7 @@ from sharding import partition
 # tests/optim/replica_harness.py), training, resuming and refusing another replica count through the
 # registry on data:8 (tests/experiments/test_replica_local.py). The wrappers have no learning rate of
 # their own to inject (it is their inner optimizer's, which is checked here).
-NAMES = sorted(set(registry.OPTIMIZERS) - registry.CROSS_REPLICA)
+NAMES = sorted({n for n, c in registry.OPTIMIZERS.items() if not c.replica_local})
 LAYERS, D, VOCAB, HEADS = 2, 48, 64, 4  # a stacked kernel of 2 x 48 x 48 = 4608 >= 4096: state_bits quantizes it
 STEPS = 3
 DEVICE = jax.devices()[0]
@@ -165,7 +165,7 @@ class Run:
 def base_run(name):
     """STEPS jitted steps of the registry-built optimizer on one device (committed to it, like a
     restored checkpoint, so both run the same executable)."""
-    tx = registry.build(optimizer_config(name), 100)
+    tx = build.build(optimizer_config(name), 100)
     step = jax.jit(make_step(tx))
     params = [jax.device_put(param_tree(name), DEVICE)]
     states = [jax.device_put(tx.init(params[0]), DEVICE)]
@@ -256,7 +256,7 @@ def test_state_bits_8_and_cautious_compose_on_bf16_parameters(name):
     """bf16 parameters stay bf16 and the state keeps its types; cautious keeps only update entries of
     the descent sign (no QK-clip here: logits under tau); the 8-bit state tracks the fp32 state of
     `base_run`, which neither the mask nor the parameters' dtype touch (same gradient values)."""
-    tx = registry.build(optimizer_config(name, state_bits=8, cautious=True), 100)
+    tx = build.build(optimizer_config(name, state_bits=8, cautious=True), 100)
     params = param_tree(name, jnp.bfloat16)
     state = tx.init(params)
     init_types = types(state)
@@ -323,7 +323,7 @@ def test_train_step_skips_a_step_whose_optimizer_state_overflows(monkeypatch):
         "embed": {"embedding": jnp.float32(rng.normal(size=(32, 8)))},
         "head": {"kernel": jnp.float32(rng.normal(size=(8, 32)))},
     }
-    tx = registry.build(optimizer_config("adamw", grad_clip_norm=0.0), 100)
+    tx = build.build(optimizer_config("adamw", grad_clip_norm=0.0), 100)
     counters = {k: jnp.zeros((), jnp.int32) for k in ("step", "bad_streak", "skipped")}
     state = {"params": params, "opt_state": tx.init(params), **counters}
     step = jax.jit(train_lib.make_train_step(None, tx, z_loss=1e30))
@@ -338,10 +338,11 @@ def test_config_blocks_and_public_functions_come_from_the_specs():
     config = default.optimizer_config()
     for name, cls in registry.OPTIMIZERS.items():
         fields = spec.defaults(cls)
-        assert config[name].to_dict() == {k: v for k, v in fields.items() if k in spec.config_defaults(cls)}
+        wrapper = {"inner": cls.default_inner} if issubclass(cls, spec.WrapperSpec) else {}
+        assert config[name].to_dict() == wrapper | {k: v for k, v in fields.items() if k in spec.config_defaults(cls)}
         assert set(inspect.signature(spec.function(cls, name=name)).parameters) == set(fields)
-    assert registry.NEEDS_ATTN_LOGITS == {"muon_clip"}
+    assert {n for n, c in registry.OPTIMIZERS.items() if "attn_max_logits" in c.extra_args} == {"muon_clip"}
     config.name = "muon"
     config.muon.bogus = 1.0
     with pytest.raises(ValueError, match="optimizer.muon has no key.s. bogus; its keys: adam_b1"):
-        registry.build(config, 10)
+        build.build(config, 10)

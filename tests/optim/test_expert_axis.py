@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from experiments.configs import default
-from optim import registry
+from optim import build
 
 E, D, F = 2, 64, 64  # each expert has 4096 entries: quantized like the stack (default min_size)
 
@@ -29,7 +29,7 @@ def _train(tx, params, grads):
 def test_expert_stack_is_updated_like_separate_matrices(name, state_bits):
     config = default.optimizer_config(name, learning_rate=0.02)
     config.update(state_bits=state_bits, grad_clip_norm=0.0, schedule="constant", warmup_steps=0)
-    tx = registry.build(config, 10)
+    tx = build.build(config, 10)
     rng = np.random.default_rng(0)
     stack = jnp.float32(rng.normal(size=(E, D, F)))
     grads = [jnp.float32(rng.normal(size=(E, D, F))) for _ in range(2)]

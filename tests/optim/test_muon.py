@@ -18,8 +18,8 @@ from experiments import train_lib
 from experiments.configs import default
 from lm import config as model_config
 from lm import model as model_lib
+from optim import build
 from optim import newton_schulz as ns
-from optim import registry
 from optim.muon import muon, scale_by_muon
 from sharding import rules as rules_lib
 
@@ -327,7 +327,7 @@ def test_state_of_every_family_is_sharded_like_the_tiny_model():
         ("mars_muon", ("mu", "prev_grad")),
         ("muon_clip", ("mu",)),
     ]:
-        tx = registry.build(default.optimizer_config(name), 100)
+        tx = build.build(default.optimizer_config(name), 100)
         shardings = train_lib.make_shardings(model_def, tx, mesh, rules_lib.make_rules("fsdp"))
         kernel = shardings.params["blocks"]["mlp"]["up_proj"]["kernel"]
         assert kernel.spec != jax.P()  # the rules do shard it

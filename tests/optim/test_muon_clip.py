@@ -12,7 +12,7 @@ import pytest
 
 from experiments import train
 from experiments.configs import default
-from optim import registry
+from optim import build
 from optim.muon import muon
 from optim.muon_clip import muon_clip, qk_clip, scale_by_qk_clip
 
@@ -195,13 +195,13 @@ def test_cautious_masks_muons_update_but_not_the_clip():
     logits = jnp.float32([[150.0, 50.0, 120.0, 80.0], [90.0, 300.0, 101.0, 10.0]])
     config = default.optimizer_config("muon_clip", learning_rate=0.01)
     config.warmup_steps, config.grad_clip_norm, config.cautious = 0, 0.0, True
-    built = registry.build(config, total_steps=10)
+    built = build.build(config, total_steps=10)
     updates, _ = jax.jit(built.update)(grads, built.init(params), params, attn_max_logits=logits)
     got = optax.apply_updates(params, updates)
 
     from optim.cautious import cautious
 
-    schedule = registry.learning_rate_fn(config, 10)
+    schedule = build.learning_rate_fn(config, 10)
     inner = cautious(muon(schedule, weight_decay=0.1))
     masked, _ = inner.update(grads, inner.init(params), params)
     want = np_qk_clip(optax.apply_updates(params, masked), np.asarray(logits), 100.0)

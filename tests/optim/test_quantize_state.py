@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from experiments.configs import default
-from optim import labels, lion, memory, registry
+from optim import adamw, build, labels, lion, memory
 from optim import quantization as qz
 from optim.quantize_state import QuantizedState, quantize_state
 from sharding import partition
@@ -145,9 +145,9 @@ def _bytes_per_param_without_embeddings(tx):
 
 
 def test_state_bytes_per_parameter_on_the_small_tree():
-    assert _bytes_per_param_without_embeddings(registry.adamw(1e-3)) == pytest.approx(8.0, abs=1e-5)
-    assert _bytes_per_param_without_embeddings(quantize_state(registry.adamw(1e-3), 8)) <= 2.05
-    assert _bytes_per_param_without_embeddings(quantize_state(registry.adamw(1e-3), 4)) <= 1.10
+    assert _bytes_per_param_without_embeddings(adamw.adamw(1e-3)) == pytest.approx(8.0, abs=1e-5)
+    assert _bytes_per_param_without_embeddings(quantize_state(adamw.adamw(1e-3), 8)) <= 2.05
+    assert _bytes_per_param_without_embeddings(quantize_state(adamw.adamw(1e-3), 4)) <= 1.10
     assert _bytes_per_param_without_embeddings(quantize_state(lion.lion(1e-3), 8)) <= 1.03
 
 
@@ -207,7 +207,7 @@ def test_wraps_injected_hyperparams_and_rejects_bad_bits():
     config = default.get_config().optimizer
     config.state_bits = 2
     with pytest.raises(ValueError, match="state_bits"):
-        registry.build(config, 100)
+        build.build(config, 100)
 
 
 @pytest.mark.parametrize("name", ["shampoo", "soap"])

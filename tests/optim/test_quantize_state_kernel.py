@@ -11,7 +11,7 @@ import pytest
 import kernels_pallas.quantized_update as qu
 from experiments import train
 from experiments.configs import default
-from optim import labels, registry
+from optim import build, labels
 from optim import quantization as qz
 from optim.quantize_state import Fused, quantize_state
 
@@ -89,7 +89,7 @@ def _losses(workdir):
 def test_tiny_lm_under_fsdp_with_the_kernel_matches_xla(tmp_path):
     spec = train.build_run(_lm_config("pallas"))  # what train.run builds: the kernel inside a shard_map over fsdp
     params = {"w": jnp.ones((128, 64))}  # 16 rows per shard: whole 16 x 16 tiles
-    tx = registry.build(_lm_config("pallas").optimizer, 2, param_specs={"w": jax.P("fsdp", None)})
+    tx = build.build(_lm_config("pallas").optimizer, 2, param_specs={"w": jax.P("fsdp", None)})
     with jax.set_mesh(spec.mesh):
         jaxpr = str(jax.make_jaxpr(tx.update)(params, tx.init(params), params))
     assert "shard_map" in jaxpr and "pallas_call" in jaxpr

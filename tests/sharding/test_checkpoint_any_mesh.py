@@ -33,7 +33,7 @@ RESUME_MESHES = {"one_device": {"mesh": "data:1", "devices": 1}, "tp": {"mesh": 
 FAST_REFRESH = {"precondition_every": 2, "precondition_frequency": 2}
 # Optimizers built for replicas keep per-replica state that resumes on the same replica count only
 # (tests/experiments/test_replica_local.py).
-VARIANTS = [(name, {}) for name in sorted(set(registry.OPTIMIZERS) - registry.CROSS_REPLICA)] + [("adamw", {"state_bits": 8}), ("adamw", {"cautious": True})]
+VARIANTS = [(name, {}) for name in sorted({n for n, c in registry.OPTIMIZERS.items() if not c.replica_local})] + [("adamw", {"state_bits": 8}), ("adamw", {"cautious": True})]
 SAVED_AT, STEPS = 2, 5
 
 

@@ -39,9 +39,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-from absl import app, flags, logging
+from absl import app, flags
 
-from experiments import train, train_lib
+from experiments import cli, run_spec, train_lib, trainer
 from sharding import partition
 
 KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
@@ -194,7 +194,7 @@ def row_config(name: str, base: ml_collections.ConfigDict) -> ml_collections.Con
 
 def compiled_hlo(config: ml_collections.ConfigDict) -> str:
     """The optimised HLO text of ``config``'s training step (compiled, not run)."""
-    spec = train.build_run(config)
+    spec = run_spec.build_run(config)
     shardings = spec.shardings
     step_fn = train_lib.make_train_step(spec.model_def, spec.tx, replica_axis=shardings.replica_axis)
     with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
@@ -214,7 +214,7 @@ def measure_row(name: str, base: ml_collections.ConfigDict, *, train_run: bool, 
     found = collectives(compiled_hlo(config), jax.device_count())
     result = {"row": name, "sync_every": sync_every(config), **summarize(found, sync_every(config), tokens)}
     if train_run:
-        summary = train.run(config, workdir / name)
+        summary = trainer.run(config, workdir / name)
         result |= {"final_val_loss": summary["final_val_loss"], "final_train_loss": summary["final_train_loss"]}
     return result
 
@@ -236,19 +236,19 @@ def print_table(results: list[dict[str, Any]], baseline: str = "adamw") -> None:
 
 def main(config_flag, argv: list[str]) -> None:
     del argv
-    logging.set_verbosity(logging.WARNING)
+    cli.quiet_logging(flags.FLAGS.verbose)
     base = config_flag.value
     names = list(ROWS) if flags.FLAGS.rows == "all" else [n.strip() for n in flags.FLAGS.rows.split(",")]
     unknown = [n for n in names if n not in ROWS]
     if unknown:
-        train.usage_exit(f"unknown row(s) {unknown}; rows: {', '.join(ROWS)}")
+        cli.usage_exit(f"unknown row(s) {unknown}; rows: {', '.join(ROWS)}")
     workdir = Path(flags.FLAGS.workdir or tempfile.mkdtemp(prefix="bench_comm-"))
     results = []
     for name in names:
         try:
             results.append(measure_row(name, base, train_run=flags.FLAGS.train, workdir=workdir))
-        except train.UsageError as e:
-            train.usage_exit(f"row {name}: {e}")
+        except cli.UsageError as e:
+            cli.usage_exit(f"row {name}: {e}")
         print(json.dumps({k: results[-1][k] for k in ("row", "payload", "ring") } | {"val": results[-1].get("final_val_loss")}), file=sys.stderr, flush=True)
     print_table(results)
     if flags.FLAGS.json_out:
@@ -261,7 +261,8 @@ def define_flags() -> flags.FlagHolder:
     flags.DEFINE_integer("cpu_devices", 8, "Fake CPU devices (0: the real devices).")
     flags.DEFINE_string("workdir", "", "Where the training runs go (default: a fresh temporary folder).")
     flags.DEFINE_string("json_out", "", "Write the results here as JSON.")
-    return train.define_config_flag(str(Path(__file__).parent / "configs" / "bench_comm.py"))
+    cli.define_verbose_flag()
+    return cli.define_config_flag(str(Path(__file__).parent / "configs" / "bench_comm.py"))
 
 
 if __name__ == "__main__":
@@ -275,4 +276,4 @@ if __name__ == "__main__":
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         main(holder, argv)
 
-    app.run(_main, flags_parser=train.parse_flags)
+    app.run(_main, flags_parser=cli.parse_flags)

@@ -52,7 +52,7 @@ import ml_collections
 import optax
 from absl import app, flags
 
-from experiments import bench_throughput, train
+from experiments import bench_throughput, cli
 from experiments.configs import default
 from lm import config as config_lib
 from optim import build, labels, memory, registry
@@ -210,9 +210,9 @@ def row_names(requested: list[str], *, train_step: bool) -> list[str]:
             continue
         known = [*registry.OPTIMIZERS, *(f"{n}_refresh" for n in REFRESH_INTERVAL)]
         if train_step:
-            train.usage_exit(f"row {name!r} cannot run as a training step; --train_batch takes {', '.join(known)}")
+            cli.usage_exit(f"row {name!r} cannot run as a training step; --train_batch takes {', '.join(known)}")
         amortised = f" ({name} is computed from its plain and _refresh rows)" if name in AMORTISED else ""
-        train.usage_exit(f"unknown row {name!r}{amortised}; rows: {', '.join([*known, *EXTRA_ROWS])}")
+        cli.usage_exit(f"unknown row {name!r}{amortised}; rows: {', '.join([*known, *EXTRA_ROWS])}")
     return names
 
 
@@ -222,7 +222,7 @@ def check_trees(names: list[str], *, train_step: bool) -> None:
     unknown = sorted(set(names) - set(known))
     if unknown:
         hint = "" if train_step else " (any model preset with --train_batch)"
-        train.usage_exit(f"unknown tree {unknown[0]!r}; --trees takes {', '.join(known)}{hint}")
+        cli.usage_exit(f"unknown tree {unknown[0]!r}; --trees takes {', '.join(known)}{hint}")
 
 
 def train_step_calls(
@@ -246,11 +246,12 @@ def train_step_calls(
 def main(argv: list[str]) -> None:
     del argv
     f = flags.FLAGS
+    cli.quiet_logging(f.verbose)
     train_step = bool(f.train_batch)
     try:
         batch, seq_len = bench_throughput.parse_batch_shape(f.train_batch) if train_step else (0, 0)
-    except train.UsageError as e:
-        train.usage_exit(str(e))
+    except cli.UsageError as e:
+        cli.usage_exit(str(e))
     check_trees(f.trees, train_step=train_step)
     names = row_names(f.optimizers, train_step=train_step)
     results: dict[str, Any] = {
@@ -309,6 +310,7 @@ def define_flags() -> None:
         "train_batch", "", "BATCHxSEQ_LEN: time whole training steps of the preset named by --trees at this batch; empty: updates only."
     )
     flags.DEFINE_enum("train_dtype", "float32", ["float32", "bfloat16"], "Compute dtype of the --train_batch steps.")
+    cli.define_verbose_flag()
 
 
 if __name__ == "__main__":

@@ -40,11 +40,12 @@ from typing import Any, NamedTuple
 import jax
 import ml_collections
 import numpy as np
-from absl import app, flags, logging
+from absl import app, flags
 
-from experiments import hardware, host_memory, train, train_lib
+from experiments import cli, hardware, host_memory, run_spec, train_lib
 from experiments.configs import default
 from lm import config as model_config_lib
+from lm import model as model_lib
 from lm.loss import flops_per_token
 from sharding import mesh as mesh_lib
 from sharding import partition
@@ -54,7 +55,7 @@ def parse_batch_shape(text: str) -> tuple[int, int]:
     """``"8x128"`` -> ``(8, 128)``: sequences per step and tokens per sequence."""
     batch, sep, seq = text.strip().partition("x")
     if not sep or not batch.isdigit() or not seq.isdigit() or int(batch) < 1 or int(seq) < 1:
-        raise train.UsageError(f"batch shape {text!r} is not BATCHxSEQ_LEN, e.g. 8x128")
+        raise cli.UsageError(f"batch shape {text!r} is not BATCHxSEQ_LEN, e.g. 8x128")
     return int(batch), int(seq)
 
 
@@ -86,7 +87,7 @@ def case_config(
 class TrainSteps(NamedTuple):
     """A compiled training run on random tokens: ``run(n)`` takes ``n`` more steps and returns their seconds."""
 
-    spec: train.RunSpec
+    spec: run_spec.RunSpec
     run: Callable[[int], float]
 
 
@@ -97,7 +98,7 @@ def compile_train_steps(config: ml_collections.ConfigDict, seed: int = 0) -> Tra
     training run's (what Shampoo's and SOAP's refresh schedules key on). Compilation happens in
     the first call.
     """
-    spec = train.build_run(config)
+    spec = run_spec.build_run(config)
     shardings = spec.shardings
     rows = np.random.default_rng(seed).integers(0, spec.cfg.vocab_size, (config.batch_size, config.data.seq_len + 1), dtype=np.int32)
     with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
@@ -137,7 +138,7 @@ def benchmark(config: ml_collections.ConfigDict, *, warmup: int, repeats: int, s
         "rules": config.rules,
         "optimizer": config.optimizer.name,
         "devices": spec.mesh.size,
-        "num_params": spec.cfg.num_params(),
+        "num_params": model_lib.count_params(spec.model_def).total,
         "tokens_per_second": median,
         "tokens_per_second_min": min(rates),
         "tokens_per_second_max": max(rates),
@@ -181,16 +182,15 @@ def format_table(cases: list[dict[str, Any]]) -> str:
 
 
 def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
-    del argv  # checked by train.parse_flags
+    del argv  # checked by cli.parse_flags
     f = flags.FLAGS
     host_memory.keep_freed_memory()  # before JAX starts its backend
-    if not f.verbose:
-        logging.set_verbosity(logging.WARNING)
+    cli.quiet_logging(f.verbose)
     if f.cpu_devices:
         jax.config.update("jax_num_cpu_devices", f.cpu_devices)
     for name in ("warmup", "repeats", "steps"):
         if f[name].value < 1:
-            train.usage_exit(f"--{name}={f[name].value} must be >= 1")
+            cli.usage_exit(f"--{name}={f[name].value} must be >= 1")
     try:
         shapes = [parse_batch_shape(s) for s in f.batch_shapes]
         configs = [
@@ -201,11 +201,11 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
             for mesh in f.mesh
         ]
         for config in configs:  # every bad case is reported before anything runs
-            train.build_run(config)
-    except (train.UsageError, ValueError) as e:  # ValueError: a malformed --mesh
+            run_spec.build_run(config)
+    except (cli.UsageError, ValueError) as e:  # ValueError: a malformed --mesh
         if f.verbose:
             raise
-        train.usage_exit(str(e))
+        cli.usage_exit(str(e))
     cases = []
     for i, config in enumerate(configs, 1):
         print(
@@ -239,10 +239,10 @@ def define_flags() -> flags.FlagHolder:
     flags.DEFINE_integer("steps", 3, "Steps per timed repeat.")
     flags.DEFINE_integer("cpu_devices", 0, "Split the CPU into this many devices (CPU backend only); 0: leave as is.")
     flags.DEFINE_string("json_out", None, "Also write every case as JSON here.")
-    flags.DEFINE_bool("verbose", False, "Show tracebacks for bad input, and library logs.")
-    return train.define_config_flag(train.DEFAULT_CONFIG)
+    cli.define_verbose_flag()
+    return cli.define_config_flag(cli.DEFAULT_CONFIG)
 
 
 if __name__ == "__main__":
     config_holder = define_flags()
-    app.run(functools.partial(main, config_holder), flags_parser=train.parse_flags)
+    app.run(functools.partial(main, config_holder), flags_parser=cli.parse_flags)

@@ -45,9 +45,9 @@ import matplotlib
 import ml_collections
 import numpy as np
 import optax
-from absl import app, flags, logging
+from absl import app, flags
 
-from experiments import host_memory, metrics_io, speedup, train
+from experiments import cli, host_memory, metrics_io, run_spec, speedup, trainer
 from lm import model as model_lib
 from optim import memory, registry
 
@@ -75,30 +75,30 @@ def parse_grid(config: ml_collections.ConfigDict) -> dict[str, list[dict[str, fl
     names = [n.strip() for n in block.optimizers.split(",") if n.strip()]
     unknown = [n for n in names if n not in registry.OPTIMIZERS]
     if unknown:
-        raise train.UsageError(
+        raise cli.UsageError(
             f"unknown optimizer {', '.join(map(repr, unknown))} in compare.optimizers; registered: {', '.join(sorted(registry.OPTIMIZERS))}"
         )
     if len(set(names)) != len(names) or not names:
-        raise train.UsageError(f"compare.optimizers={block.optimizers!r} must list distinct optimizer names")
+        raise cli.UsageError(f"compare.optimizers={block.optimizers!r} must list distinct optimizer names")
     if block.baseline not in names:
-        raise train.UsageError(f"compare.baseline={block.baseline!r} must be one of compare.optimizers ({', '.join(names)})")
+        raise cli.UsageError(f"compare.baseline={block.baseline!r} must be one of compare.optimizers ({', '.join(names)})")
     if block.seeds < 1:
-        raise train.UsageError(f"compare.seeds={block.seeds} must be >= 1")
+        raise cli.UsageError(f"compare.seeds={block.seeds} must be >= 1")
     grid = {}
     for name in names:
         axes = {}
         for key, text in block.grid[name].items():
             if key not in GRID_KEYS:
-                raise train.UsageError(f"compare.grid.{name}.{key}: the grid keys are {', '.join(GRID_KEYS)}")
+                raise cli.UsageError(f"compare.grid.{name}.{key}: the grid keys are {', '.join(GRID_KEYS)}")
             cast = int if key == "warmup_steps" else float
             try:
                 values = [cast(v) for v in text.split(",") if v.strip()]
             except ValueError:
-                raise train.UsageError(f"compare.grid.{name}.{key}={text!r} is not a comma-separated list of numbers") from None
+                raise cli.UsageError(f"compare.grid.{name}.{key}={text!r} is not a comma-separated list of numbers") from None
             if values:
                 axes[key] = values
         if "learning_rate" not in axes:
-            raise train.UsageError(f"compare.grid.{name}.learning_rate is empty; give values, e.g. 1e-3,3e-3")
+            raise cli.UsageError(f"compare.grid.{name}.learning_rate is empty; give values, e.g. 1e-3,3e-3")
         grid[name] = [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())]
     return grid
 
@@ -174,8 +174,8 @@ class Runner:
         self.log(f"{head}: training {config.steps} steps in {rundir}")
         start = time.perf_counter()
         try:
-            summary = train.run(config, rundir)
-        except train.NonFiniteError as e:
+            summary = trainer.run(config, rundir)
+        except trainer.NonFiniteError as e:
             (rundir / DIVERGED).write_text(json.dumps({"error": str(e)}))
             summary = {}
         if summary.get("interrupted"):
@@ -210,7 +210,7 @@ def _check_same_config(config: ml_collections.ConfigDict, rundir: Path) -> None:
 
     differ = sorted(k for k in old.keys() | new.keys() if used(k) and old.get(k) != new.get(k))
     if differ:
-        raise train.UsageError(
+        raise cli.UsageError(
             f"{rundir} holds a run with other settings ({', '.join(f'{k}: {old.get(k)} -> {new.get(k)}' for k in differ[:3])}); "
             "use a fresh --workdir, or the settings it was started with"
         )
@@ -228,14 +228,14 @@ def _random_like(abstract: Any, seed: int) -> Any:
 def optimizer_costs(configs: dict[str, ml_collections.ConfigDict], repeats: int) -> dict[str, dict[str, float]]:
     """State bytes per parameter and median seconds of one jitted update, per optimizer config.
 
-    Each optimizer is built as training builds it (`train.build_run`) on the model's parameters
+    Each optimizer is built as training builds it (`run_spec.build_run`) on the model's parameters
     (random values, one device); extra update arguments the model supplies in training (e.g.
     ``attn_max_logits``) are passed as zeros of their shapes. Calls are timed round-robin, so load
     from other processes affects every optimizer alike.
     """
     calls, costs, arrays = {}, {}, {}
     for name, config in configs.items():
-        spec = train.build_run(config)
+        spec = run_spec.build_run(config)
         abstract = spec.model_def.abstract_params
         n_params = sum(math.prod(p.shape) for p in jax.tree.leaves(abstract))
         costs[name] = {"state_bytes_per_param": memory.state_bytes(jax.eval_shape(spec.tx.init, abstract)) / n_params}
@@ -270,7 +270,7 @@ def compare(config: ml_collections.ConfigDict, workdir: str | Path, *, log=print
     workdir = Path(workdir)
     grid = parse_grid(config)
     for name, settings in grid.items():  # bad settings fail here, before any training
-        train.build_run(run_config(config, name, settings[0], 0))
+        run_spec.build_run(run_config(config, name, settings[0], 0))
     seeds = config.compare.seeds
     runner = Runner(config, workdir, sum(map(len, grid.values())) + (seeds - 1) * len(grid), log)
     runs = {name: [runner(name, setting, 0) for setting in settings] for name, settings in grid.items()}
@@ -398,26 +398,25 @@ def define_flags(argv: list[str]) -> flags.FlagHolder:
     """Flags; ``--quick`` makes `compare_quick.py` the default config (``--config.*`` still apply)."""
     flags.DEFINE_string("workdir", None, "Output folder; re-running on it skips finished runs. Default: a fresh folder under ./runs/.")
     flags.DEFINE_bool("quick", False, f"The reduced comparison of {QUICK_CONFIG} (a few minutes on 2 CPU cores).")
-    flags.DEFINE_bool("verbose", False, "Show tracebacks for bad input, and library logs.")
+    cli.define_verbose_flag()
     default = QUICK_CONFIG if any(a in ("--quick", "--quick=true", "--quick=True") for a in argv[1:]) else FULL_CONFIG
-    return train.define_config_flag(default)
+    return cli.define_config_flag(default)
 
 
 def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
-    del argv  # checked by train.parse_flags
+    del argv  # checked by cli.parse_flags
     host_memory.keep_freed_memory()  # before JAX starts its backend
-    if not flags.FLAGS.verbose:
-        logging.set_verbosity(logging.WARNING)
+    cli.quiet_logging(flags.FLAGS.verbose)
     if flags.FLAGS.quick and flags.FLAGS["config"].present:
-        train.usage_exit("--quick selects the config; give either --quick or --config=FILE")
+        cli.usage_exit("--quick selects the config; give either --quick or --config=FILE")
     config = config_flag.value
     workdir = flags.FLAGS.workdir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-compare-{config.model.preset}"
     try:
         results = compare(config, workdir, log=functools.partial(print, flush=True))
-    except train.UsageError as e:
+    except cli.UsageError as e:
         if flags.FLAGS.verbose:
             raise
-        train.usage_exit(str(e))
+        cli.usage_exit(str(e))
     except Interrupted as e:
         print(f"interrupted: {e}", file=sys.stderr)
         sys.exit(128 + e.signum)
@@ -428,4 +427,4 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
 
 if __name__ == "__main__":
     config_holder = define_flags(sys.argv)
-    app.run(functools.partial(main, config_holder), flags_parser=train.parse_flags)
+    app.run(functools.partial(main, config_holder), flags_parser=cli.parse_flags)

@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from absl import app, flags
 
-from experiments import lopt_tasks
+from experiments import cli, lopt_tasks
 from optim import labels, spec
 from optim.adamw import AdamW
 from optim.learned import mlp_lopt
@@ -155,10 +155,12 @@ def define_flags() -> None:
     flags.DEFINE_integer("steps", 200, "training steps per run")
     flags.DEFINE_integer("seeds", 2, "task instances (seed 0 picks AdamW's learning rate)")
     flags.DEFINE_list("adamw_grid", ["1e-3", "3e-3", "1e-2", "3e-2"], "AdamW learning rates to tune over")
+    cli.define_verbose_flag()
 
 
 def main(argv: list[str]) -> None:
     del argv
+    cli.quiet_logging(FLAGS.verbose)
     workdir = Path(FLAGS.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     weights = mlp_lopt.weights_path(FLAGS.weights)

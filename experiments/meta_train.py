@@ -52,7 +52,7 @@ import optax
 from absl import app, flags
 from jax.flatten_util import ravel_pytree
 
-from experiments import lopt_tasks
+from experiments import cli, lopt_tasks
 from optim.learned import mlp_lopt
 
 matplotlib.use("Agg")
@@ -270,10 +270,12 @@ def define_flags() -> None:
     flags.DEFINE_bool("warm_start", True, "start from the Adam-like MLP (mlp_lopt.init_meta_params), else random")
     flags.DEFINE_string("init_weights", "", "start from these meta-parameters instead (a shipped name such as lopt, or a .npz path)")
     flags.DEFINE_integer("mup_base_fan_in", 0, "record this base width with the weights (μLO); 0: none")
+    cli.define_verbose_flag()
 
 
 def main(argv: list[str]) -> None:
     del argv
+    cli.quiet_logging(FLAGS.verbose)
     if FLAGS.num_devices:
         jax.config.update("jax_num_cpu_devices", FLAGS.num_devices)
     workdir = Path(FLAGS.workdir)

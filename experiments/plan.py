@@ -20,9 +20,9 @@ import sys
 
 import jax
 import ml_collections
-from absl import app, flags, logging
+from absl import app, flags
 
-from experiments import train, train_lib
+from experiments import cli, run_spec, train_lib
 from lm import model as model_lib
 from sharding import mesh as mesh_lib
 from sharding import partition
@@ -42,7 +42,7 @@ def plan(config: ml_collections.ConfigDict, hbm_bytes: float, *, compile_step: b
     With ``compile_step=False`` only the state is counted: ``peak_bytes`` is then parameters +
     gradients + optimizer state, a lower bound, and the compiled and activation fields are absent.
     """
-    spec = train.build_run(config)
+    spec = run_spec.build_run(config)
     shardings = spec.shardings
     with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
         state = train_lib.abstract_state(spec.model_def, spec.tx, shardings)
@@ -129,19 +129,19 @@ def _fake_devices_for(spec: str) -> int | None:
 
 def main(config_flag, argv) -> None:
     del argv
-    logging.set_verbosity(logging.WARNING)
+    cli.quiet_logging(flags.FLAGS.verbose)
     config = config_flag.value
     if not flags.FLAGS.native:
         try:
             needed = _fake_devices_for(config.mesh)
         except ValueError as e:
-            train.usage_exit(str(e))
+            cli.usage_exit(str(e))
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", needed or flags.FLAGS.num_devices)
     try:
         report = plan(config, flags.FLAGS.hbm_gb * GiB, compile_step=not flags.FLAGS.state_only)
-    except train.UsageError as e:
-        train.usage_exit(str(e))
+    except cli.UsageError as e:
+        cli.usage_exit(str(e))
     print(format_report(report))
     if flags.FLAGS.json_out:
         with open(flags.FLAGS.json_out, "w") as f:
@@ -150,10 +150,11 @@ def main(config_flag, argv) -> None:
 
 
 if __name__ == "__main__":
-    config_holder = train.define_flags()
+    cli.define_verbose_flag()
+    config_holder = cli.define_config_flag(cli.DEFAULT_CONFIG)
     flags.DEFINE_float("hbm_gb", 16.0, "Memory per device, GiB.")
     flags.DEFINE_bool("state_only", False, "Count parameters, gradients and optimizer state only; do not compile the step.")
     flags.DEFINE_bool("native", False, "Compile for this machine's devices instead of fake CPU devices.")
     flags.DEFINE_integer("num_devices", 8, "Fake devices when the mesh spec has a -1.")
     flags.DEFINE_string("json_out", None, "Also write the report as JSON here.")
-    app.run(functools.partial(main, config_holder), flags_parser=train.parse_flags)
+    app.run(functools.partial(main, config_holder), flags_parser=cli.parse_flags)

@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 from absl import app, flags
 
-from experiments import checkpointing, train, train_lib
+from experiments import checkpointing, cli, run_spec, train_lib
 from lm import model as model_lib
 from lm import sampling, tokenizer
 from sharding import partition
@@ -32,23 +32,23 @@ def load_params(workdir: str | Path, step: int | None = None) -> tuple[model_lib
     workdir = Path(workdir)
     config_path = workdir / "config.json"
     if not config_path.is_file():
-        raise train.UsageError(f"{config_path} does not exist; pass the --workdir of a training run")
+        raise cli.UsageError(f"{config_path} does not exist; pass the --workdir of a training run")
     config = ml_collections.ConfigDict(json.loads(config_path.read_text()))
     config.mesh, config.devices = "", 1  # checkpoints restore onto any mesh; one device serves sampling
-    spec = train.build_run(config)
+    spec = run_spec.build_run(config)
     if not (workdir / "checkpoints").is_dir():
-        raise train.UsageError(f"{workdir} holds no checkpoints; train longer than checkpoint_every steps or pick another run")
+        raise cli.UsageError(f"{workdir} holds no checkpoints; train longer than checkpoint_every steps or pick another run")
     mgr = checkpointing.manager(workdir, keep=config.keep_checkpoints, every=config.checkpoint_every)
     try:
         with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
             target = train_lib.abstract_state(spec.model_def, spec.tx, spec.shardings)
-            restored = checkpointing.restore(mgr, target, train.run_meta(config, spec.cfg), step, discard_newer=False)
+            restored = checkpointing.restore(mgr, target, run_spec.run_meta(config, spec.cfg), step, discard_newer=False)
     except checkpointing.CheckpointError as e:
-        raise train.UsageError(str(e)) from e
+        raise cli.UsageError(str(e)) from e
     finally:
         mgr.close()
     if restored is None:
-        raise train.UsageError(f"{workdir} holds no finished checkpoint; train longer than checkpoint_every steps")
+        raise cli.UsageError(f"{workdir} holds no finished checkpoint; train longer than checkpoint_every steps")
     saved_step, state, _ = restored
     return spec.model_def, state["params"], saved_step
 
@@ -78,7 +78,7 @@ def sample(
         )
         tokens = generate(params, jnp.asarray(np.tile(prefix, (num_samples, 1))), jax.random.key(seed))
     except ValueError as e:
-        raise train.UsageError(str(e)) from e
+        raise cli.UsageError(str(e)) from e
     texts = []
     for row in np.asarray(tokens)[:, len(prefix) :]:
         end = np.flatnonzero(row == tokenizer.EOS)
@@ -88,8 +88,9 @@ def sample(
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
-        train.usage_exit(f"unexpected arguments {argv[1:]}")
+        cli.usage_exit(f"unexpected arguments {argv[1:]}")
     f = flags.FLAGS
+    cli.quiet_logging(f.verbose)
     try:
         model_def, params, step = load_params(f.workdir, f.step)
         texts = sample(
@@ -103,8 +104,8 @@ def main(argv: list[str]) -> None:
             top_p=f.top_p,
             seed=f.seed,
         )
-    except train.UsageError as e:
-        train.usage_exit(str(e))
+    except cli.UsageError as e:
+        cli.usage_exit(str(e))
     print(f"# {f.workdir}, checkpoint step {step}", file=sys.stderr)
     for i, text in enumerate(texts):
         print(f"----- sample {i} -----\n{text}")
@@ -120,6 +121,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens; 0 keeps all.")
     flags.DEFINE_float("top_p", 0.95, "Keep the smallest set of most likely tokens with this much probability; 1 keeps all.")
     flags.DEFINE_integer("seed", 0, "Random seed of the sampler.")
+    cli.define_verbose_flag()
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ is given the replica mean first (`optim.cross_replica.mean_over_replicas`, i.e. 
 Every leaf of ``params`` and ``opt_state`` then carries a leading axis of one slice per replica,
 sharded over ``replica_axis``: per-device memory is that of replicated parameters, and state that
 differs between replicas (local momenta, DiLoCo's drifting parameters) is ordinary state that
-checkpoints and restores like any other (onto the same replica count; `experiments.train` refuses
-another). Skipping a non-finite step is decided jointly (one bad replica skips the step
+checkpoints and restores like any other (onto the same replica count; `experiments.run_spec.run_meta`
+makes a resume refuse another). Skipping a non-finite step is decided jointly (one bad replica skips the step
 everywhere), metrics are replica means, and evaluation uses the replica mean of the parameters.
 """
 
@@ -36,7 +36,7 @@ import optax
 from lm import model as model_lib
 from lm import moe as moe_lib
 from lm.loss import cross_entropy
-from optim import blocking
+from optim import placement
 from sharding import partition
 from sharding import rules as rules_lib
 
@@ -93,9 +93,7 @@ def make_shardings(
     partition.check_divisible(model_def.abstract_params, params)
     if replica_axis:
         check_replica_axis(replica_axis, mesh, rules, params)
-    # Optimizers that stack blocks (Shampoo, SOAP) spread the stacks over all devices (of a replica).
-    abstract_opt = blocking.annotate_block_shardings(jax.eval_shape(tx.init, model_def.abstract_params), mesh, replica_axis)
-    opt = partition.state_shardings(abstract_opt, model_def.abstract_params, params, mesh)
+    opt = placement.state_shardings(tx, model_def.abstract_params, params, mesh, replica_axis)
     state_params = params
     if replica_axis:
         state_params, opt = (jax.tree.map(lambda s: partition.stacked(s, replica_axis), t) for t in (params, opt))
@@ -164,7 +162,7 @@ def make_train_step(
 
     With ``replica_axis`` the step is replica-local (see the module docstring) and must be called
     under ``jax.set_mesh``; ``tx`` then sees each replica's own gradients, so it is either built for
-    replicas or preceded by `optim.cross_replica.mean_over_replicas` (`optim.registry.build` does both).
+    replicas or preceded by `optim.cross_replica.mean_over_replicas` (`optim.build.build` does both).
     """
     tx = optax.with_extra_args_support(tx)
     balancing = balancing or moe_lib.Balancing()

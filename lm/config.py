@@ -132,18 +132,6 @@ class ModelConfig:
         query = d * self.q_lora_rank + self.q_lora_rank * q_out if self.q_lora_rank else d * q_out
         return query + d * (r + rope) + r * h * (hd + vd) + h * vd * d
 
-    def num_params(self) -> int:
-        """Parameter count, read off the parameter tree (`lm.model.param_counts`; tied embedding once)."""
-        from lm import model  # lm.model imports this module
-
-        return model.param_counts(self).total
-
-    def num_active_params(self) -> int:
-        """Parameters used per token: routed experts count ``experts_per_token / n_experts``."""
-        from lm import model
-
-        return model.param_counts(self).active
-
 
 PRESETS: dict[str, dict[str, Any]] = {
     # ~0.8M parameters: learns Python bytes in a minute on 2 CPU cores.

@@ -37,7 +37,7 @@ in, update and new codes and scales out, no fp32 moment in device memory. ``inne
 everything else (its counters, unquantized leaves); its work on the kernel's leaves is dead code
 that XLA removes under ``jit``. The stored state is the same either way, so checkpoints move between
 the two. ``"auto"`` takes the kernel on GPUs when ``fused`` is given and either no multi-device mesh is in
-context or ``param_specs`` says how the parameters are split (`experiments.train` passes the specs
+context or ``param_specs`` says how the parameters are split (`experiments.run_spec` passes the specs
 its logical rules give, so FSDP / TP runs keep the kernel: it runs per shard in `jax.shard_map`
 over the mesh axes left automatic), XLA otherwise; ``"pallas"`` forces it (``interpret=True`` on a
 CPU); ``"xla"`` never uses it.

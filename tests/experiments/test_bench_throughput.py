@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import bench_throughput, train
+from experiments import bench_throughput, cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,5 +47,5 @@ def test_bad_input_is_one_line_and_exit_2():
 
 def test_parse_batch_shape():
     assert bench_throughput.parse_batch_shape(" 8x128") == (8, 128)
-    with pytest.raises(train.UsageError):
+    with pytest.raises(cli.UsageError):
         bench_throughput.parse_batch_shape("0x128")

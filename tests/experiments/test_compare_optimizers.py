@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import compare_optimizers, train
+from experiments import cli, compare_optimizers, trainer
 from experiments.configs import compare_quick
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +25,7 @@ THROUGHPUT = {"adamw": 1000.0, "lion": 500.0, "sgd": 2000.0}
 
 
 class FakeTrain:
-    """Stands in for `train.run`: writes the files a finished run leaves, from `CURVES`."""
+    """Stands in for `trainer.run`: writes the files a finished run leaves, from `CURVES`."""
 
     def __init__(self, interrupt: str | None = None):
         self.calls: list[str] = []
@@ -40,7 +40,7 @@ class FakeTrain:
             return {"interrupted": True, "steps": 5, "signal": 15}
         name, lr = config.optimizer.name, config.optimizer.learning_rate
         if (name, lr) not in CURVES:
-            raise train.NonFiniteError("5 consecutive steps had a non-finite loss")
+            raise trainer.NonFiniteError("5 consecutive steps had a non-finite loss")
         vals = [v + 0.01 * config.seed for v in CURVES[name, lr]]
         steps = range(EVAL_EVERY, STEPS + 1, EVAL_EVERY)
         records = [{"step": s, "loss": v, "val_loss": v} for s, v in zip(steps, vals, strict=True)]
@@ -64,14 +64,14 @@ def _config():
 
 def test_protocol_picks_by_final_loss_adds_seeds_and_measures_speedups(tmp_path, monkeypatch):
     first = FakeTrain(interrupt="lion-lr0.0001-seed1")
-    monkeypatch.setattr(train, "run", first)
+    monkeypatch.setattr(trainer, "run", first)
     with pytest.raises(compare_optimizers.Interrupted, match="lion-lr0.0001-seed1 stopped after step 5; rerun"):
         compare_optimizers.compare(_config(), tmp_path, log=lambda line: None)
     grid = ["adamw-lr0.001-seed0", "adamw-lr0.01-seed0", "lion-lr0.0001-seed0", "sgd-lr0.1-seed0", "sgd-lr10-seed0"]
     assert first.calls == [*grid, "adamw-lr0.001-seed1", "lion-lr0.0001-seed1"]
 
     second = FakeTrain()
-    monkeypatch.setattr(train, "run", second)
+    monkeypatch.setattr(trainer, "run", second)
     lines = []
     results = compare_optimizers.compare(_config(), tmp_path, log=lines.append)
     assert second.calls == ["lion-lr0.0001-seed1", "sgd-lr0.1-seed1"]  # finished and diverged runs are skipped
@@ -101,7 +101,7 @@ def test_protocol_picks_by_final_loss_adds_seeds_and_measures_speedups(tmp_path,
     assert (tmp_path / "curves.png").stat().st_size > 10_000
 
     third = FakeTrain()
-    monkeypatch.setattr(train, "run", third)
+    monkeypatch.setattr(trainer, "run", third)
     costs = {r["optimizer"]: {k: r[k] for k in ("state_bytes_per_param", "update_seconds")} for r in results["optimizers"]}
     monkeypatch.setattr(compare_optimizers, "optimizer_costs", lambda configs, repeats: costs)
     again = compare_optimizers.compare(_config(), tmp_path, log=lambda line: None)
@@ -114,17 +114,17 @@ def test_protocol_picks_by_final_loss_adds_seeds_and_measures_speedups(tmp_path,
     assert third.calls == []
     changed = _config()
     changed.steps = 80
-    with pytest.raises(train.UsageError, match=r"adamw-lr0.001-seed0 holds a run with other settings \(steps: 40 -> 80\)"):
+    with pytest.raises(cli.UsageError, match=r"adamw-lr0.001-seed0 holds a run with other settings \(steps: 40 -> 80\)"):
         compare_optimizers.compare(changed, tmp_path, log=lambda line: None)
 
 
 def test_bad_grids_are_usage_errors():
     config = _config()
     config.compare.grid.lion.learning_rate = ""
-    with pytest.raises(train.UsageError, match="compare.grid.lion.learning_rate is empty"):
+    with pytest.raises(cli.UsageError, match="compare.grid.lion.learning_rate is empty"):
         compare_optimizers.parse_grid(config)
     config.compare.grid.lion.learning_rate = "1e-4,fast"
-    with pytest.raises(train.UsageError, match="not a comma-separated list"):
+    with pytest.raises(cli.UsageError, match="not a comma-separated list"):
         compare_optimizers.parse_grid(config)
     config.compare.grid.lion.learning_rate = "1e-4"
     config.compare.grid.lion.weight_decay = "0.1,1.0"
@@ -133,7 +133,7 @@ def test_bad_grids_are_usage_errors():
         {"learning_rate": 1e-4, "weight_decay": 1.0},
     ]
     config.compare.baseline = "sgd_typo"
-    with pytest.raises(train.UsageError, match="compare.baseline='sgd_typo' must be one of"):
+    with pytest.raises(cli.UsageError, match="compare.baseline='sgd_typo' must be one of"):
         compare_optimizers.parse_grid(config)
 
 

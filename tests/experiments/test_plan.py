@@ -8,6 +8,7 @@ import pytest
 from experiments import plan
 from experiments.configs import default
 from lm import config as config_lib
+from lm import model as model_lib
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,7 +23,7 @@ def _config(mesh, **model):
 
 def test_fsdp_plan_has_an_eighth_of_the_state_per_device():
     report = plan.plan(_config("fsdp:8"), 16 * plan.GiB)
-    total_param_bytes = config_lib.from_preset("tiny").num_params() * 4
+    total_param_bytes = model_lib.param_counts(config_lib.from_preset("tiny")).total * 4
     assert report["params_bytes"] * 8 == total_param_bytes
     assert report["gradients_bytes"] == report["params_bytes"]
     assert report["optimizer_state_bytes"] >= 2 * report["params_bytes"]  # AdamW: two moments (+ a counter)

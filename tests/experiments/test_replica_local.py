@@ -2,7 +2,7 @@
 
 Compilation is the cost, so each cross-replica optimizer compiles one train step (built through
 the registry as `experiments.train` builds it, on ``data:8``), trains, checkpoints at step 2,
-restores, and continues with the same program. `train.run` with replicas end to end, checkpointing
+restores, and continues with the same program. `trainer.run` with replicas end to end, checkpointing
 and resuming across processes, runs in tests/sharding/test_multihost_and_resharding.py.
 """
 
@@ -16,7 +16,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from experiments import checkpointing, train, train_lib
+from experiments import checkpointing, cli, run_spec, train_lib, trainer
 from experiments.configs import default
 from lm import config as config_lib
 from lm import model as model_lib
@@ -61,7 +61,7 @@ def test_cross_replica_optimizers_are_registered_with_the_replica_axis():
 @functools.cache
 def _trained(name):
     """(straight losses, resumed losses, straight final state, resumed final state, run spec)."""
-    spec = train.build_run(_config(name))
+    spec = run_spec.build_run(_config(name))
     shardings = spec.shardings
     step_fn = train_lib.make_train_step(spec.model_def, spec.tx, replica_axis=shardings.replica_axis)
     step = jax.jit(step_fn, in_shardings=(shardings.state, shardings.batch), out_shardings=(shardings.state, None),
@@ -112,13 +112,13 @@ def test_diloco_replicas_agree_after_a_synchronisation_and_keep_their_own_inner_
 
 
 def test_a_replica_local_checkpoint_resumes_only_on_the_same_replica_count(tmp_path):
-    """`train.run` refuses a checkpoint of 8 replicas on 4 (before compiling anything)."""
+    """`trainer.run` refuses a checkpoint of 8 replicas on 4 (before compiling anything)."""
     *_, final, _, spec = _trained("diloco")
     mgr = checkpointing.manager(tmp_path, keep=1, every=1)
-    checkpointing.save(mgr, STEPS, final, {}, train.run_meta(_config("diloco"), spec.cfg, 8), force=True)
+    checkpointing.save(mgr, STEPS, final, {}, run_spec.run_meta(_config("diloco"), spec.cfg, 8), force=True)
     mgr.wait_until_finished()
-    with pytest.raises(train.UsageError, match="replicas.count: checkpoint 8 vs now 4"):
-        train.run(_config("diloco", mesh="data:4,fsdp:2"), tmp_path)
+    with pytest.raises(cli.UsageError, match="replicas.count: checkpoint 8 vs now 4"):
+        trainer.run(_config("diloco", mesh="data:4,fsdp:2"), tmp_path)
 
 
 def _sgd_steps(mesh_spec, replica_axis, batches):
@@ -180,19 +180,19 @@ def test_replica_local_data_parallel_matches_one_device_and_evaluates_the_replic
 def test_bad_replica_setups_are_usage_errors_naming_the_fix(mesh_spec, rules, overrides, message):
     config = default.get_config()
     config.mesh, config.rules, config.rule_overrides, config.replicas = mesh_spec, rules, overrides, "data"
-    with pytest.raises(train.UsageError, match=message):
-        train.build_run(config)
+    with pytest.raises(cli.UsageError, match=message):
+        run_spec.build_run(config)
 
 
 def test_demo_chunks_straddling_shards_are_a_usage_error():
     config = _config("demo", mesh="data:2,fsdp:4", **{"optimizer.demo.chunk": 64})
     config.model.update({"d_model": 96, "head_dim": 24})  # 96 / 4 = 24 per shard, chunk 48 straddles
-    with pytest.raises(train.UsageError, match="would straddle shards of .*; set optimizer.demo.chunk to a divisor"):
-        train.build_run(config)
+    with pytest.raises(cli.UsageError, match="would straddle shards of .*; set optimizer.demo.chunk to a divisor"):
+        run_spec.build_run(config)
 
 
 def test_a_wrapper_inner_optimizer_is_configured_by_its_own_block():
     config = _config("diloco", **{"optimizer.diloco.inner": "sgd", "optimizer.sgd.momentum": 0.0})
-    assert "sgd" in train.run_meta(config, train.build_run(config).cfg, 8)["optimizer"]
-    with pytest.raises(train.UsageError, match="optimizer.diloco.inner='muon_clip' cannot run inside diloco"):
-        train.build_run(_config("diloco", **{"optimizer.diloco.inner": "muon_clip"}))
+    assert "sgd" in run_spec.run_meta(config, run_spec.build_run(config).cfg, 8)["optimizer"]
+    with pytest.raises(cli.UsageError, match="optimizer.diloco.inner='muon_clip' cannot run inside diloco"):
+        run_spec.build_run(_config("diloco", **{"optimizer.diloco.inner": "muon_clip"}))

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from experiments import sample, train
+from experiments import cli, sample, trainer
 from experiments.configs import default
 from experiments.metrics_io import read_metrics
 
@@ -16,7 +16,7 @@ def mla_run(tmp_path_factory):
         {"steps": 8, "batch_size": 8, "data.seq_len": 32, "eval_every": 8, "eval_batches": 1, "log_every": 1,
          "checkpoint_every": 4, "devices": 1, "optimizer.warmup_steps": 2, "model.attention_type": "mla"}
     )
-    train.run(config, workdir)
+    trainer.run(config, workdir)
     return workdir
 
 
@@ -42,10 +42,10 @@ def test_loads_an_earlier_step_on_request_and_keeps_the_newer_ones(mla_run):
 
 
 def test_bad_workdir_and_settings_name_the_fix(mla_run, tmp_path):
-    with pytest.raises(train.UsageError, match="pass the --workdir of a training run"):
+    with pytest.raises(cli.UsageError, match="pass the --workdir of a training run"):
         sample.load_params(tmp_path)
-    with pytest.raises(train.UsageError, match="no checkpoint at step 5"):
+    with pytest.raises(cli.UsageError, match="no checkpoint at step 5"):
         sample.load_params(mla_run, step=5)
     model_def, params, _ = sample.load_params(mla_run)
-    with pytest.raises(train.UsageError, match="exceeds model.max_seq_len"):
+    with pytest.raises(cli.UsageError, match="exceeds model.max_seq_len"):
         sample.sample(model_def, params, "x", max_new_tokens=5000)

@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from experiments import train
+from experiments import trainer
 from experiments.configs import default
 
 pytestmark = pytest.mark.xla_optimized
@@ -25,7 +25,7 @@ def val_loss(name: str, steps: int, state_bits: int = 0) -> float:
     config.eval_every, config.eval_batches, config.log_every, config.checkpoint_every = steps, 4, 50, steps
     config.devices = 1  # one device: 8 fake CPU devices would only add collectives to time
     with tempfile.TemporaryDirectory() as workdir:
-        return train.run(config, workdir)["final_val_loss"]
+        return trainer.run(config, workdir)["final_val_loss"]
 
 
 @pytest.mark.parametrize("bits,tolerance", [(8, 0.01), (4, 0.02)])

@@ -15,7 +15,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from experiments import train, train_lib
+from experiments import cli, train_lib, trainer
 from experiments.configs import default
 from experiments.metrics_io import read_metrics
 from lm import config as config_lib
@@ -47,7 +47,7 @@ def small_config(**overrides):
 
 
 def test_run_writes_every_output_and_learns(tmp_path):
-    summary = train.run(small_config(), tmp_path)  # the config of `straight_run`: its compiled steps are cached
+    summary = trainer.run(small_config(), tmp_path)  # the config of `straight_run`: its compiled steps are cached
     for name in ("config.json", "metrics.jsonl", "loss.png", "summary.json"):
         assert (tmp_path / name).is_file(), name
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
@@ -69,16 +69,16 @@ def test_run_writes_every_output_and_learns(tmp_path):
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("straight")
-    train.run(small_config(), workdir)
+    trainer.run(small_config(), workdir)
     return read_metrics(workdir / "metrics.jsonl")
 
 
 @pytest.mark.parametrize("interrupt_at", [5, 7])  # on and between checkpoint_every=5 boundaries
 def test_interrupted_and_resumed_run_matches_uninterrupted_bit_for_bit(tmp_path, straight_run, interrupt_at):
     config = small_config()
-    stopped = train.run(config, tmp_path, interrupt_at=interrupt_at)
+    stopped = trainer.run(config, tmp_path, interrupt_at=interrupt_at)
     assert stopped == {"interrupted": True, "steps": interrupt_at, "signal": 15}
-    summary = train.run(config, tmp_path)
+    summary = trainer.run(config, tmp_path)
     assert summary["resumed_from_step"] == interrupt_at
     resumed = read_metrics(tmp_path / "metrics.jsonl")
     for key in ("step", "loss", "grad_norm", "lr", "val_loss"):
@@ -98,7 +98,7 @@ class _LoggedFloat:
 
 def test_loop_reads_step_metrics_one_step_late_except_where_it_evaluates_or_saves(tmp_path, monkeypatch):
     events = []
-    jit_train_step, evaluate, save = train_lib.jit_train_step, train._evaluate, train.checkpointing.save
+    jit_train_step, evaluate, save = train_lib.jit_train_step, trainer._evaluate, trainer.checkpointing.save
 
     def logged_jit_train_step(step_fn, shardings):
         step = jit_train_step(step_fn, shardings)
@@ -112,9 +112,9 @@ def test_loop_reads_step_metrics_one_step_late_except_where_it_evaluates_or_save
         return run
 
     monkeypatch.setattr(train_lib, "jit_train_step", logged_jit_train_step)
-    monkeypatch.setattr(train, "_evaluate", lambda *a: events.append(("host", "eval")) or evaluate(*a))
-    monkeypatch.setattr(train.checkpointing, "save", lambda mgr, step, *a, **k: events.append(("host", "save")) or save(mgr, step, *a, **k))
-    train.run(small_config(eval_every=3, checkpoint_every=4), tmp_path)
+    monkeypatch.setattr(trainer, "_evaluate", lambda *a: events.append(("host", "eval")) or evaluate(*a))
+    monkeypatch.setattr(trainer.checkpointing, "save", lambda mgr, step, *a, **k: events.append(("host", "save")) or save(mgr, step, *a, **k))
+    trainer.run(small_config(eval_every=3, checkpoint_every=4), tmp_path)
 
     position = {e: i for i, e in enumerate(events)}
     late = 0
@@ -156,8 +156,8 @@ def test_run_stops_after_consecutive_bad_steps_without_poisoned_checkpoint(tmp_p
     config.optimizer.learning_rate = float("inf")
     config.optimizer.schedule = "constant"
     config.optimizer.warmup_steps = 0
-    with pytest.raises(train.NonFiniteError, match="3 consecutive steps"):
-        train.run(config, tmp_path)
+    with pytest.raises(trainer.NonFiniteError, match="3 consecutive steps"):
+        trainer.run(config, tmp_path)
     mgr = ocp.CheckpointManager(tmp_path / "checkpoints")
     for step in mgr.all_steps():
         restored = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
@@ -167,8 +167,8 @@ def test_run_stops_after_consecutive_bad_steps_without_poisoned_checkpoint(tmp_p
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
-    one = train.run(small_config(steps=4, eval_every=4, batch_size=16), tmp_path / "one")
-    accumulated = train.run(small_config(steps=4, eval_every=4, batch_size=16, grad_accum_steps=2), tmp_path / "two")
+    one = trainer.run(small_config(steps=4, eval_every=4, batch_size=16), tmp_path / "one")
+    accumulated = trainer.run(small_config(steps=4, eval_every=4, batch_size=16, grad_accum_steps=2), tmp_path / "two")
     assert accumulated["final_train_loss"] == pytest.approx(one["final_train_loss"], rel=1e-5)
     assert accumulated["final_val_loss"] == pytest.approx(one["final_val_loss"], rel=1e-5)
 
@@ -190,14 +190,14 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     ],
 )
 def test_bad_input_is_a_usage_error_naming_the_fix(tmp_path, overrides, message):
-    with pytest.raises(train.UsageError, match=message):
-        train.run(small_config(**overrides), tmp_path)
+    with pytest.raises(cli.UsageError, match=message):
+        trainer.run(small_config(**overrides), tmp_path)
 
 
 def test_workdir_with_another_models_checkpoint_is_refused(tmp_path):
-    train.run(small_config(), tmp_path, interrupt_at=2)
-    with pytest.raises(train.UsageError, match="different run .*d_model: checkpoint 128 vs now 64"):
-        train.run(small_config(steps=4, **{"model.d_model": 64}), tmp_path)
+    trainer.run(small_config(), tmp_path, interrupt_at=2)
+    with pytest.raises(cli.UsageError, match="different run .*d_model: checkpoint 128 vs now 64"):
+        trainer.run(small_config(steps=4, **{"model.d_model": 64}), tmp_path)
 
 
 def _cli(*args, cwd, env_extra=None, timeout=900):
@@ -249,7 +249,7 @@ DAMAGE = {
 def saved_at_5_and_7(tmp_path_factory):
     """A run stopped after step 7 (`small_config`: checkpoints at steps 5 and 7)."""
     workdir = tmp_path_factory.mktemp("saved")
-    train.run(small_config(), workdir, interrupt_at=7)
+    trainer.run(small_config(), workdir, interrupt_at=7)
     assert ocp.CheckpointManager(workdir / "checkpoints").all_steps() == [5, 7]
     return workdir
 
@@ -258,8 +258,8 @@ def saved_at_5_and_7(tmp_path_factory):
 def test_damaged_checkpoint_is_a_usage_error_naming_step_and_fix(tmp_path, saved_at_5_and_7, damage):
     shutil.copytree(saved_at_5_and_7, tmp_path, dirs_exist_ok=True)
     DAMAGE[damage](tmp_path / "checkpoints" / "7")
-    with pytest.raises(train.UsageError, match=r"checkpoint step 7 cannot be read \(.+\); delete .+/7 .*--restore_step=5"):
-        train.run(small_config(), tmp_path)
+    with pytest.raises(cli.UsageError, match=r"checkpoint step 7 cannot be read \(.+\); delete .+/7 .*--restore_step=5"):
+        trainer.run(small_config(), tmp_path)
 
 
 def test_cli_damaged_checkpoint_exits_2_and_restore_step_resumes_the_previous_one(tmp_path, saved_at_5_and_7, straight_run):
@@ -270,7 +270,7 @@ def test_cli_damaged_checkpoint_exits_2_and_restore_step_resumes_the_previous_on
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: checkpoint step 7 cannot be read"), result.stderr[-3000:]
     assert "--restore_step=5" in lines[0]
-    summary = train.run(small_config(), tmp_path, restore_step=5)
+    summary = trainer.run(small_config(), tmp_path, restore_step=5)
     assert summary["resumed_from_step"] == 5
     assert ocp.CheckpointManager(tmp_path / "checkpoints").all_steps() == [10, 12]  # the damaged 7 was replaced
     resumed = read_metrics(tmp_path / "metrics.jsonl")
@@ -280,8 +280,8 @@ def test_cli_damaged_checkpoint_exits_2_and_restore_step_resumes_the_previous_on
 
 def test_restore_step_that_was_not_saved_is_a_usage_error(tmp_path, saved_at_5_and_7):
     shutil.copytree(saved_at_5_and_7, tmp_path, dirs_exist_ok=True)
-    with pytest.raises(train.UsageError, match=r"no checkpoint at step 6 .*saved steps: \[5, 7\]"):
-        train.run(small_config(), tmp_path, restore_step=6)
+    with pytest.raises(cli.UsageError, match=r"no checkpoint at step 6 .*saved steps: \[5, 7\]"):
+        trainer.run(small_config(), tmp_path, restore_step=6)
 
 
 def test_default_main_job_reaches_target_loss(tmp_path):

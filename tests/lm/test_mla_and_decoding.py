@@ -77,7 +77,7 @@ def test_mla_parameters_are_named_and_counted():
     assert specs["blocks/attn/kv_down/kernel"] == ("layers", "embed", "latent")
     assert specs["blocks/attn/k_up/kernel"] == ("layers", "latent", "heads")
     assert all(set(s) <= set(LOGICAL_AXES) for s in _flat(model_def.logical_specs).values())
-    assert sum(int(np.prod(p.shape)) for p in _flat(model_def.abstract_params).values()) == cfg.num_params()
+    assert sum(int(np.prod(p.shape)) for p in _flat(model_def.abstract_params).values()) == model_lib.param_counts(cfg).total
 
 
 def test_mla_rejects_bad_settings_with_the_fix():

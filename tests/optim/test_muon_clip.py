@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from experiments import train
+from experiments import trainer
 from experiments.configs import default
 from optim import build
 from optim.muon import muon
@@ -184,7 +184,7 @@ def test_sharded_lm_run_feeds_the_models_logits_to_the_clip(tmp_path):
     config.mesh = "fsdp:8"
     config.steps, config.data.seq_len, config.batch_size = 3, 32, 16
     config.eval_every, config.eval_batches, config.checkpoint_every = 3, 1, 3
-    summary = train.run(config, tmp_path)
+    summary = trainer.run(config, tmp_path)
     assert summary["steps"] == 3 and np.isfinite(summary["final_train_loss"])
 
 

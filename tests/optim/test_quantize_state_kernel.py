@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import kernels_pallas.quantized_update as qu
-from experiments import train
+from experiments import run_spec, trainer
 from experiments.configs import default
 from optim import build, labels
 from optim import quantization as qz
@@ -87,7 +87,7 @@ def _losses(workdir):
 
 
 def test_tiny_lm_under_fsdp_with_the_kernel_matches_xla(tmp_path):
-    spec = train.build_run(_lm_config("pallas"))  # what train.run builds: the kernel inside a shard_map over fsdp
+    spec = run_spec.build_run(_lm_config("pallas"))  # what trainer.run builds: the kernel inside a shard_map over fsdp
     params = {"w": jnp.ones((128, 64))}  # 16 rows per shard: whole 16 x 16 tiles
     tx = build.build(_lm_config("pallas").optimizer, 2, param_specs={"w": jax.P("fsdp", None)})
     with jax.set_mesh(spec.mesh):
@@ -96,7 +96,7 @@ def test_tiny_lm_under_fsdp_with_the_kernel_matches_xla(tmp_path):
     runs = {}
     for kernel in ("xla", "pallas"):
         workdir = tmp_path / kernel
-        train.run(_lm_config(kernel), workdir)
+        trainer.run(_lm_config(kernel), workdir)
         runs[kernel] = _losses(workdir)
     assert len(runs["xla"]) == 2
     np.testing.assert_allclose(runs["pallas"], runs["xla"], rtol=1e-5)

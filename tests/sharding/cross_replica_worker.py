@@ -4,7 +4,7 @@
 
 Each optimizer with its own collectives (DiLoCo, DeMo, PowerSGD) trains a small model replica-locally on a
 ``data:2`` mesh (one replica per process of a 2-process job; the test runs the same configs on two
-devices of its own process as the reference) with `experiments.train.run` into ``WORKDIR/<name>``,
+devices of its own process as the reference) with `experiments.trainer.run` into ``WORKDIR/<name>``,
 XLA with most optimisations off (``jax_disable_most_optimizations``, as the reference). With
 ``--preempt`` the DiLoCo run first stops as if preempted after step 3 (checkpoint, return) and is
 then resumed from that checkpoint: its synchronisations every 2 steps put the stop where the
@@ -49,14 +49,14 @@ def main(argv: list[str]) -> None:
     workdir, address, count, rank = [a for a in argv if a != "--preempt"]
     multihost.initialize(address, int(count), int(rank))
     jax.config.update("jax_disable_most_optimizations", True)
-    from experiments import train  # after jax.distributed starts
+    from experiments import trainer  # after jax.distributed starts
 
     for name in OPTIMIZERS:
         stops = preempt and name in PREEMPTED
         if stops:
-            summary = train.run(config_for(name), f"{workdir}/{name}", interrupt_at=STOP_AT)
+            summary = trainer.run(config_for(name), f"{workdir}/{name}", interrupt_at=STOP_AT)
             assert summary.get("interrupted") and summary["steps"] == STOP_AT, summary
-        summary = train.run(config_for(name), f"{workdir}/{name}")
+        summary = trainer.run(config_for(name), f"{workdir}/{name}")
         assert summary["resumed_from_step"] == (STOP_AT if stops else 0), summary
 
 

@@ -3,13 +3,13 @@
 Each case trains a micro `tiny` LM on ``fsdp:8`` with the optimizer's registry defaults, saves at
 step 2 through `experiments.checkpointing`, and goes on to step 5: the uninterrupted reference,
 which must lower the loss of its first batch. The checkpoint is then restored into the train
-state of each other mesh (targets from `train_lib.abstract_state`, as `train.run` builds them) and
+state of each other mesh (targets from `train_lib.abstract_state`, as `trainer.run` builds them) and
 trained from step 3: the restored state must equal the saved one exactly and the losses must equal
 the reference's.
 
 For speed the step is jitted in two parts, the model's loss and gradients (compiled once per mesh
 and shared by every optimizer) and the optimizer update, at XLA's lowest backend optimisation level;
-`train_lib.make_train_step` fuses the same two parts, and `train.run`'s own resume path is tested in
+`train_lib.make_train_step` fuses the same two parts, and `trainer.run`'s own resume path is tested in
 `test_multihost_and_resharding.py` and `tests/experiments/test_train.py`.
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 import optax
 import pytest
 
-from experiments import checkpointing, train, train_lib
+from experiments import checkpointing, run_spec, train_lib
 from experiments.configs import default
 from lm import model as model_lib
 from lm.loss import cross_entropy
@@ -52,7 +52,7 @@ def _config(name, common_keys, placement):
 @functools.cache
 def _loss_and_grads(mesh_key, cfg):
     """jit of ``(params, tokens) -> ((loss, aux), grads)`` for the model ``cfg`` on one placement."""
-    spec = train.build_run(_config("adamw", {}, dict(mesh_key)))
+    spec = run_spec.build_run(_config("adamw", {}, dict(mesh_key)))
     model_def = model_lib.define(cfg)
 
     def loss_fn(params, tokens):
@@ -76,7 +76,7 @@ class Trainer:
     """The train state of one optimizer on one placement, stepped on fixed batches."""
 
     def __init__(self, name, common_keys, placement):
-        self.spec = train.build_run(_config(name, common_keys, placement))
+        self.spec = run_spec.build_run(_config(name, common_keys, placement))
         shardings, tx = self.spec.shardings, optax.with_extra_args_support(self.spec.tx)
         self.placement = tuple(sorted(placement.items()))
         self.grads = _loss_and_grads(self.placement, self.spec.cfg)

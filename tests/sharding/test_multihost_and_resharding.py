@@ -12,7 +12,7 @@ import cross_replica_worker
 import jax
 import pytest
 
-from experiments import train
+from experiments import trainer
 from experiments.configs import default
 from experiments.metrics_io import read_metrics
 
@@ -34,16 +34,16 @@ def _losses(workdir):
 
 
 def test_checkpoint_saved_on_fsdp_restores_on_other_meshes(tmp_path):
-    reference = train.run(_config("fsdp:8"), tmp_path / "straight")
+    reference = trainer.run(_config("fsdp:8"), tmp_path / "straight")
     assert reference["steps"] == 10
-    train.run(_config("fsdp:8"), tmp_path / "saved", interrupt_at=4)
+    trainer.run(_config("fsdp:8"), tmp_path / "saved", interrupt_at=4)
     targets = {
         "tp": (_config("data:2,tensor:4", rules="tp"), {"data": 2, "tensor": 4}),
         "one_device": (_config("data:1", devices=1), {"data": 1}),
     }
     for name, (config, mesh) in targets.items():
         shutil.copytree(tmp_path / "saved", tmp_path / name)
-        summary = train.run(config, tmp_path / name)
+        summary = trainer.run(config, tmp_path / name)
         assert summary["resumed_from_step"] == 4 and summary["mesh"] == mesh
         assert _losses(tmp_path / name) == pytest.approx(_losses(tmp_path / "straight"), rel=1e-5)
 
@@ -81,7 +81,7 @@ def test_two_process_run_checkpoints_resumes_and_matches_one_process(tmp_path):
         *path, last = key.split(".")
         (reference[path[0]] if path else reference)[last] = value
     reference.devices = 2
-    train.run(reference, tmp_path / "single")
+    trainer.run(reference, tmp_path / "single")
 
     codes, results = _two_processes(tmp_path / "multi", "--stop_after=3")
     assert codes == [143, 143], [r[1][-2000:] for r in results]
@@ -124,7 +124,7 @@ def test_two_processes_train_every_cross_replica_optimizer_like_one_process(tmp_
         for name in cross_replica_worker.OPTIMIZERS:
             config = cross_replica_worker.config_for(name)
             config.devices = 2
-            train.run(config, tmp_path / "single" / name)
+            trainer.run(config, tmp_path / "single" / name)
     finally:
         jax.config.update("jax_disable_most_optimizations", previous)
         results = [p.communicate(timeout=600) for p in multi]

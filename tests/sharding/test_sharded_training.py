@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 
-from experiments import train, train_lib
+from experiments import run_spec, train_lib
 from experiments.configs import default
 from lm import config as config_lib
 from lm import corpus
@@ -103,7 +103,7 @@ def test_block_statistics_are_spread_over_devices_in_training(name):
     config = default.get_config()
     config.mesh = "fsdp:8"
     config.optimizer.name = name
-    spec = train.build_run(config)
+    spec = run_spec.build_run(config)
     with jax.set_mesh(spec.mesh):
         state = train_lib.init_state(spec.model_def, spec.tx, 0, spec.shardings)
     is_stack = lambda x: isinstance(x, blocking.BlockStacks)  # noqa: E731

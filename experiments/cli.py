@@ -1,0 +1,62 @@
+"""What every entry point's command line shares: one-line usage errors (exit code 2), absl flag
+parsing, the ``--config`` flag with ``--config.<key>`` overrides, and quiet library logging."""
+
+from __future__ import annotations
+
+import logging as std_logging
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from absl import flags, logging
+from ml_collections import config_flags
+
+DEFAULT_CONFIG = str(Path(__file__).parent / "configs" / "default.py")
+
+# Loggers that report routine work at INFO (backend probing, checkpoint bookkeeping).
+_LIBRARY_LOGGERS = ("jax", "jax._src", "absl", "orbax", "orbax.checkpoint", "etils")
+
+
+class UsageError(ValueError):
+    """Bad input from the user: reported as one line, exit code 2."""
+
+
+def usage_exit(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing with one-line errors and exit code 2 for bad flags."""
+    try:
+        rest = flags.FLAGS(argv)
+    except (flags.Error, KeyError, TypeError, ValueError) as e:
+        usage_exit(str(e))
+    if len(rest) > 1:
+        usage_exit(f"unexpected arguments {rest[1:]}; options are --workdir, --config and --config.<key>=<value>")
+    return rest
+
+
+def define_config_flag(default: str) -> flags.FlagHolder:
+    """``--config`` with ``--config.<key>`` overrides; an unknown key exits with code 2."""
+    try:
+        return config_flags.DEFINE_config_file("config", default, "Config file (ml_collections).", lock_config=True)
+    except (AttributeError, KeyError) as e:  # config_flags applies --config.* overrides right here
+        detail = str(e.args[0] if e.args else e).replace("\\'", "'").replace("\\n", "\n").strip("'\"")
+        key, _, hint = detail.partition("\n")
+        hint = f" ({hint.strip()})" if hint.strip() else ""
+        usage_exit(f"unknown config key {key.strip(chr(39))!r}{hint}; the keys are listed in {default}")
+
+
+def define_verbose_flag() -> flags.FlagHolder:
+    """``--verbose``: tracebacks for bad input and the libraries' INFO logs (`quiet_logging`)."""
+    return flags.DEFINE_bool("verbose", False, "Show tracebacks for bad input, and library logs.")
+
+
+def quiet_logging(verbose: bool = False) -> None:
+    """Warnings and errors only from absl, jax and orbax, unless ``verbose``; call first in ``main``."""
+    if verbose:
+        return
+    logging.set_verbosity(logging.WARNING)
+    for name in _LIBRARY_LOGGERS:
+        std_logging.getLogger(name).setLevel(std_logging.WARNING)

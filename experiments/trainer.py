@@ -1,0 +1,315 @@
+"""The training run: data, the sharded state (fresh or resumed), the loop, checkpoints, the summary.
+
+`run` trains (or resumes) the run a config describes in a workdir; `experiments.train` is its
+command line. The loop reads the few settings it needs once (`LoopSettings`), not the config.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from experiments import checkpointing, hardware, metrics_io, train_lib
+from experiments.cli import UsageError
+from experiments.run_spec import RunSpec, balancing, build_run, run_meta
+from lm import corpus, data
+from lm.loss import flops_per_token
+from lm.model import count_params
+from optim import build
+from sharding import partition
+
+# Per-step metrics of an MoE model (lm/moe.py) written with the loss.
+MOE_METRICS = ("moe_balance_loss", "router_z_loss", "expert_load_max", "dropped_fraction")
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive non-finite steps."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSettings:
+    """What the training loop needs of the config."""
+
+    steps: int
+    batch_size: int
+    seq_len: int
+    eval_every: int
+    log_every: int
+    max_bad_steps: int
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict) -> LoopSettings:
+        return cls(
+            steps=config.steps,
+            batch_size=config.batch_size,
+            seq_len=config.data.seq_len,
+            eval_every=config.eval_every,
+            log_every=config.log_every,
+            max_bad_steps=config.max_bad_steps,
+        )
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+@dataclasses.dataclass
+class _Stop:
+    """Set by SIGINT/SIGTERM (or a simulated preemption at step ``at``) to end the run after the current step."""
+
+    at: int | None = None
+    signum: int | None = None
+
+    def request(self, signum: int, frame: Any = None) -> None:
+        del frame
+        self.signum = signum
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checkpoints:
+    manager: Any
+    meta: dict
+
+
+def load_data(
+    data_config: ml_collections.ConfigDict, *, batch_size: int, seed: int, eval_batches: int
+) -> tuple[data.PackedBatches, list[np.ndarray]]:
+    """This process's training iterator and validation batches, from the ``data`` block of a config."""
+    try:
+        streams = corpus.load(data_config.path, val_fraction=data_config.val_fraction, cache_dir=data_config.cache_dir or None)
+        p_index, p_count = jax.process_index(), jax.process_count()
+        train_iter = data.PackedBatches(
+            streams["train"], data_config.seq_len, batch_size, seed=seed, process_index=p_index, process_count=p_count
+        )
+        val = data.validation_batches(
+            streams["validation"], data_config.seq_len, batch_size, eval_batches, process_index=p_index, process_count=p_count
+        )
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from e
+    return train_iter, val
+
+
+def _evaluate(eval_step, params, batches, shardings) -> float:
+    losses = [eval_step(params, train_lib.global_batch(b, shardings)) for b in batches]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def run(
+    config: ml_collections.ConfigDict, workdir: str | Path, *, interrupt_at: int | None = None, restore_step: int | None = None
+) -> dict:
+    """Trains (or resumes) the run described by ``config`` in ``workdir``; returns the summary.
+
+    Args:
+      config: see ``experiments/configs/default.py``.
+      workdir: output folder; its checkpoints, if any, are resumed.
+      interrupt_at: simulate a preemption after this many steps (the SIGTERM path: save, stop).
+      restore_step: resume from this saved step instead of the newest (newer ones are deleted).
+
+    Returns:
+      The summary dict also written to ``summary.json``; ``{"interrupted": True, ...}`` when stopped.
+    """
+    workdir = Path(workdir)
+    spec = build_run(config)
+    train_iter, val_batches = load_data(config.data, batch_size=config.batch_size, seed=config.seed, eval_batches=config.eval_batches)
+    workdir.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0:
+        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+
+    shardings = spec.shardings
+    step_fn = train_lib.make_train_step(
+        spec.model_def,
+        spec.tx,
+        grad_accum_steps=config.grad_accum_steps,
+        z_loss=config.loss.z_loss,
+        learning_rate=build.learning_rate_fn(config.optimizer, config.steps),
+        balancing=balancing(config),
+        replica_axis=shardings.replica_axis,
+    )
+    meta = run_meta(config, spec.cfg, shardings.replicas)
+    mgr = checkpointing.manager(workdir, keep=config.keep_checkpoints, every=config.checkpoint_every)
+    stop = _Stop(at=interrupt_at)
+    handlers = {}
+    if hasattr(signal, "SIGTERM"):
+        try:
+            handlers = {s: signal.signal(s, stop.request) for s in (signal.SIGINT, signal.SIGTERM)}
+        except ValueError:  # not the main thread: no signal handling
+            handlers = {}
+    try:
+        with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
+            target = train_lib.abstract_state(spec.model_def, spec.tx, shardings)
+            try:
+                restored = checkpointing.restore(mgr, target, meta, restore_step)
+            except checkpointing.CheckpointError as e:
+                raise UsageError(str(e)) from e
+            if restored is None:
+                state, start = train_lib.init_state(spec.model_def, spec.tx, config.seed, shardings), 0
+            else:
+                start, state, data_state = restored
+                try:
+                    train_iter.set_state(data_state)
+                except ValueError as e:
+                    raise UsageError(str(e)) from e
+            summary = _loop(
+                LoopSettings.from_config(config), spec, step_fn, state, start,
+                batches=(train_iter, val_batches), workdir=workdir, checkpoints=_Checkpoints(mgr, meta), stop=stop,
+            )  # fmt: skip
+    finally:
+        mgr.wait_until_finished()
+        mgr.close()
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    return summary
+
+
+def _loop(
+    settings: LoopSettings,
+    spec: RunSpec,
+    step_fn: Any,
+    state: train_lib.TrainState,
+    start: int,
+    *,
+    batches: tuple[data.PackedBatches, list[np.ndarray]],
+    workdir: Path,
+    checkpoints: _Checkpoints,
+    stop: _Stop,
+) -> dict:
+    shardings, lead = spec.shardings, jax.process_index() == 0
+    train_iter, val_batches = batches
+    train_step = train_lib.jit_train_step(step_fn, shardings)
+    eval_step = train_lib.jit_eval_step(train_lib.make_eval_step(spec.model_def), shardings)
+    writer = metrics_io.MetricsWriter(workdir, resume_step=start, enabled=lead)
+    progress = Progress(settings.steps, start, lead)
+    step_times: list[float] = []
+    last = {}
+    val_loss = None
+    # Steps dispatched whose metrics have not been read: (step, metrics, dispatch time). Reading a
+    # step's metrics waits for it, so they are read one step late: the host loads and dispatches
+    # step n + 1 while the device runs step n. A step that evaluates or checkpoints reads them all
+    # first, so no checkpoint is saved past a step that ends the run.
+    in_flight: collections.deque = collections.deque()
+    previous_ready = time.perf_counter()
+    try:
+        for step in range(start, settings.steps):
+            done = step + 1
+            dispatched = time.perf_counter()
+            state, metrics = train_step(state, train_lib.global_batch(next(train_iter), shardings))
+            in_flight.append((done, metrics, dispatched))
+            if stop.at is not None and done == stop.at:
+                stop.request(signal.SIGTERM)
+            stopping = stop.signum is not None and done < settings.steps
+            evaluating = done % settings.eval_every == 0 or done == settings.steps
+            saving = stopping or done == settings.steps or checkpoints.manager.should_save(done)
+            while len(in_flight) > (0 if evaluating or saving else 1):
+                record_step, metrics, dispatched = in_flight.popleft()
+                metrics = jax.device_get(metrics)
+                ready = time.perf_counter()
+                step_times.append(ready - max(dispatched, previous_ready))  # this step's time on the device
+                previous_ready = ready
+                record = {
+                    "step": record_step,
+                    "loss": float(metrics["loss"]),
+                    "lr": float(metrics["lr"]),
+                    "grad_norm": float(metrics["grad_norm"]),
+                    "tokens_per_second": settings.tokens_per_step / step_times[-1],
+                    "skipped_steps": int(metrics["skipped"]),
+                    **{k: float(metrics[k]) for k in MOE_METRICS if k in metrics},
+                }
+                if record_step == done and evaluating:
+                    val_loss = _evaluate(eval_step, state["params"], val_batches, shardings)
+                    record["val_loss"] = val_loss
+                last = record
+                if record_step % settings.log_every == 0 or "val_loss" in record or record_step == settings.steps:
+                    writer.write(record)
+                    progress.update(record)
+                if int(metrics["bad_streak"]) >= settings.max_bad_steps:
+                    raise NonFiniteError(
+                        f"{int(metrics['bad_streak'])} consecutive steps had a non-finite loss or gradient (last at step "
+                        f"{record_step}); parameters were left unchanged and no such state was checkpointed. Lower "
+                        "optimizer.learning_rate, enable optimizer.grad_clip_norm, or check the data"
+                    )
+            if saving:
+                checkpointing.save(checkpoints.manager, done, state, train_iter.get_state(), checkpoints.meta, force=True)
+            if stopping:
+                progress.close()
+                print(f"stopped by signal {stop.signum} after step {done}; checkpoint saved, rerun with the same --workdir to resume", file=sys.stderr)
+                return {"interrupted": True, "steps": done, "signal": stop.signum}
+    finally:
+        progress.close()
+        writer.close()
+    return _summarize(settings, spec, workdir, step_times, last, val_loss, start)
+
+
+def _summarize(settings: LoopSettings, spec: RunSpec, workdir: Path, step_times, last, val_loss, start) -> dict:
+    timed = step_times[1:] or step_times  # the first step of a process includes compilation
+    tokens_per_second = settings.tokens_per_step / float(np.median(timed)) if timed else 0.0
+    fpt = flops_per_token(spec.cfg, settings.seq_len)
+    peak = hardware.peak_flops_per_device(spec.cfg.dtype, spec.mesh.devices.flat[0])
+    measured_flops = hardware.matmul_flops_per_device() * spec.mesh.size
+    peak_bytes, peak_source = hardware.peak_memory_bytes()
+    counts = count_params(spec.model_def)
+    summary = {
+        "steps": settings.steps,
+        "resumed_from_step": start,
+        "final_train_loss": last.get("loss"),
+        "final_val_loss": val_loss,
+        "tokens_per_second": tokens_per_second,
+        "mfu": tokens_per_second * fpt / (peak.flops_per_second * spec.mesh.size),
+        "mfu_peak_source": peak.source,
+        "peak_flops_per_second": peak.flops_per_second * spec.mesh.size,
+        "mfu_measured_matmul": tokens_per_second * fpt / measured_flops,
+        "matmul_flops_per_second": measured_flops,
+        "flops_per_token": fpt,
+        "peak_memory_bytes": peak_bytes,
+        "peak_memory_source": peak_source,
+        "skipped_steps": last.get("skipped_steps", 0),
+        "num_params": counts.total,
+        "num_active_params": counts.active,
+        "devices": spec.mesh.size,
+        "mesh": dict(spec.mesh.shape),
+    }
+    if jax.process_index() == 0:
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        metrics_io.plot_losses(workdir / "metrics.jsonl", workdir / "loss.png")
+    return summary
+
+
+class Progress:
+    """A tqdm bar on a terminal, plain log lines otherwise."""
+
+    def __init__(self, total: int, start: int, enabled: bool):
+        self.enabled = enabled
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+        self.total = total
+        self.last_step = start
+
+    def update(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        text = f"loss {record['loss']:.4f} tok/s {record['tokens_per_second']:,.0f}"
+        if "val_loss" in record:
+            text += f" val {record['val_loss']:.4f}"
+        if self.bar is not None:
+            self.bar.update(record["step"] - self.last_step)
+            self.bar.set_postfix_str(text)
+        else:
+            print(f"step {record['step']}/{self.total} {text} lr {record['lr']:.2e}", flush=True)
+        self.last_step = record["step"]
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

@@ -7,7 +7,7 @@ Each row is a jitted ``(params, grads, state) -> (params, state)`` step (update 
 plain dict of random arrays with the model's parameter shapes (scan-stacked layers, tied
 embedding). The first call (compilation) is excluded; the time is the median of ``--repeats`` calls,
 taken round-robin over the rows so that load from other processes affects every row alike.
-Registered optimizers are built exactly as training builds them (`optim.registry.build` on the
+Registered optimizers are built exactly as training builds them (`optim.build.build` on the
 default optimizer config: cosine schedule, gradient clipping). Extra rows compare against other
 implementations at matching settings: ``optax_muon`` is ``optax.contrib.muon`` and ``muon@optax`` is
 our Muon with the same settings (EMA momentum without Nesterov, Jordan's Newton-Schulz, Jordan's

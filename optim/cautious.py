@@ -25,7 +25,7 @@ to every entry. With decoupled decay ``lambda |w| << |d|`` the masks agree excep
 direction is about zero, and the decay is kept with probability ``sum(phi) / n`` and scaled by about
 ``n / sum(phi)``, so its expected size is unchanged.
 
-"The current gradient" is what the wrapper receives. In `optim.registry.build` the global-norm
+"The current gradient" is what the wrapper receives. In `optim.build.build` the global-norm
 clip runs before it, which multiplies every entry by one positive factor, so the mask is the one of
 the raw (mean over micro-batches) gradient.
 """

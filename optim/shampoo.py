@@ -35,7 +35,7 @@ Distributed computation: statistics and preconditioners of all parameters are st
 (so checkpoints restore onto any mesh) and which are spread over all devices (`optim.blocking`).
 Under `jit` each device computes the roots of its slice of blocks (eigh or Newton batched); GSPMD
 gathers the preconditioners where the gradients need them. For ``jit(tx.init,
-out_shardings=...)`` use `optim.blocking.annotate_block_shardings`. Roots are computed under
+out_shardings=...)`` use `optim.placement.state_shardings`. Roots are computed under
 `lax.cond`, so steps that do not refresh them cost statistics + preconditioning only.
 
 Under `optax.inject_hyperparams` the integer arguments that set array shapes must be static:

@@ -6,7 +6,9 @@
 import ml_collections
 from ml_collections import config_dict
 
-from optim import build, registry
+from experiments.configs import blocks
+from lm import config as model_config
+from optim import registry, spec
 
 
 def optimizer_config(name: str = "adamw", learning_rate: float | None = None) -> ml_collections.ConfigDict:
@@ -24,9 +26,18 @@ def optimizer_config(name: str = "adamw", learning_rate: float | None = None) ->
     opt.cautious = False  # mask update entries that disagree in sign with the gradient
     opt.state_bits = 0  # optimizer state in 8 or 4 bits; 0: fp32
     opt.state_kernel = "auto"  # quantized step: auto, xla, or pallas (the fused kernel; AdamW, Lion)
-    for family in sorted(registry.OPTIMIZERS):
-        opt[family] = build.family_defaults(family)
+    for family, cls in sorted(registry.OPTIMIZERS.items()):
+        inner = {"inner": cls.default_inner} if issubclass(cls, spec.WrapperSpec) else {}
+        opt[family] = blocks.dataclass_block(cls, only=spec.config_defaults(cls), extra=inner)
     return opt
+
+
+def model_block(preset: str = "tiny") -> ml_collections.ConfigDict:
+    """``preset`` and every `lm.config.ModelConfig` field (lm/config.py documents them); None keeps the preset's value."""
+    set_by_presets = {key for values in model_config.PRESETS.values() for key in values}
+    block = blocks.dataclass_block(model_config.ModelConfig, placeholders=set_by_presets)
+    block.preset = preset
+    return block
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -36,34 +47,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.batch_size = 16  # global batch, sequences
     config.grad_accum_steps = 1  # micro-batches per step; batch_size must divide by it
 
-    config.model = ml_collections.ConfigDict()
-    config.model.preset = "tiny"
-    # Any ModelConfig field may be set here; None keeps the preset's value.
-    for size in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim"):
-        config.model[size] = config_dict.placeholder(int)
-    config.model.dtype = "float32"  # compute dtype: float32 | bfloat16
-    config.model.scan_layers = config_dict.placeholder(bool)  # None: the preset's (True except deepseek-v2-lite)
-    config.model.scan_unroll = 1  # blocks per scan iteration
-    # none | full | dots_saveable | dots_with_no_batch_dims_saveable | save_attention | dots_and_attention
-    # (lm/remat.py); true = full, false = none
-    config.model.remat = "none"
-    config.model.qk_norm = False
-    config.model.tie_embeddings = config_dict.placeholder(bool)  # None: the preset's (untied in mixtral-8x7b, deepseek-v2-lite)
-    config.model.track_attn_logits = False
-    config.model.attention = "auto"  # auto | xla | cudnn | pallas; auto: XLA on CPU, cuDNN else Pallas on GPU, Pallas on TPU
-    # Mixture of experts (lm/moe.py), None keeps the preset's value: n_experts (0: dense),
-    # experts_per_token, n_shared_experts, moe_every, first_dense_layers, expert_mlp_dim, capacity_factor (<= 0: dropless),
-    # router_score (softmax | sigmoid), normalize_router_weights.
-    for size in ("n_experts", "experts_per_token", "n_shared_experts", "moe_every", "first_dense_layers", "expert_mlp_dim"):
-        config.model[size] = config_dict.placeholder(int)
-    config.model.capacity_factor = config_dict.placeholder(float)
-    config.model.router_score = config_dict.placeholder(str)
-    config.model.normalize_router_weights = config_dict.placeholder(bool)
-    # auto | ragged_dot | gmm: dropless grouped matmuls; auto: the Pallas gmm kernel on GPU, ragged_dot elsewhere
-    config.model.moe_matmul = "auto"
-    config.model.attention_type = config_dict.placeholder(str)  # gqa | mla (multi-head latent attention, lm/mla.py)
-    for mla_size in ("kv_lora_rank", "q_lora_rank", "rope_head_dim", "v_head_dim"):
-        config.model[mla_size] = config_dict.placeholder(int)
+    config.model = model_block()
 
     config.data = ml_collections.ConfigDict()
     config.data.path = ""  # empty: the Python standard-library corpus; else a text file or folder

@@ -149,9 +149,11 @@ def transform(
 
 def learning_rate_fn(config: Mapping[str, Any], total_steps: int) -> optax.Schedule:
     """The schedule `build` uses, for logging the learning rate; peak ``learning_rate`` or the spec's default."""
+    cls = registry.spec_class(inner_name(config) or config["name"])  # a wrapper's learning rate is its inner optimizer's
     peak = config.get("learning_rate")
-    if peak is None:  # a wrapper's learning rate is its inner optimizer's
-        peak = spec.defaults(registry.spec_class(inner_name(config) or config["name"]))["learning_rate"]
+    if peak is None:
+        peak = spec.defaults(cls)["learning_rate"]
+    spec.check_value("learning_rate", peak, spec.field_ranges(cls)["learning_rate"])  # the schedule's peak
     return schedules.make_schedule(
         config.get("schedule", "cosine"),
         float(peak),

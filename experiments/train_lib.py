@@ -158,7 +158,9 @@ def make_train_step(
     ``attn_max_logits``) reach the optimizer as extra arguments of ``tx.update`` (transforms that do
     not take them ignore them); an MoE model's statistics go through the balancing hook
     (`lm.moe.balancing_losses`, weights and scope from ``balancing``, default `lm.moe.Balancing()`)
-    into the loss, and their expert counts, summed over the step, drive the router-bias update.
+    into the loss, and their expert counts, summed over the step (and over replicas in a replica-local
+    step, so the global balancing scope and the router-bias step see the whole batch as under GSPMD),
+    drive the router-bias update.
 
     With ``replica_axis`` the step is replica-local (see the module docstring) and must be called
     under ``jax.set_mesh``; ``tx`` then sees each replica's own gradients, so it is either built for
@@ -166,6 +168,7 @@ def make_train_step(
     """
     tx = optax.with_extra_args_support(tx)
     balancing = balancing or moe_lib.Balancing()
+    total = (lambda x: jax.lax.psum(x, replica_axis)) if replica_axis else (lambda x: x)  # noqa: E731
 
     def loss_fn(params, tokens, prior_counts=None):
         logits, aux = model_lib.apply(model_def, params, tokens[:, :-1], return_aux=True)
@@ -175,9 +178,10 @@ def make_train_step(
             stats = aux["moe"]
             if prior_counts is None:
                 prior_counts = jnp.zeros_like(stats["expert_counts"][:, 0])
-            extra, moe_metrics = moe_lib.balancing_losses(stats, prior_counts, balancing)
+            extra, moe_metrics = moe_lib.balancing_losses(stats, prior_counts, balancing, replica_axis)
             loss, metrics = loss + extra, {**metrics, **moe_metrics}
-            routed |= {"moe_counts": jnp.sum(stats["expert_counts"], axis=1), "moe_dropped": jnp.sum(stats["dropped_slots"])}
+            # Whole-batch counts (every replica's rows): the router-bias step is then the same everywhere.
+            routed |= {"moe_counts": moe_lib.batch_counts(stats, replica_axis), "moe_dropped": total(jnp.sum(stats["dropped_slots"]))}
         return loss, (metrics, routed)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)

@@ -330,7 +330,16 @@ def switch_loss(counts: jax.Array, prob_mean: jax.Array) -> jax.Array:
     return n_experts * jnp.sum(f * prob_mean, axis=-1)
 
 
-def balancing_losses(stats: dict[str, jax.Array], prior_counts: jax.Array, cfg: Balancing) -> tuple[jax.Array, dict]:
+def batch_counts(stats: dict[str, jax.Array], axis_name: str | None = None) -> jax.Array:
+    """``(layers, E)`` slots per expert over the whole batch: this shard's rows, summed over the mesh axis
+    ``axis_name`` when each replica of a replica-local step (inside its `jax.shard_map`) sees only its own."""
+    counts = jnp.sum(stats["expert_counts"], axis=1)
+    return counts if axis_name is None else jax.lax.psum(counts, axis_name)
+
+
+def balancing_losses(
+    stats: dict[str, jax.Array], prior_counts: jax.Array, cfg: Balancing, axis_name: str | None = None
+) -> tuple[jax.Array, dict]:
     """The weighted balancing + router z losses of one micro-batch, and their metrics.
 
     Args:
@@ -338,11 +347,14 @@ def balancing_losses(stats: dict[str, jax.Array], prior_counts: jax.Array, cfg: 
         ``router_prob_sum`` ``(layers, batch, E)``, ``router_z`` ``(layers,)``.
       prior_counts: ``(layers, E)`` slots per expert in the step's earlier micro-batches (global scope).
       cfg: the weights and scope.
+      axis_name: the replica axis of a replica-local step: the global scope's expert fractions are
+        then those of every replica's rows (`batch_counts`), and the mean over replicas of this loss
+        is the whole batch's (the loss is linear in each replica's mean router probabilities).
     """
     counts, prob_sum = stats["expert_counts"], stats["router_prob_sum"]
     tokens = jnp.sum(prob_sum, axis=-1, keepdims=True)  # router probabilities sum to 1 per token
     if cfg.scope == "global":
-        balance = switch_loss(prior_counts + jnp.sum(counts, axis=1), jnp.sum(prob_sum, axis=1) / jnp.sum(tokens, axis=1))
+        balance = switch_loss(prior_counts + batch_counts(stats, axis_name), jnp.sum(prob_sum, axis=1) / jnp.sum(tokens, axis=1))
     else:
         balance = switch_loss(counts, prob_sum / tokens)
     balance = jnp.mean(balance)

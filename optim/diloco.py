@@ -122,11 +122,11 @@ def _outer_init(params: optax.Params) -> tuple[optax.Params, optax.Params]:
 class DiLoCo(spec.WrapperSpec):
     """DiLoCo around ``inner``: ``sync_every`` (H) local steps, then the averaged outer Nesterov step.
 
-    The registry builds ``inner`` from ``optimizer.diloco.inner`` (default ``adamw``) with that
+    `optim.build` builds ``inner`` from ``optimizer.diloco.inner`` (default ``adamw``) with that
     optimizer's own keys and the run's learning-rate schedule.
 
     Attributes:
-      inner: the replicas' optimizer (a registered name or an optax transform).
+      inner: the replicas' optimizer (an optax transform).
       sync_every: ``H``, inner steps between two synchronisations.
       outer_learning_rate: ``eta`` of the outer Nesterov SGD.
       outer_momentum: ``mu`` of the outer Nesterov SGD.
@@ -222,7 +222,7 @@ class StreamingDiLoCo(DiLoCo):
     """Streaming DiLoCo around ``inner`` (see the module docstring for the rule).
 
     Attributes:
-      inner: the replicas' optimizer (the registry builds it from ``optimizer.streaming_diloco.inner``).
+      inner: the replicas' optimizer (`optim.build` builds it from ``optimizer.streaming_diloco.inner``).
       sync_every: ``H``, inner steps between two synchronisations of one fragment.
       fragments: ``P``; fragment ``p`` is sent at steps ``floor(p H / P) mod H``.
       overlap: ``tau`` in ``[0, H)``, steps between sending an outer gradient and applying it.

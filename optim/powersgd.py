@@ -128,7 +128,7 @@ class PowerSGDCompressor:
 class PowerSGD(PowerSGDCompressor, spec.WrapperSpec):
     """``inner`` (any optimizer) on the PowerSGD-compressed replica-mean gradient.
 
-    The registry builds ``inner`` from ``optimizer.powersgd.inner`` (default ``adamw``).
+    `optim.build` builds ``inner`` from ``optimizer.powersgd.inner`` (default ``adamw``).
     """
 
     def transform(self) -> optax.GradientTransformation:

@@ -31,7 +31,7 @@ replicate the scales and the 4-bit codes). The initial state is quantized behind
 barrier, so XLA does not constant-fold the quantization of all-zero moments (seconds of compile time).
 
 Fused kernel (``kernel=``): when ``fused`` says what ``inner`` is (`Fused`: AdamW or Lion, its
-learning rate and decay mask; `optim.registry` passes it), every parameter whose moments are all
+learning rate and decay mask; `optim.build` passes it), every parameter whose moments are all
 quantized takes its step in one Pallas kernel (`kernels_pallas.quantized_update`): codes and scales
 in, update and new codes and scales out, no fp32 moment in device memory. ``inner`` still runs for
 everything else (its counters, unquantized leaves); its work on the kernel's leaves is dead code

@@ -260,7 +260,7 @@ class LOpt(spec.OptimizerSpec):
 
     ``learning_rate`` multiplies the learned step: 1.0 is the optimizer as meta-trained (it has its own
     schedule through its time features; use ``optimizer.schedule=constant`` to leave it alone).
-    ``num_steps`` is the run's length (0 in a config: `optim.registry` sets the run's). ``weights``: a shipped name or a
+    ``num_steps`` is the run's length (0 in a config: `optim.build` sets the run's, `for_run`). ``weights``: a shipped name or a
     ``.npz`` path; ``meta_params`` (from code) replaces them. Weights meta-trained as μLO (their record
     names a ``mup_base_fan_in``, e.g. the shipped ``mulo``) take μLO's per-tensor scaling at that base
     width, as they were trained. No weight decay: the learned step decides what happens to the weights.

@@ -20,6 +20,7 @@ from experiments import checkpointing, cli, run_spec, train_lib, trainer
 from experiments.configs import default
 from lm import config as config_lib
 from lm import model as model_lib
+from lm import moe
 from optim import cross_replica, diloco, registry
 from sharding import mesh as mesh_lib
 from sharding import partition
@@ -196,3 +197,49 @@ def test_a_wrapper_inner_optimizer_is_configured_by_its_own_block():
     assert "sgd" in run_spec.run_meta(config, run_spec.build_run(config).cfg, 8)["optimizer"]
     with pytest.raises(cli.UsageError, match="optimizer.diloco.inner='muon_clip' cannot run inside diloco"):
         run_spec.build_run(_config("diloco", **{"optimizer.diloco.inner": "muon_clip"}))
+
+
+@pytest.mark.parametrize("name", sorted(CROSS_REPLICA))
+def test_a_cross_replica_optimizer_on_several_devices_needs_a_replica_axis(name):
+    config = _config(name)
+    config.replicas = ""
+    with pytest.raises(cli.UsageError, match=rf"optimizer '{name}' exchanges updates .* add --config.replicas=data"):
+        run_spec.build_run(config)
+    config.devices, config.mesh = 1, ""
+    run_spec.build_run(config)  # one device is one replica: nothing is lost
+
+
+def _moe_step(replica_axis, batch):
+    """One AdamW step of a 1-layer, 4-expert top-1 MoE with the router-bias step on mesh ``data:2``:
+    the new parameters (one replica's slice when replica-local) and the metrics."""
+    cfg = config_lib.from_preset("moe-tiny", **{**SMALL_MODEL, "n_layers": 1}, n_experts=4, experts_per_token=1, expert_mlp_dim=32)
+    model_def = model_lib.define(cfg)
+    tx = optax.adamw(1e-2)
+    if replica_axis:
+        tx = optax.chain(cross_replica.mean_over_replicas(replica_axis), tx)
+    mesh, rules = mesh_lib.make_mesh("data:2", jax.devices()[:2]), rules_lib.make_rules()
+    shardings = train_lib.make_shardings(model_def, tx, mesh, rules, replica_axis)
+    with jax.set_mesh(mesh), partition.use_rules(rules):
+        state = train_lib.init_state(model_def, tx, 0, shardings)
+        balancing = moe.Balancing(bias_rate=0.1)
+        step_fn = train_lib.make_train_step(model_def, tx, balancing=balancing, replica_axis=replica_axis)
+        step = jax.jit(step_fn, in_shardings=(shardings.state, shardings.batch), compiler_options=FAST_COMPILE)
+        state, metrics = step(state, train_lib.global_batch(batch, shardings))
+    return jax.tree.map(np.asarray, state["params"]), jax.device_get(metrics)
+
+
+def test_moe_counts_are_summed_over_replicas_so_a_replica_local_step_is_the_gspmd_step():
+    """Global balancing and the router-bias step see every replica's rows (issue 34, item 2): each
+    replica's router bias and the loss equal the GSPMD step's (per-replica counts gave each replica
+    its own bias and a per-replica balancing loss)."""
+    batch = np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)
+    ref_params, ref_metrics = _moe_step(None, batch)
+    params, metrics = _moe_step("data", batch)
+    ref_bias = ref_params["blocks"]["mlp"]["router"]["bias"]
+    bias = params["blocks"]["mlp"]["router"]["bias"]
+    assert np.any(ref_bias != 0)
+    np.testing.assert_array_equal(bias, np.broadcast_to(ref_bias, bias.shape))
+    for key in ("loss", "moe_balance_loss", "expert_load_max"):
+        np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=1e-5, err_msg=key)
+    for leaf, ref in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_allclose(leaf, np.broadcast_to(ref, leaf.shape), rtol=1e-4, atol=1e-6)

@@ -1,5 +1,9 @@
 """Sampling from a training run's checkpoint: a `tiny` MLA model trained a few steps, then sampled."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -49,3 +53,11 @@ def test_bad_workdir_and_settings_name_the_fix(mla_run, tmp_path):
     model_def, params, _ = sample.load_params(mla_run)
     with pytest.raises(cli.UsageError, match="exceeds model.max_seq_len"):
         sample.sample(model_def, params, "x", max_new_tokens=5000)
+
+
+def test_the_command_line_prints_the_sample_without_library_logs(mla_run):
+    args = [sys.executable, "-m", "experiments.sample", f"--workdir={mla_run}", "--max_new_tokens=4"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=Path(sample.__file__).parents[1])
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [f"# {mla_run}, checkpoint step 8"]
+    assert result.stdout.startswith("----- sample 0 -----\ndef ")

@@ -109,3 +109,16 @@ def test_interval_notation():
     assert dataclasses.astuple(spec.Interval.parse("[1, inf)"))[1:] == (1.0, math.inf, True, False)
     with pytest.raises(ValueError, match="not an interval"):
         spec.Interval.parse("0..1")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_declared_capabilities_match_the_fields(name):
+    """What a spec declares (`optim.spec.Spec`) is what its fields and methods can honour."""
+    cls = registry.OPTIMIZERS[name]
+    fields = spec.defaults(cls)
+    assert cls.replica_local == ("axis_name" in fields)
+    assert cls.applies_weight_decay == ("weight_decay" in fields)
+    assert not cls.applies_cautious or "cautious" in fields
+    assert set(cls.static_args) <= set(fields)
+    optimizer = make(cls)
+    assert optimizer.for_replicas("data") == (dataclasses.replace(optimizer, axis_name="data") if cls.replica_local else optimizer)

@@ -2,7 +2,8 @@
 
 - no import circle inside a package (module imports, lazy ones in functions included);
 - no import against the dependency direction between top-level packages (`ALLOWED`);
-- no import of a third-party package a package must not use (`FORBIDDEN`: flax in `optim`).
+- no import of a third-party package a package must not use (`FORBIDDEN`: flax in `optim`);
+- no import of a pure entry point (`ENTRY_POINTS`: the training script; the run is a library).
 
     python -m experiments.check_imports     # prints each problem, exit code 1 if there is one
 
@@ -27,6 +28,7 @@ ALLOWED = {
     "kernels_pallas": set(),
 }
 FORBIDDEN = {"optim": {"flax"}}
+ENTRY_POINTS = {"experiments.train"}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -123,6 +125,8 @@ def problems(root: Path = ROOT) -> list[str]:
                 out.append(f"upward import: {name} imports {target} ({package} may import {', '.join(sorted(ALLOWED[package])) or 'no package'})")
         for lib in sorted(external[name] & FORBIDDEN.get(package, set())):
             out.append(f"forbidden import: {name} imports {lib}")
+        for entry in sorted(targets & ENTRY_POINTS):
+            out.append(f"entry point imported: {name} imports {entry}; import the library modules it uses instead")
     return out
 
 

@@ -24,7 +24,7 @@ class AdamW(spec.OptimizerSpec):
       eps: added to the root of the second moment.
     """
 
-    learning_rate: optax.ScalarOrSchedule = spec.param(3e-3, valid="[0, inf)")
+    learning_rate: optax.ScalarOrSchedule = 3e-3
     weight_decay: float = spec.param(0.1, valid="[0, inf)")
     b1: float = spec.param(0.9, valid="[0, 1)")
     b2: float = spec.param(0.95, valid="[0, 1)")

@@ -18,7 +18,7 @@ class SGD(common.DirectionOptimizer):
       nesterov: Nesterov's look-ahead form of the momentum.
     """
 
-    learning_rate: optax.ScalarOrSchedule = spec.param(0.15, valid="[0, inf)")  # docs/benchmarks.md, "Default learning rates"
+    learning_rate: optax.ScalarOrSchedule = 0.15  # docs/benchmarks.md, "Default learning rates"
     weight_decay: float = spec.param(0.0, valid="[0, inf)")
     momentum: float = spec.param(0.9, valid="[0, 1)")
     nesterov: bool = False

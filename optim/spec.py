@@ -173,7 +173,8 @@ class OptimizerSpec(Spec):
       learning_rate: a float or an optax schedule of the step count.
     """
 
-    learning_rate: optax.ScalarOrSchedule = param(valid="[0, inf)")
+    # inf is refused by no optimizer's arithmetic: its steps are non-finite, which the train step skips and counts.
+    learning_rate: optax.ScalarOrSchedule = param(valid="[0, inf]")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

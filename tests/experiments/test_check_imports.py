@@ -12,7 +12,7 @@ def test_no_import_circle_and_no_upward_import():
     assert check_imports.problems() == []
 
 
-def test_it_finds_a_circle_an_upward_import_and_flax_in_optim(tmp_path):
+def test_it_finds_a_circle_an_upward_import_flax_in_optim_and_an_imported_entry_point(tmp_path):
     files = {
         "optim/__init__.py": "",
         "optim/a.py": "from optim import b\n",
@@ -20,12 +20,16 @@ def test_it_finds_a_circle_an_upward_import_and_flax_in_optim(tmp_path):
         "optim/c.py": "import flax.nnx\nfrom lm import model\n",
         "lm/__init__.py": "",
         "lm/model.py": "",
+        "experiments/__init__.py": "",
+        "experiments/train.py": "",
+        "experiments/sample.py": "from experiments import train\n",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert check_imports.problems(tmp_path) == [
         "import circle in optim/: optim.a -> optim.b",
+        "entry point imported: experiments.sample imports experiments.train; import the library modules it uses instead",
         "upward import: optim.c imports lm (optim may import kernels_pallas, sharding)",
         "upward import: optim.c imports lm.model (optim may import kernels_pallas, sharding)",
         "forbidden import: optim.c imports flax",

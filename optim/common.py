@@ -90,6 +90,11 @@ def with_adam(
     )
 
 
+def weight_decay_field() -> Any:
+    """The ``weight_decay`` field of a full optimizer spec (a family's spec sets its default)."""
+    return spec.param(valid="[0, inf)", doc="decoupled weight decay ``lambda`` (times the learning rate) on the leaves `optim.labels.decay_mask` picks.")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AdamGroup:
     """The AdamW group of a matrix family (see `with_adam`).
@@ -118,7 +123,7 @@ class MatrixOptimizer(AdamGroup, spec.OptimizerSpec):
     A family's spec inherits its direction spec (which defines ``direction()``) first, then this.
     """
 
-    weight_decay: float = spec.param(valid="[0, inf)", doc="decoupled weight decay ``lambda`` (times the learning rate) on the leaves `optim.labels.decay_mask` picks.")
+    weight_decay: float = weight_decay_field()
 
     applies_weight_decay: ClassVar[bool] = True
 
@@ -139,7 +144,7 @@ class DirectionOptimizer(spec.OptimizerSpec):
     its direction spec (which defines ``direction()``) first, then this.
     """
 
-    weight_decay: float = spec.param(valid="[0, inf)", doc="decoupled weight decay ``lambda`` (times the learning rate) on the leaves `optim.labels.decay_mask` picks.")
+    weight_decay: float = weight_decay_field()
 
     applies_weight_decay: ClassVar[bool] = True
 

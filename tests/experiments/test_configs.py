@@ -6,7 +6,6 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import cli, run_spec
-from experiments.configs import default
 from lm import config as model_config
 from optim import registry, spec
 

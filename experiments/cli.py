@@ -14,7 +14,7 @@ from ml_collections import config_flags
 DEFAULT_CONFIG = str(Path(__file__).parent / "configs" / "default.py")
 
 # Loggers that report routine work at INFO (backend probing, checkpoint bookkeeping).
-_LIBRARY_LOGGERS = ("jax", "jax._src", "absl", "orbax", "orbax.checkpoint", "etils")
+_LIBRARY_LOGGERS = ("jax", "absl", "orbax", "etils")
 
 
 class UsageError(ValueError):

@@ -2,7 +2,7 @@
 
 The block has common keys (`COMMON_KEYS`: ``name``, ``learning_rate``, ``schedule``, ...) and one
 sub-block per registered optimizer (`optim.registry`) with its family keys, e.g.
-``optimizer.sgd.momentum`` (`family_defaults`). ``learning_rate`` and ``weight_decay`` left unset
+``optimizer.sgd.momentum`` (`optim.spec.config_defaults`). ``learning_rate`` and ``weight_decay`` left unset
 (None) take the spec's defaults.
 
 A wrapper (`optim.spec.WrapperSpec`: DiLoCo, Streaming DiLoCo, PowerSGD) names its inner optimizer
@@ -41,16 +41,6 @@ COMMON_KEYS = (
 )
 
 
-def family_defaults(name: str) -> dict[str, Any]:
-    """The family keys of optimizer ``name`` with their defaults (the keys of ``optimizer.<name>``).
-
-    A wrapper's block also names its inner optimizer, ``inner``.
-    """
-    cls = registry.spec_class(name)
-    inner = {"inner": cls.default_inner} if issubclass(cls, spec.WrapperSpec) else {}
-    return inner | spec.config_defaults(cls)
-
-
 def inner_name(config: Mapping[str, Any]) -> str | None:
     """The registered name of a wrapper's inner optimizer (None when ``config`` names no wrapper)."""
     name = config["name"]
@@ -76,7 +66,7 @@ def make_spec(
     name = config["name"]
     cls = registry.spec_class(name)
     family = dict(config.get(name, {}) or {})
-    keys = family_defaults(name)
+    keys = spec.config_defaults(cls)
     unknown = sorted(set(family) - set(keys))
     if unknown:
         raise ValueError(f"optimizer.{name} has no key(s) {', '.join(unknown)}; its keys: {', '.join(sorted(keys))}")

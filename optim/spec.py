@@ -12,7 +12,8 @@ spec instance builds its optax transform. From the class come
   alias and works under `optax.inject_hyperparams`, and an ``Args:`` section gathered from every class
   on the spec's MRO;
 - the family keys of its config block ``optimizer.<name>`` (`config_defaults`): every field but the
-  common keys (`COMMON_KEYS`) and the code-only fields (`code_only`: callables, schedules, label trees).
+  common keys (`COMMON_KEYS`) and the code-only fields (`code_only`: callables, schedules, label
+  trees), and a wrapper's ``inner``.
 
 A spec also *declares* what it needs and offers, as class attributes and methods whose defaults
 (on `Spec`) do nothing, so nothing needs to infer them from field names:
@@ -204,8 +205,9 @@ def values(obj: Any, cls: type) -> dict[str, Any]:
 
 
 def config_defaults(cls: type) -> dict[str, Any]:
-    """The family keys of ``cls`` with their defaults: fields that are neither common keys nor code-only."""
-    out = {}
+    """The family keys of ``cls`` with their defaults: fields that are neither common keys nor code-only,
+    and a wrapper's ``inner``, the registered name of its inner optimizer (``default_inner``)."""
+    out = {"inner": cls.default_inner} if issubclass(cls, WrapperSpec) else {}
     for f in dataclasses.fields(cls):
         if f.name in COMMON_KEYS or f.metadata.get("code_only"):
             continue

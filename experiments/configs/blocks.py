@@ -12,26 +12,24 @@ from ml_collections import config_dict
 
 
 def dataclass_block(
-    cls: type, *, only: Iterable[str] | None = None, placeholders: Iterable[str] = (), extra: Mapping[str, Any] | None = None
+    cls: type, defaults: Mapping[str, Any] | None = None, *, placeholders: Iterable[str] = ()
 ) -> ml_collections.ConfigDict:
-    """A config block with one key per field of the dataclass ``cls`` (those in ``only``), plus ``extra``.
+    """A config block for the dataclass ``cls``: one key per field, or per entry of ``defaults``.
 
-    A key takes its field's default, or is a placeholder of the field's type (None until set) when
-    it is in ``placeholders``: a value another source fills, e.g. a model preset.
+    A key takes its value in ``defaults`` (else its field's default), or is a placeholder of the
+    field's type (None until set) when it is in ``placeholders``: a value another source fills,
+    e.g. a model preset.
     """
     hints = typing.get_type_hints(cls)
-    names = None if only is None else set(only)
+    if defaults is None:
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     placeholders = set(placeholders)
     block = ml_collections.ConfigDict()
-    for f in dataclasses.fields(cls):
-        if names is not None and f.name not in names:
-            continue
-        if f.name in placeholders:
-            block[f.name] = config_dict.placeholder(hints[f.name])
-        elif f.default is dataclasses.MISSING:
-            raise TypeError(f"{cls.__name__}.{f.name} has no default; make it a placeholder")
+    for key, value in defaults.items():
+        if key in placeholders:
+            block[key] = config_dict.placeholder(hints[key])
+        elif value is dataclasses.MISSING:
+            raise TypeError(f"{cls.__name__}.{key} has no default; make it a placeholder")
         else:
-            block[f.name] = f.default
-    for key, value in (extra or {}).items():
-        block[key] = value
+            block[key] = value
     return block

@@ -27,8 +27,7 @@ def optimizer_config(name: str = "adamw", learning_rate: float | None = None) ->
     opt.state_bits = 0  # optimizer state in 8 or 4 bits; 0: fp32
     opt.state_kernel = "auto"  # quantized step: auto, xla, or pallas (the fused kernel; AdamW, Lion)
     for family, cls in sorted(registry.OPTIMIZERS.items()):
-        inner = {"inner": cls.default_inner} if issubclass(cls, spec.WrapperSpec) else {}
-        opt[family] = blocks.dataclass_block(cls, only=spec.config_defaults(cls), extra=inner)
+        opt[family] = blocks.dataclass_block(cls, spec.config_defaults(cls))
     return opt
 
 

@@ -31,7 +31,7 @@ from ml_collections import config_flags
 
 from experiments import checkpointing, hardware, host_memory, metrics_io, train_lib
 from lm import config as model_config_lib
-from lm import corpus, data, moe
+from lm import data, input_pipeline, moe
 from lm import model as model_lib
 from lm.loss import flops_per_token
 from optim import registry
@@ -63,8 +63,11 @@ class _Stop:
 
 
 def model_config(config: ml_collections.ConfigDict) -> model_config_lib.ModelConfig:
-    """The `ModelConfig` for ``config.model``: the preset plus every key that is set."""
+    """The `ModelConfig` for ``config.model``: the preset plus every key that is set (the vocabulary, when
+    unset, from the manifest of ``data.train_files`` if they have one)."""
     overrides = {k: v for k, v in config.model.items() if k != "preset" and v is not None}
+    if "vocab_size" not in overrides and (vocab_size := input_pipeline.manifest_vocab_size(config.data)) is not None:
+        overrides["vocab_size"] = vocab_size
     return model_config_lib.from_preset(config.model.preset, **overrides)
 
 
@@ -179,21 +182,14 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
     return RunSpec(cfg, model_def, tx, mesh, rules, shardings)
 
 
-def _load_data(config: ml_collections.ConfigDict) -> tuple[data.PackedBatches, list[np.ndarray]]:
-    """This process's training iterator and validation batches."""
+def _load_data(config: ml_collections.ConfigDict) -> tuple[data.PackedBatches, input_pipeline.ValidationSet]:
+    """This process's training iterator and validation batches (`lm.input_pipeline`)."""
     try:
-        streams = corpus.load(config.data.path, val_fraction=config.data.val_fraction, cache_dir=config.data.cache_dir or None)
-        p_index, p_count = jax.process_index(), jax.process_count()
-        train_iter = data.PackedBatches(
-            streams["train"], config.data.seq_len, config.batch_size, seed=config.seed, process_index=p_index, process_count=p_count
+        return input_pipeline.build(
+            config, model_config(config).vocab_size, process_index=jax.process_index(), process_count=jax.process_count()
         )
-        val = data.validation_batches(
-            streams["validation"], config.data.seq_len, config.batch_size, config.eval_batches,
-            process_index=p_index, process_count=p_count,
-        )  # fmt: skip
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from e
-    return train_iter, val
 
 
 def _evaluate(eval_step, params, batches, shardings) -> float:
@@ -312,6 +308,8 @@ def _loop(config, workdir, spec, train_iter, val_batches, step_fn, state, start,
                 if record_step == done and evaluating:
                     val_loss = _evaluate(eval_step, state["params"], val_batches, shardings)
                     record["val_loss"] = val_loss
+                    if (bits_per_byte := val_batches.bits_per_byte(val_loss)) is not None:
+                        record["val_bits_per_byte"] = bits_per_byte
                 last = record
                 if record_step % config.log_every == 0 or "val_loss" in record or record_step == config.steps:
                     writer.write(record)
@@ -347,6 +345,7 @@ def _summarize(config, workdir, spec, step_times, last, val_loss, start, lead) -
         "resumed_from_step": start,
         "final_train_loss": last.get("loss"),
         "final_val_loss": val_loss,
+        "final_val_bits_per_byte": last.get("val_bits_per_byte"),
         "tokens_per_second": tokens_per_second,
         "mfu": tokens_per_second * fpt / (peak.flops_per_second * spec.mesh.size),
         "mfu_peak_source": peak.source,

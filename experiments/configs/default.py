@@ -39,7 +39,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.model = ml_collections.ConfigDict()
     config.model.preset = "tiny"
     # Any ModelConfig field may be set here; None keeps the preset's value.
-    for size in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim"):
+    # vocab_size None: the manifest's (padded to a multiple of 128) with data.train_files, else the preset's.
+    for size in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim"):
         config.model[size] = config_dict.placeholder(int)
     config.model.dtype = "float32"  # compute dtype: float32 | bfloat16
     config.model.scan_layers = config_dict.placeholder(bool)  # None: the preset's (True except deepseek-v2-lite)
@@ -70,6 +71,12 @@ def get_config() -> ml_collections.ConfigDict:
     config.data.seq_len = 128
     config.data.val_fraction = 0.02
     config.data.cache_dir = ""  # empty: ~/.cache/spmdlab
+    # Pre-tokenized shards instead (llm.c .bin or .npy; globs, comma-separated): e.g. "data/x/train_*.bin".
+    config.data.train_files = ""
+    config.data.val_files = ""
+    config.data.val_tokens = 0  # fixed validation set of this many tokens (e.g. 10485760); 0: eval_batches batches
+    config.data.bos_aligned = False  # every sequence starts at a document start (a separator token)
+    config.data.separator_id = config_dict.placeholder(int)  # None: the manifest's (EOS for the byte corpus)
 
     config.loss = ml_collections.ConfigDict()
     config.loss.z_loss = 0.0

@@ -1,0 +1,120 @@
+"""The training input a ``config.data`` block describes: the stdlib / text corpus, or pre-tokenized shards.
+
+With ``data.train_files`` (and ``data.val_files``) set, the run reads llm.c ``.bin`` / ``.npy`` shards
+memory-mapped (`lm.shards`); a ``manifest.json`` beside them (written by ``experiments.tokenize``) gives
+the vocabulary, the document separator and the UTF-8 bytes per token of the validation split. Without
+them the run reads `lm.corpus` (byte-level). Either way the batches come from `lm.data.PackedBatches`.
+
+Validation is a fixed set: ``data.val_tokens`` tokens (0: ``eval_batches`` batches) of windows spread
+evenly over the validation split. Bits per byte, the axis on which runs of different tokenizers compare,
+is the mean loss in bits times the split's tokens over its UTF-8 bytes:
+
+    bpb = val_loss / ln 2 * tokens / bytes
+
+(for the byte-level corpus tokens / bytes is taken as 1).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import ml_collections
+import numpy as np
+
+from lm import corpus, data, documents, shards, tokenizer
+
+MANIFEST = "manifest.json"
+VOCAB_MULTIPLE = 128
+
+
+class ValidationSet(list):
+    """This process's rows of the fixed validation batches, and the tokens per UTF-8 byte of their text
+    (None when unknown: shards without a manifest)."""
+
+    def __init__(self, batches: list[np.ndarray], tokens_per_byte: float | None):
+        super().__init__(batches)
+        self.tokens_per_byte = tokens_per_byte
+
+    def bits_per_byte(self, val_loss: float) -> float | None:
+        """``val_loss`` (nats per token) in bits per UTF-8 byte."""
+        return None if self.tokens_per_byte is None else val_loss / math.log(2) * self.tokens_per_byte
+
+
+def read_manifest(files: list[Path]) -> dict | None:
+    """The ``manifest.json`` in the folder of the first of ``files``, if there is one."""
+    path = files[0].parent / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); rewrite it with experiments.tokenize or remove it") from e
+
+
+def padded(vocab_size: int) -> int:
+    """``vocab_size`` rounded up to a multiple of 128 (so the embedding splits over tensor-parallel axes)."""
+    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def manifest_vocab_size(data_config: ml_collections.ConfigDict) -> int | None:
+    """The model vocabulary the shards of ``data.train_files`` ask for: their manifest's, padded; None without one."""
+    if not data_config.get("train_files"):
+        return None
+    manifest = read_manifest(documents.expand(data_config.train_files, what="data.train_files"))
+    return None if manifest is None else padded(int(manifest["vocab_size"]))
+
+
+def _open(pattern: str, what: str, vocab_size: int) -> tuple[list[np.ndarray], dict | None]:
+    files = documents.expand(pattern, what=what)
+    streams = [shards.read(f) for f in files]
+    for f, tokens in zip(files, streams):
+        shards.check_vocab(tokens, f, vocab_size)
+    return streams, read_manifest(files)
+
+
+def _windows(streams: list[np.ndarray], seq_len: int, data_config, separator_id: int | None) -> data.Windows:
+    if not data_config.get("bos_aligned"):
+        return data.Windows(streams, seq_len)
+    if separator_id is None:
+        raise ValueError("data.bos_aligned needs the document separator: give data.separator_id or shards with a manifest.json")
+    return data.Windows(streams, seq_len, [data.document_starts(s, seq_len, separator_id) for s in streams])
+
+
+def build(
+    config: ml_collections.ConfigDict, vocab_size: int, *, process_index: int = 0, process_count: int = 1
+) -> tuple[data.PackedBatches, ValidationSet]:
+    """This process's training batches and validation set for ``config`` (its ``data`` block, ``seed``,
+    ``batch_size``, ``eval_batches``), checked against the model's ``vocab_size``.
+
+    Raises:
+      ValueError: an empty glob, a bad shard or manifest, a token id at or above ``vocab_size``, or too little data.
+    """
+    d = config.data
+    seq_len, batch = d.seq_len, config.batch_size
+    num_val = d.get("val_tokens", 0) // (batch * seq_len) if d.get("val_tokens", 0) else config.eval_batches
+    if d.get("val_tokens", 0) and num_val < 1:
+        raise ValueError(f"data.val_tokens={d.val_tokens} is less than one batch of {batch} x {seq_len} tokens")
+    if not d.get("train_files"):
+        if d.get("val_files"):
+            raise ValueError("data.val_files is set without data.train_files; give both (or neither, for data.path)")
+        streams = corpus.load(d.path, val_fraction=d.val_fraction, cache_dir=d.cache_dir or None)
+        train, val, manifest = [streams["train"]], [streams["validation"]], {"separator_id": tokenizer.EOS}
+        tokens_per_byte = 1.0
+    else:
+        if not d.get("val_files"):
+            raise ValueError("data.train_files needs data.val_files too (e.g. the val_*.bin shards beside them)")
+        train, manifest = _open(d.train_files, "data.train_files", vocab_size)
+        val, val_manifest = _open(d.val_files, "data.val_files", vocab_size)
+        split = (val_manifest or {}).get("splits", {}).get("val")
+        tokens_per_byte = split["tokens"] / split["bytes"] if split and split.get("bytes") else None
+    separator = d.get("separator_id")
+    separator = (manifest or {}).get("separator_id") if separator is None else separator
+    train_iter = data.PackedBatches(
+        _windows(train, seq_len, d, separator), seq_len, batch, seed=config.seed, process_index=process_index, process_count=process_count
+    )
+    validation = data.validation_batches(
+        data.Windows(val, seq_len), seq_len, batch, num_val, process_index=process_index, process_count=process_count
+    )
+    return train_iter, ValidationSet(validation, tokens_per_byte)

@@ -18,6 +18,7 @@ an interrupted or failed run leaves ``--out`` as it was.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -144,10 +145,14 @@ def tokenize(spec: str, files: list[Path], out: str | Path, *, val_fraction: flo
         total_bytes = sum(f.stat().st_size for f in files)
         from tqdm import tqdm
 
-        with multiprocessing.get_context("fork").Pool(workers, _init_worker, (spec,)) as pool, tqdm(
-            total=total_bytes, unit="B", unit_scale=True, desc="tokenize", disable=not sys.stderr.isatty()
-        ) as bar:
-            for encoded in pool.imap(_encode_batch, _batches(files, val_fraction)):
+        with contextlib.ExitStack() as stack:
+            bar = stack.enter_context(tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenize", disable=not sys.stderr.isatty()))
+            if workers == 1:  # in this process: no fork of a process that may run JAX
+                _init_worker(spec)
+                encode = map
+            else:
+                encode = stack.enter_context(multiprocessing.get_context("fork").Pool(workers, _init_worker, (spec,))).imap
+            for encoded in encode(_encode_batch, _batches(files, val_fraction)):
                 for split, tokens, nbytes in encoded:
                     writers[split].add(tokens, nbytes)
                     bar.update(nbytes)

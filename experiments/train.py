@@ -346,6 +346,7 @@ def _summarize(config, workdir, spec, step_times, last, val_loss, start, lead) -
         "final_train_loss": last.get("loss"),
         "final_val_loss": val_loss,
         "final_val_bits_per_byte": last.get("val_bits_per_byte"),
+        "data_token_share": input_pipeline.token_shares(config),
         "tokens_per_second": tokens_per_second,
         "mfu": tokens_per_second * fpt / (peak.flops_per_second * spec.mesh.size),
         "mfu_peak_source": peak.source,

@@ -81,6 +81,7 @@ class PackedBatches:
       process_index, process_count: this process's share is rows
         ``[process_index * local_batch, (process_index + 1) * local_batch)`` of each global batch.
       read_ahead: batches prepared ahead of the step in Grain worker threads (0: built on demand).
+      shuffle: False reads ``source`` in order (a mixture of already shuffled sources).
     """
 
     def __init__(
@@ -93,6 +94,7 @@ class PackedBatches:
         process_index: int = 0,
         process_count: int = 1,
         read_ahead: int = READ_AHEAD_BATCHES,
+        shuffle: bool = True,
     ):
         if global_batch % process_count:
             raise ValueError(f"batch_size={global_batch} must be divisible by the number of processes ({process_count})")
@@ -105,8 +107,7 @@ class PackedBatches:
         self.local_batch = global_batch // process_count
         self.seed = seed
         self.process_index = process_index
-        self.num_windows = len(source)
-        self.samples = source.shuffle(seed=seed % 2**32)
+        self.samples = source.shuffle(seed=seed % 2**32) if shuffle else source
         self.read_ahead = read_ahead
         self.step = 0
         self._iter = None

@@ -1,6 +1,6 @@
 """The training input a ``config.data`` block describes: the stdlib / text corpus, or pre-tokenized shards.
 
-With ``data.train_files`` (and ``data.val_files``) set, the run reads llm.c ``.bin`` / ``.npy`` shards
+With ``data.train_files`` or ``data.mixture`` (`lm.mixture`), and ``data.val_files``, set, the run reads llm.c ``.bin`` / ``.npy`` shards
 memory-mapped (`lm.shards`); a ``manifest.json`` beside them (written by ``experiments.tokenize``) gives
 the vocabulary, the document separator and the UTF-8 bytes per token of the validation split. Without
 them the run reads `lm.corpus` (byte-level). Either way the batches come from `lm.data.PackedBatches`.
@@ -20,10 +20,11 @@ import json
 import math
 from pathlib import Path
 
+import grain
 import ml_collections
 import numpy as np
 
-from lm import corpus, data, documents, shards, tokenizer
+from lm import corpus, data, documents, mixture, shards, tokenizer
 
 MANIFEST = "manifest.json"
 VOCAB_MULTIPLE = 128
@@ -58,12 +59,30 @@ def padded(vocab_size: int) -> int:
     return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
+def train_patterns(data_config: ml_collections.ConfigDict) -> list[tuple[str, float]]:
+    """The training shards' globs with their weights: ``data.mixture``'s, or ``data.train_files`` with weight 1."""
+    if data_config.get("mixture") and data_config.get("train_files"):
+        raise ValueError("data.mixture and data.train_files are both set; give one (a mixture names its own globs)")
+    if data_config.get("mixture"):
+        return mixture.parse(data_config.mixture)
+    return [(data_config.train_files, 1.0)] if data_config.get("train_files") else []
+
+
 def manifest_vocab_size(data_config: ml_collections.ConfigDict) -> int | None:
-    """The model vocabulary the shards of ``data.train_files`` ask for: their manifest's, padded; None without one."""
-    if not data_config.get("train_files"):
+    """The model vocabulary the training shards ask for: their manifests' largest, padded; None without one."""
+    what = "data.mixture" if data_config.get("mixture") else "data.train_files"
+    manifests = [read_manifest(documents.expand(p, what=what)) for p, _ in train_patterns(data_config)]
+    sizes = [int(m["vocab_size"]) for m in manifests if m is not None]
+    return padded(max(sizes)) if sizes else None
+
+
+def token_shares(config: ml_collections.ConfigDict) -> dict[str, float] | None:
+    """Each mixture source's share of the tokens of the run's ``steps`` batches (None without a mixture)."""
+    if not config.data.get("mixture"):
         return None
-    manifest = read_manifest(documents.expand(data_config.train_files, what="data.train_files"))
-    return None if manifest is None else padded(int(manifest["vocab_size"]))
+    patterns = mixture.parse(config.data.mixture)
+    counts = mixture.Schedule([w for _, w in patterns]).counts(config.steps * config.batch_size)
+    return {p: float(c / counts.sum()) for (p, _), c in zip(patterns, counts)}
 
 
 def _open(pattern: str, what: str, vocab_size: int) -> tuple[list[np.ndarray], dict | None]:
@@ -96,24 +115,32 @@ def build(
     num_val = d.get("val_tokens", 0) // (batch * seq_len) if d.get("val_tokens", 0) else config.eval_batches
     if d.get("val_tokens", 0) and num_val < 1:
         raise ValueError(f"data.val_tokens={d.val_tokens} is less than one batch of {batch} x {seq_len} tokens")
-    if not d.get("train_files"):
+    patterns = train_patterns(d)
+    if not patterns:
         if d.get("val_files"):
             raise ValueError("data.val_files is set without data.train_files; give both (or neither, for data.path)")
         streams = corpus.load(d.path, val_fraction=d.val_fraction, cache_dir=d.cache_dir or None)
-        train, val, manifest = [streams["train"]], [streams["validation"]], {"separator_id": tokenizer.EOS}
+        train, val, manifest = [[streams["train"]]], [streams["validation"]], {"separator_id": tokenizer.EOS}
         tokens_per_byte = 1.0
     else:
         if not d.get("val_files"):
-            raise ValueError("data.train_files needs data.val_files too (e.g. the val_*.bin shards beside them)")
-        train, manifest = _open(d.train_files, "data.train_files", vocab_size)
+            raise ValueError("training shards need data.val_files too (e.g. the val_*.bin shards beside them)")
+        what = "data.mixture" if d.get("mixture") else "data.train_files"
+        opened = [_open(p, what, vocab_size) for p, _ in patterns]
+        train, manifest = [streams for streams, _ in opened], opened[0][1]
         val, val_manifest = _open(d.val_files, "data.val_files", vocab_size)
         split = (val_manifest or {}).get("splits", {}).get("val")
         tokens_per_byte = split["tokens"] / split["bytes"] if split and split.get("bytes") else None
     separator = d.get("separator_id")
     separator = (manifest or {}).get("separator_id") if separator is None else separator
-    train_iter = data.PackedBatches(
-        _windows(train, seq_len, d, separator), seq_len, batch, seed=config.seed, process_index=process_index, process_count=process_count
-    )
+    sources = [_windows(streams, seq_len, d, separator) for streams in train]
+    shares = dict(seed=config.seed, process_index=process_index, process_count=process_count)
+    if d.get("mixture"):
+        shuffled = [grain.MapDataset.source(s).shuffle(seed=(config.seed + k) % 2**32) for k, s in enumerate(sources)]
+        mixed = grain.MapDataset.source(mixture.Mixture(shuffled, [w for _, w in patterns]))
+        train_iter = data.PackedBatches(mixed, seq_len, batch, shuffle=False, **shares)
+    else:
+        train_iter = data.PackedBatches(sources[0], seq_len, batch, **shares)
     validation = data.validation_batches(
         data.Windows(val, seq_len), seq_len, batch, num_val, process_index=process_index, process_count=process_count
     )

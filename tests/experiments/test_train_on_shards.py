@@ -88,7 +88,7 @@ def test_loader_resumes_onto_another_process_count(dataset):
     [
         ({"model.vocab_size": 256}, "shard .*train_000000.bin holds token id 257, outside the model's vocabulary of 256"),
         ({"data.train_files": "/no/such/*.bin"}, "data.train_files='/no/such/\\*.bin' matches no files"),
-        ({"data.val_files": ""}, "data.train_files needs data.val_files"),
+        ({"data.val_files": ""}, "training shards need data.val_files"),
         ({"data.val_tokens": 100}, "data.val_tokens=100 is less than one batch"),
     ],
 )
@@ -112,3 +112,13 @@ def test_fixed_validation_set_of_val_tokens(dataset):
     assert len(val) == 2 and val[0].shape == (8, 33)
     _, again = input_pipeline.build(config, 384)
     np.testing.assert_array_equal(val, again)
+
+
+def test_mixture_run_reports_each_sources_token_share(dataset, tmp_path):
+    tokenize.tokenize("bytes", [dataset / "manifest.json"], tmp_path / "other", val_fraction=0.0, shard_tokens=10**6, workers=1)
+    a, b = str(dataset / "train_*.bin"), str(tmp_path / "other" / "train_*.bin")
+    config = _config(dataset, **{"data.train_files": "", "data.mixture": f"{a}:0.75,{b}:0.25", "steps": 5})
+    summary = train.run(config, tmp_path / "run")
+    assert summary["data_token_share"] == {a: 0.75, b: 0.25}  # 40 samples: exact multiples of the 4-slot cycle
+    with pytest.raises(train.UsageError, match="data.mixture and data.train_files are both set"):
+        train.run(_config(dataset, **{"data.mixture": f"{a}:1"}), tmp_path / "both")

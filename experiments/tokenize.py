@@ -38,12 +38,16 @@ MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("tokenizer", "bytes", "'bytes' or a local tokenizer.json / SentencePiece .model / .tiktoken file.")
-flags.DEFINE_string("input", "", "Text / JSONL / Parquet files (a glob, comma-separated globs or a folder); empty: the stdlib corpus.")
-flags.DEFINE_string("out", None, "Output folder for train_*.bin, val_*.bin and manifest.json (must hold no manifest).")
-flags.DEFINE_float("val_fraction", 0.01, "Share of documents (by a hash of their text) written to val_*.bin.")
-flags.DEFINE_integer("shard_tokens", 100_000_000, "Tokens per shard (modded-nanogpt's FineWeb shards hold 10^8).")
-flags.DEFINE_integer("workers", 0, "Tokenizing processes; 0: one per CPU core.")
+
+
+def define_flags() -> None:
+    """The command-line flags (defined under ``__main__`` only: scripts share absl's flag registry)."""
+    flags.DEFINE_string("tokenizer", "bytes", "'bytes' or a local tokenizer.json / SentencePiece .model / .tiktoken file.")
+    flags.DEFINE_string("input", "", "Text / JSONL / Parquet files (a glob, comma-separated globs or a folder); empty: the stdlib corpus.")
+    flags.DEFINE_string("out", None, "Output folder for train_*.bin, val_*.bin and manifest.json (must hold no manifest).")
+    flags.DEFINE_float("val_fraction", 0.01, "Share of documents (by a hash of their text) written to val_*.bin.")
+    flags.DEFINE_integer("shard_tokens", 100_000_000, "Tokens per shard (modded-nanogpt's FineWeb shards hold 10^8).")
+    flags.DEFINE_integer("workers", 0, "Tokenizing processes; 0: one per CPU core.")
 
 _worker_tokenizer: tokenizer.Tokenizer | None = None
 
@@ -131,7 +135,7 @@ def tokenize(spec: str, files: list[Path], out: str | Path, *, val_fraction: flo
         raise ValueError(f"--shard_tokens={shard_tokens} must be positive")
     existing = [p.name for p in out.glob("*") if p.name == MANIFEST or p.name.startswith(tuple(f"{s}_" for s in SPLITS))]
     if existing:
-        raise ValueError(f"--out={out} already holds {sorted(existing)[0]}; choose another folder or delete the old shards")
+        raise ValueError(f"--out={out} already holds {min(existing)}; choose another folder or delete the old shards")
     tok = tokenizer.load(spec)
     if tok.separator_id is None:
         raise ValueError(f"tokenizer {spec} has no end-of-text or BOS token to separate documents")
@@ -199,4 +203,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main, flags_parser=train.parse_flags)

@@ -23,10 +23,14 @@ from lm import documents, tokenizer
 MIN_VOCAB = 256 + 1  # every byte, plus the separator
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("vocab_size", 8192, "Vocabulary size, the separator included.")
-flags.DEFINE_string("out", None, "Output folder; receives tokenizer.json.")
-flags.DEFINE_string("input", "", "Text / JSONL / Parquet files (glob, comma-separated globs or a folder); empty: the stdlib corpus.")
-flags.DEFINE_integer("max_bytes", 40_000_000, "Train on at most this many bytes of text (the first documents in path order).")
+
+
+def define_flags() -> None:
+    """The command-line flags (defined under ``__main__`` only: scripts share absl's flag registry)."""
+    flags.DEFINE_integer("vocab_size", 8192, "Vocabulary size, the separator included.")
+    flags.DEFINE_string("out", None, "Output folder; receives tokenizer.json.")
+    flags.DEFINE_string("input", "", "Text / JSONL / Parquet files (glob, comma-separated globs or a folder); empty: the stdlib corpus.")
+    flags.DEFINE_integer("max_bytes", 40_000_000, "Train on at most this many bytes of text (the first documents in path order).")
 
 
 def _budgeted(texts: Iterable[str], max_bytes: int) -> Iterator[str]:
@@ -82,4 +86,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main, flags_parser=train.parse_flags)

@@ -57,7 +57,7 @@ def _parquet(path: Path) -> Iterator[str]:
         raise DocumentError(f"reading {path} needs pyarrow: pip install -e '.[data]'") from e
     try:
         table = pq.ParquetFile(path)
-    except Exception as e:  # noqa: BLE001 (pyarrow raises ArrowInvalid and OSError subclasses)
+    except Exception as e:  # pyarrow raises ArrowInvalid and OSError subclasses
         raise DocumentError(f"{path} is not a Parquet file ({' '.join(str(e).split())[:160]})") from e
     if TEXT_FIELD not in table.schema_arrow.names:
         raise DocumentError(f"{path} has no {TEXT_FIELD!r} column (columns: {table.schema_arrow.names})")

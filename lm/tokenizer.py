@@ -122,7 +122,7 @@ def _huggingface(path: Path, fingerprint: str) -> Tokenizer:
     tokenizers = _import("tokenizers", path)
     try:
         tok = tokenizers.Tokenizer.from_file(str(path))
-    except Exception as e:  # noqa: BLE001 (the Rust library raises a bare Exception for bad JSON)
+    except Exception as e:  # the Rust library raises a bare Exception for bad JSON
         raise TokenizerError(f"{path} is not a Hugging Face tokenizer.json ({' '.join(str(e).split())[:160]})") from e
     return Tokenizer(
         name=str(path),

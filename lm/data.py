@@ -82,6 +82,7 @@ class PackedBatches:
         ``[process_index * local_batch, (process_index + 1) * local_batch)`` of each global batch.
       read_ahead: batches prepared ahead of the step in Grain worker threads (0: built on demand).
       shuffle: False reads ``source`` in order (a mixture of already shuffled sources).
+      name: what the source is (files, windowing), saved with the state so a resume on other data is refused.
     """
 
     def __init__(
@@ -95,6 +96,7 @@ class PackedBatches:
         process_count: int = 1,
         read_ahead: int = READ_AHEAD_BATCHES,
         shuffle: bool = True,
+        name: str = "",
     ):
         if global_batch % process_count:
             raise ValueError(f"batch_size={global_batch} must be divisible by the number of processes ({process_count})")
@@ -109,6 +111,7 @@ class PackedBatches:
         self.process_index = process_index
         self.samples = source.shuffle(seed=seed % 2**32) if shuffle else source
         self.read_ahead = read_ahead
+        self.name = name
         self.step = 0
         self._iter = None
 
@@ -133,11 +136,11 @@ class PackedBatches:
         return batch
 
     def get_state(self) -> dict:
-        return {"step": self.step, "seed": self.seed, "seq_len": self.seq_len, "global_batch": self.global_batch}
+        return {"step": self.step, "seed": self.seed, "seq_len": self.seq_len, "global_batch": self.global_batch, "name": self.name}
 
     def set_state(self, state: dict) -> None:
-        for key in ("seed", "seq_len", "global_batch"):
-            if state[key] != getattr(self, key):
+        for key in ("seed", "seq_len", "global_batch", "name"):
+            if state.get(key, getattr(self, key)) != getattr(self, key):  # checkpoints before "name" lack it
                 raise ValueError(
                     f"checkpointed data state has {key}={state[key]} but this run has {getattr(self, key)}; "
                     "resume with the original data settings or use a fresh workdir"

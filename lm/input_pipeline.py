@@ -134,7 +134,8 @@ def build(
     separator = d.get("separator_id")
     separator = (manifest or {}).get("separator_id") if separator is None else separator
     sources = [_windows(streams, seq_len, d, separator) for streams in train]
-    shares = {"seed": config.seed, "process_index": process_index, "process_count": process_count}
+    name = f"mixture={d.get('mixture', '')} train_files={d.get('train_files', '')} path={d.path} bos_aligned={bool(d.get('bos_aligned'))}"
+    shares = {"seed": config.seed, "process_index": process_index, "process_count": process_count, "name": name}
     if d.get("mixture"):
         shuffled = [grain.MapDataset.source(s).shuffle(seed=(config.seed + k) % 2**32) for k, s in enumerate(sources)]
         mixed = grain.MapDataset.source(mixture.Mixture(shuffled, [w for _, w in patterns]))

@@ -122,3 +122,9 @@ def test_mixture_run_reports_each_sources_token_share(dataset, tmp_path):
     assert summary["data_token_share"] == {a: 0.75, b: 0.25}  # 40 samples: exact multiples of the 4-slot cycle
     with pytest.raises(train.UsageError, match="data.mixture and data.train_files are both set"):
         train.run(_config(dataset, **{"data.mixture": f"{a}:1"}), tmp_path / "both")
+
+
+def test_resume_on_other_training_data_is_refused(dataset, tmp_path):
+    train.run(_config(dataset), tmp_path, interrupt_at=2)
+    with pytest.raises(train.UsageError, match="checkpointed data state has name=.*bos_aligned=False but this run has .*bos_aligned=True"):
+        train.run(_config(dataset, **{"data.bos_aligned": True}), tmp_path)

@@ -150,9 +150,18 @@ class PackedBatches:
 
 
 def validation_batches(
-    source: Windows | np.ndarray, seq_len: int, batch_size: int, num_batches: int, *, process_index: int = 0, process_count: int = 1
+    source: Windows | np.ndarray,
+    seq_len: int,
+    batch_size: int,
+    num_batches: int,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+    leading: bool = False,
 ) -> list[np.ndarray]:
-    """A fixed held-out set: ``num_batches`` batches of windows spread evenly over the validation split.
+    """A fixed held-out set: ``num_batches`` batches of windows spread evenly over the validation split,
+    or with ``leading`` its first windows in order (the same leading tokens for any batch size, as
+    modded-nanogpt's fixed validation tokens).
 
     When the split holds fewer windows than requested, the number of batches shrinks to fit.
 
@@ -166,6 +175,7 @@ def validation_batches(
             f"the validation split has {len(windows)} windows of {seq_len + 1} tokens, too few for one batch of "
             f"{batch_size}; raise data.val_fraction, use more validation data, or lower batch_size / data.seq_len"
         )
-    picks = np.linspace(0, len(windows) - 1, num_batches * batch_size).astype(np.int64).reshape(num_batches, batch_size)
+    count = num_batches * batch_size
+    picks = (np.arange(count) if leading else np.linspace(0, len(windows) - 1, count).astype(np.int64)).reshape(num_batches, batch_size)
     local = batch_size // process_count
     return [np.stack([windows[int(w)] for w in row[process_index * local : (process_index + 1) * local]]) for row in picks]

@@ -5,8 +5,8 @@ memory-mapped (`lm.shards`); a ``manifest.json`` beside them (written by ``exper
 the vocabulary, the document separator and the UTF-8 bytes per token of the validation split. Without
 them the run reads `lm.corpus` (byte-level). Either way the batches come from `lm.data.PackedBatches`.
 
-Validation is a fixed set: ``data.val_tokens`` tokens (0: ``eval_batches`` batches) of windows spread
-evenly over the validation split. Bits per byte, the axis on which runs of different tokenizers compare,
+Validation is a fixed set: the first ``data.val_tokens`` tokens of the validation split (rounded down
+to whole batches), or with ``val_tokens`` 0, ``eval_batches`` batches of windows spread evenly over it. Bits per byte, the axis on which runs of different tokenizers compare,
 is the mean loss in bits times the split's tokens over its UTF-8 bytes:
 
     bpb = val_loss / ln 2 * tokens / bytes
@@ -89,7 +89,7 @@ def _open(pattern: str, what: str, vocab_size: int) -> tuple[list[np.ndarray], d
     files = documents.expand(pattern, what=what)
     streams = [shards.read(f) for f in files]
     for f, tokens in zip(files, streams):
-        shards.check_vocab(tokens, f, vocab_size)
+        shards.check_vocab(tokens, f"shard {f}", vocab_size)
     return streams, read_manifest(files)
 
 
@@ -120,6 +120,8 @@ def build(
         if d.get("val_files"):
             raise ValueError("data.val_files is set without data.train_files; give both (or neither, for data.path)")
         streams = corpus.load(d.path, val_fraction=d.val_fraction, cache_dir=d.cache_dir or None)
+        for split, tokens in streams.items():
+            shards.check_vocab(tokens, f"the byte-level corpus' {split} split", vocab_size)
         train, val, manifest = [[streams["train"]]], [streams["validation"]], {"separator_id": tokenizer.EOS}
         tokens_per_byte = 1.0
     else:
@@ -143,6 +145,7 @@ def build(
     else:
         train_iter = data.PackedBatches(sources[0], seq_len, batch, **shares)
     validation = data.validation_batches(
-        data.Windows(val, seq_len), seq_len, batch, num_val, process_index=process_index, process_count=process_count
-    )
+        data.Windows(val, seq_len), seq_len, batch, num_val,
+        process_index=process_index, process_count=process_count, leading=bool(d.get("val_tokens")),
+    )  # fmt: skip
     return train_iter, ValidationSet(validation, tokens_per_byte)

@@ -97,13 +97,14 @@ def read(path: str | os.PathLike) -> np.ndarray:
     raise ShardError(f"shard {path} is neither an llm.c .bin file nor a .npy token array")
 
 
-def check_vocab(tokens: np.ndarray, path: str | os.PathLike, vocab_size: int) -> None:
-    """Raises `ShardError` naming ``path`` when a token id is negative or at least ``vocab_size``."""
+def check_vocab(tokens: np.ndarray, name: str, vocab_size: int) -> None:
+    """Raises `ShardError` naming the tokens (``name``, e.g. ``"shard data/train_000000.bin"``) when an id
+    is negative or at least ``vocab_size``."""
     if tokens.size == 0:
         return
     low, high = int(tokens.min()), int(tokens.max())
     if low < 0 or high >= vocab_size:
         raise ShardError(
-            f"shard {path} holds token id {high if high >= vocab_size else low}, outside the model's vocabulary of "
+            f"{name} holds token id {high if high >= vocab_size else low}, outside the model's vocabulary of "
             f"{vocab_size}; set --config.model.vocab_size to at least {high + 1} or use shards of a matching tokenizer"
         )

@@ -106,12 +106,13 @@ def test_corrupt_shard_is_a_usage_error_naming_it(dataset, tmp_path):
         train.run(_config(dataset, **{"data.train_files": str(broken / "*.bin")}), tmp_path / "run")
 
 
-def test_fixed_validation_set_of_val_tokens(dataset):
-    config = _config(dataset, **{"data.val_tokens": 2 * 8 * 32 + 5})
-    _, val = input_pipeline.build(config, 384)
+def test_fixed_validation_set_is_the_leading_val_tokens_for_any_batch_size(dataset):
+    _, val = input_pipeline.build(_config(dataset, **{"data.val_tokens": 2 * 8 * 32 + 5}), 384)
     assert len(val) == 2 and val[0].shape == (8, 33)
-    _, again = input_pipeline.build(config, 384)
-    np.testing.assert_array_equal(val, again)
+    stream = shards.read(dataset / "val_000000.bin")
+    np.testing.assert_array_equal(np.concatenate(val)[:, :-1].reshape(-1), stream[: 2 * 8 * 32])
+    _, halves = input_pipeline.build(_config(dataset, **{"data.val_tokens": 2 * 8 * 32, "batch_size": 4}), 384)
+    np.testing.assert_array_equal(np.concatenate(halves), np.concatenate(val))
 
 
 def test_mixture_run_reports_each_sources_token_share(dataset, tmp_path):
@@ -128,3 +129,10 @@ def test_resume_on_other_training_data_is_refused(dataset, tmp_path):
     train.run(_config(dataset), tmp_path, interrupt_at=2)
     with pytest.raises(train.UsageError, match="checkpointed data state has name=.*bos_aligned=False but this run has .*bos_aligned=True"):
         train.run(_config(dataset, **{"data.bos_aligned": True}), tmp_path)
+
+
+def test_byte_corpus_above_the_models_vocabulary_is_a_usage_error(tmp_path):
+    config = default.get_config()
+    config.model.vocab_size = 200
+    with pytest.raises(train.UsageError, match="byte-level corpus' train split holds token id 257, outside the model's vocabulary of 200"):
+        train.run(config, tmp_path)

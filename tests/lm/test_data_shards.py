@@ -61,8 +61,8 @@ def test_bad_shards_are_one_line_naming_the_file(tmp_path):
     with pytest.raises(shards.ShardError, match="2d.npy .*1-D integers"):
         shards.read(tmp_path / "2d.npy")
     with pytest.raises(shards.ShardError, match="ok.bin holds token id 99, outside the model's vocabulary of 64"):
-        shards.check_vocab(shards.read(tmp_path / "ok.bin"), tmp_path / "ok.bin", 64)
-    shards.check_vocab(shards.read(tmp_path / "ok.bin"), tmp_path / "ok.bin", 100)
+        shards.check_vocab(shards.read(tmp_path / "ok.bin"), f"shard {tmp_path / 'ok.bin'}", 64)
+    shards.check_vocab(shards.read(tmp_path / "ok.bin"), "ok.bin", 100)
 
 
 DOCS = [f"document {i}: " + "word " * (i % 7 + 1) + "ünï ✓" for i in range(60)]

@@ -85,6 +85,32 @@ def token_shares(config: ml_collections.ConfigDict) -> dict[str, float] | None:
     return {p: float(c / counts.sum()) for (p, _), c in zip(patterns, counts)}
 
 
+def separator_id(data_config: ml_collections.ConfigDict) -> int | None:
+    """The token that opens (or closes) documents: ``data.separator_id``, else the training shards' manifest's,
+    else EOS for the byte-level corpus; None for shards without a manifest."""
+    if data_config.get("separator_id") is not None:
+        return data_config.separator_id
+    patterns = train_patterns(data_config)
+    if not patterns:
+        return tokenizer.EOS
+    manifest = read_manifest(documents.expand(patterns[0][0], what="data.mixture" if data_config.get("mixture") else "data.train_files"))
+    return None if manifest is None else manifest.get("separator_id")
+
+
+def document_separator(data_config: ml_collections.ConfigDict) -> int | None:
+    """The model's ``document_separator``: `separator_id` with ``data.document_mask``, else None.
+
+    Raises:
+      ValueError: ``data.document_mask`` is set and the separator is unknown.
+    """
+    if not data_config.get("document_mask"):
+        return None
+    separator = separator_id(data_config)
+    if separator is None:
+        raise ValueError("data.document_mask needs the document separator: give data.separator_id or shards with a manifest.json")
+    return separator
+
+
 def _open(pattern: str, what: str, vocab_size: int) -> tuple[list[np.ndarray], dict | None]:
     files = documents.expand(pattern, what=what)
     streams = [shards.read(f) for f in files]
@@ -122,20 +148,18 @@ def build(
         streams = corpus.load(d.path, val_fraction=d.val_fraction, cache_dir=d.cache_dir or None)
         for split, tokens in streams.items():
             shards.check_vocab(tokens, f"the byte-level corpus' {split} split", vocab_size)
-        train, val, manifest = [[streams["train"]]], [streams["validation"]], {"separator_id": tokenizer.EOS}
+        train, val = [[streams["train"]]], [streams["validation"]]
         tokens_per_byte = 1.0
     else:
         if not d.get("val_files"):
             raise ValueError("training shards need data.val_files too (e.g. the val_*.bin shards beside them)")
         what = "data.mixture" if d.get("mixture") else "data.train_files"
         opened = [_open(p, what, vocab_size) for p, _ in patterns]
-        train, manifest = [streams for streams, _ in opened], opened[0][1]
+        train = [streams for streams, _ in opened]
         val, val_manifest = _open(d.val_files, "data.val_files", vocab_size)
         split = (val_manifest or {}).get("splits", {}).get("val")
         tokens_per_byte = split["tokens"] / split["bytes"] if split and split.get("bytes") else None
-    separator = d.get("separator_id")
-    separator = (manifest or {}).get("separator_id") if separator is None else separator
-    sources = [_windows(streams, seq_len, d, separator) for streams in train]
+    sources = [_windows(streams, seq_len, d, separator_id(d) if d.get("bos_aligned") else None) for streams in train]
     name = f"mixture={d.get('mixture', '')} train_files={d.get('train_files', '')} path={d.path} bos_aligned={bool(d.get('bos_aligned'))}"
     shares = {"seed": config.seed, "process_index": process_index, "process_count": process_count, "name": name}
     if d.get("mixture"):

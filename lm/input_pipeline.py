@@ -1,13 +1,15 @@
 """The training input a ``config.data`` block describes: the stdlib / text corpus, or pre-tokenized shards.
 
-With ``data.train_files`` or ``data.mixture`` (`lm.mixture`), and ``data.val_files``, set, the run reads llm.c ``.bin`` / ``.npy`` shards
-memory-mapped (`lm.shards`); a ``manifest.json`` beside them (written by ``experiments.tokenize``) gives
-the vocabulary, the document separator and the UTF-8 bytes per token of the validation split. Without
-them the run reads `lm.corpus` (byte-level). Either way the batches come from `lm.data.PackedBatches`.
+With ``data.train_files`` or ``data.mixture`` (`lm.mixture`), and ``data.val_files``, the run reads
+llm.c ``.bin`` / ``.npy`` shards memory-mapped (`lm.shards`); a ``manifest.json`` beside them (written
+by ``experiments.tokenize``) gives the vocabulary, the document separator and the tokens and UTF-8
+bytes of the validation split. Without them the run reads `lm.corpus` (byte-level). Either way the
+batches come from `lm.data.PackedBatches`.
 
 Validation is a fixed set: the first ``data.val_tokens`` tokens of the validation split (rounded down
-to whole batches), or with ``val_tokens`` 0, ``eval_batches`` batches of windows spread evenly over it. Bits per byte, the axis on which runs of different tokenizers compare,
-is the mean loss in bits times the split's tokens over its UTF-8 bytes:
+to whole batches), or with ``val_tokens`` 0, ``eval_batches`` batches of windows spread evenly over
+it. Bits per byte, the axis on which runs of different tokenizers compare, is the mean loss in bits
+times the split's tokens (one separator per document included) over its UTF-8 bytes:
 
     bpb = val_loss / ln 2 * tokens / bytes
 

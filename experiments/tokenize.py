@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 from absl import app, flags
+from tqdm import tqdm
 
 from experiments import train
 from lm import documents, shards, tokenizer
@@ -141,14 +142,12 @@ def tokenize(spec: str, files: list[Path], out: str | Path, *, val_fraction: flo
         raise ValueError(f"tokenizer {spec} has no end-of-text or BOS token to separate documents")
     version = shards.version_for(tok.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
-    staging = Path(out) / f".partial-{os.getpid()}"
+    staging = out / f".partial-{os.getpid()}"
     staging.mkdir()
     try:
         writers = {split: _SplitWriter(staging, split, shard_tokens, version) for split in SPLITS}
         workers = workers or os.cpu_count() or 1
         total_bytes = sum(f.stat().st_size for f in files)
-        from tqdm import tqdm
-
         with contextlib.ExitStack() as stack:
             bar = stack.enter_context(tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenize", disable=not sys.stderr.isatty()))
             if workers == 1:  # in this process: no fork of a process that may run JAX

@@ -48,7 +48,10 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
         sys.exit(1)
     if summary.get("interrupted"):
         sys.exit(128 + summary["signal"])
-    keys = ("steps", "final_train_loss", "final_val_loss", "tokens_per_second", "mfu", "mfu_peak_source", "mfu_measured_matmul")
+    keys = (
+        "steps", "final_train_loss", "final_val_loss", "final_val_bits_per_byte", "tokens_per_second",
+        "mfu", "mfu_peak_source", "mfu_measured_matmul",
+    )  # fmt: skip
     print(json.dumps({k: summary[k] for k in keys}))
     print(f"workdir: {workdir}")
 

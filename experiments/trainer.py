@@ -22,7 +22,7 @@ import numpy as np
 from experiments import checkpointing, hardware, metrics_io, train_lib
 from experiments.cli import UsageError
 from experiments.run_spec import RunSpec, balancing, build_run, run_meta
-from lm import corpus, data
+from lm import data, input_pipeline
 from lm.loss import flops_per_token
 from lm.model import count_params
 from optim import build
@@ -46,6 +46,7 @@ class LoopSettings:
     eval_every: int
     log_every: int
     max_bad_steps: int
+    token_shares: dict[str, float] | None = None  # a mixture's share of tokens per source over the run
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> LoopSettings:
@@ -56,6 +57,7 @@ class LoopSettings:
             eval_every=config.eval_every,
             log_every=config.log_every,
             max_bad_steps=config.max_bad_steps,
+            token_shares=input_pipeline.token_shares(config),
         )
 
     @property
@@ -81,22 +83,12 @@ class _Checkpoints:
     meta: dict
 
 
-def load_data(
-    data_config: ml_collections.ConfigDict, *, batch_size: int, seed: int, eval_batches: int
-) -> tuple[data.PackedBatches, list[np.ndarray]]:
-    """This process's training iterator and validation batches, from the ``data`` block of a config."""
+def load_data(config: ml_collections.ConfigDict, vocab_size: int) -> tuple[data.PackedBatches, input_pipeline.ValidationSet]:
+    """This process's training iterator and validation batches (`lm.input_pipeline`), for a model of ``vocab_size``."""
     try:
-        streams = corpus.load(data_config.path, val_fraction=data_config.val_fraction, cache_dir=data_config.cache_dir or None)
-        p_index, p_count = jax.process_index(), jax.process_count()
-        train_iter = data.PackedBatches(
-            streams["train"], data_config.seq_len, batch_size, seed=seed, process_index=p_index, process_count=p_count
-        )
-        val = data.validation_batches(
-            streams["validation"], data_config.seq_len, batch_size, eval_batches, process_index=p_index, process_count=p_count
-        )
+        return input_pipeline.build(config, vocab_size, process_index=jax.process_index(), process_count=jax.process_count())
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from e
-    return train_iter, val
 
 
 def _evaluate(eval_step, params, batches, shardings) -> float:
@@ -120,7 +112,7 @@ def run(
     """
     workdir = Path(workdir)
     spec = build_run(config)
-    train_iter, val_batches = load_data(config.data, batch_size=config.batch_size, seed=config.seed, eval_batches=config.eval_batches)
+    train_iter, val_batches = load_data(config, spec.cfg.vocab_size)
     workdir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
@@ -178,7 +170,7 @@ def _loop(
     state: train_lib.TrainState,
     start: int,
     *,
-    batches: tuple[data.PackedBatches, list[np.ndarray]],
+    batches: tuple[data.PackedBatches, input_pipeline.ValidationSet],
     workdir: Path,
     checkpoints: _Checkpoints,
     stop: _Stop,
@@ -227,6 +219,8 @@ def _loop(
                 if record_step == done and evaluating:
                     val_loss = _evaluate(eval_step, state["params"], val_batches, shardings)
                     record["val_loss"] = val_loss
+                    if (bits_per_byte := val_batches.bits_per_byte(val_loss)) is not None:
+                        record["val_bits_per_byte"] = bits_per_byte
                 last = record
                 if record_step % settings.log_every == 0 or "val_loss" in record or record_step == settings.steps:
                     writer.write(record)
@@ -262,6 +256,8 @@ def _summarize(settings: LoopSettings, spec: RunSpec, workdir: Path, step_times,
         "resumed_from_step": start,
         "final_train_loss": last.get("loss"),
         "final_val_loss": val_loss,
+        "final_val_bits_per_byte": last.get("val_bits_per_byte"),
+        "data_token_share": settings.token_shares,
         "tokens_per_second": tokens_per_second,
         "mfu": tokens_per_second * fpt / (peak.flops_per_second * spec.mesh.size),
         "mfu_peak_source": peak.source,

@@ -76,15 +76,18 @@ def choose(
     return ("cudnn", None) if reason is None else ("pallas", reason)
 
 
-def _pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, track_max_logits: bool, platform: str):
+def _pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, track_max_logits: bool, platform: str, segment_ids=None):
     if partition.logical_mesh_axes("heads") != partition.logical_mesh_axes("kv_heads"):
         raise ValueError(
             "model.attention=pallas needs heads and kv_heads sharded alike (query head h reads kv head h // group "
             "on each shard); give both logical axes the same rule"
         )
 
-    def kernel(q, k, v):
-        out = flash_api.flash_attention(q, k, v, causal=True, return_max_logits=track_max_logits, interpret=platform == "cpu")
+    def kernel(q, k, v, *segments):
+        out = flash_api.flash_attention(
+            q, k, v, causal=True, segment_ids=segments[0] if segments else None,
+            return_max_logits=track_max_logits, interpret=platform == "cpu",
+        )  # fmt: skip
         if not track_max_logits:
             return out
         out, max_logits = out
@@ -92,12 +95,13 @@ def _pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, track_max_logits: bool,
         return out, jax.lax.pmax(jax.lax.stop_gradient(max_logits), batch_axes) if batch_axes else max_logits
 
     out_logical = (_Q, ("heads",)) if track_max_logits else _Q
-    result = partition.logical_shard_map(kernel, [_Q, _KV, _KV], out_logical, whole=("seq",))(q, k, v)
+    args, specs = ((q, k, v), [_Q, _KV, _KV]) if segment_ids is None else ((q, k, v, segment_ids), [_Q, _KV, _KV, ("batch", "seq")])
+    result = partition.logical_shard_map(kernel, specs, out_logical, whole=("seq",))(*args)
     return result if track_max_logits else (result, None)
 
 
 def attend(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "xla", track_max_logits: bool = False
+    q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "xla", track_max_logits: bool = False, segment_ids=None
 ):
     """Causal softmax attention, logits and softmax statistics in float32.
 
@@ -106,6 +110,7 @@ def attend(
       implementation: ``auto``, ``xla``, ``cudnn`` or ``pallas`` (see the module docstring).
       track_max_logits: also return the maximum pre-softmax logit of each query head over the
         batch and the causal (query, key) pairs, shape ``(n_heads,)``.
+      segment_ids: ``(batch, seq)`` int or None; a query sees only keys of its own segment (document).
 
     Returns:
       ``(out, max_logits)``: out ``(batch, seq, n_heads, head_dim)`` in q's dtype; max_logits is
@@ -121,15 +126,16 @@ def attend(
         _LOGGED.add(reason)
         _log.info("model.attention=auto chose %s: %s", chosen, reason)
     if chosen == "pallas":
-        return _pallas(q, k, v, track_max_logits=track_max_logits, platform=platform)
+        return _pallas(q, k, v, track_max_logits=track_max_logits, platform=platform, segment_ids=segment_ids)
     if chosen == "cudnn":
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-        return out, reference.max_logits(q, k, causal=True) if track_max_logits else None
+        same = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+        out = jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True, implementation="cudnn")
+        return out, reference.max_logits(q, k, causal=True, segment_ids=segment_ids) if track_max_logits else None
     if chosen != "xla":
         raise ValueError(f"unknown attention implementation {implementation!r}; use one of auto, xla, cudnn, pallas")
     if track_max_logits:
-        return reference.attention(q, k, v, causal=True, return_max_logits=True)
-    return reference.attention(q, k, v, causal=True), None
+        return reference.attention(q, k, v, causal=True, segment_ids=segment_ids, return_max_logits=True)
+    return reference.attention(q, k, v, causal=True, segment_ids=segment_ids), None
 
 
 class Attention(nnx.Module):
@@ -157,11 +163,13 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return rotary_embedding(q, positions, cfg.rope_theta), rotary_embedding(k, positions, cfg.rope_theta), v
 
-    def __call__(self, x: jax.Array):
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None):
         cfg = self.cfg
         q, k, v = self._qkv(x, jnp.arange(x.shape[1]))
         q, k, v = checkpoint_name(q, remat.ATTN_Q), checkpoint_name(k, remat.ATTN_K), checkpoint_name(v, remat.ATTN_V)
-        out, max_logits = attend(q, k, v, implementation=cfg.attention, track_max_logits=cfg.track_attn_logits)
+        out, max_logits = attend(
+            q, k, v, implementation=cfg.attention, track_max_logits=cfg.track_attn_logits, segment_ids=segment_ids
+        )
         out = checkpoint_name(out, remat.ATTN_CONTEXT)
         b, s = x.shape[:2]
         return self.o_proj(out.reshape(b, s, -1)), max_logits

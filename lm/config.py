@@ -37,6 +37,7 @@ class ModelConfig:
     remat: str = "none"  # what the backward pass recomputes, a policy in lm/remat.py (true: "full")
     track_attn_logits: bool = False  # report per-layer, per-head max pre-softmax logits
     attention: str = "auto"  # auto | xla | cudnn | pallas (lm/attention.py)
+    document_separator: int | None = None  # token opening a document: attention stays inside documents
     # Mixture of experts (lm/moe.py); n_experts = 0: every block has a dense SwiGLU.
     n_experts: int = 0
     experts_per_token: int = 2
@@ -67,6 +68,8 @@ class ModelConfig:
                 f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads} "
                 "(grouped-query attention shares each kv head among n_heads / n_kv_heads query heads)"
             )
+        if self.document_separator is not None and not 0 <= self.document_separator < self.vocab_size:
+            problems.append(f"the document separator id {self.document_separator} lies outside model.vocab_size={self.vocab_size}")
         if self.scan_unroll < 1:
             problems.append(f"model.scan_unroll={self.scan_unroll} must be >= 1")
         if self.head_dim % 2:

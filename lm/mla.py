@@ -71,7 +71,7 @@ class MultiHeadLatentAttention(nnx.Module):
         k_rope = rotary_embedding(self.k_rope_proj(x)[:, :, None, :], positions, self.cfg.rope_theta)[:, :, 0]
         return latent, k_rope
 
-    def __call__(self, x: jax.Array):
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None):
         """``(out, max_logits)`` for ``x`` ``(batch, seq, d_model)``, with materialised keys and values."""
         cfg = self.cfg
         b, s = x.shape[:2]
@@ -84,7 +84,9 @@ class MultiHeadLatentAttention(nnx.Module):
         k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (b, s, cfg.n_heads, cfg.rope_head_dim))
         k = constrain(jnp.concatenate([k_nope, k_rope], axis=-1), _HEADS)
         q, k, v = checkpoint_name(q, remat.ATTN_Q), checkpoint_name(k, remat.ATTN_K), checkpoint_name(v, remat.ATTN_V)
-        out, max_logits = attend(q, k, v, implementation=cfg.attention, track_max_logits=cfg.track_attn_logits)
+        out, max_logits = attend(
+            q, k, v, implementation=cfg.attention, track_max_logits=cfg.track_attn_logits, segment_ids=segment_ids
+        )
         out = checkpoint_name(out, remat.ATTN_CONTEXT)
         return self.o_proj(out.reshape(b, s, -1)), max_logits
 

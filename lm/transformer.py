@@ -39,9 +39,9 @@ class Block(nnx.Module):
         else:
             self.mlp = SwiGLU(cfg.d_model, cfg.mlp_dim, out_scale=(2 * cfg.n_layers) ** -0.5, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array):
-        """``x -> (x', (attention max logits or None, MoE statistics or None))``."""
-        attn_out, max_logits = self.attn(self.attn_norm(x))
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None):
+        """``x -> (x', (attention max logits or None, MoE statistics or None))``; tokens attend within their segment."""
+        attn_out, max_logits = self.attn(self.attn_norm(x), segment_ids)
         x = constrain(x + attn_out, ACTIVATION)
         mlp_out = self.mlp(self.mlp_norm(x))
         mlp_out, moe_stats = mlp_out if isinstance(self.mlp, MoE) else (mlp_out, None)
@@ -56,9 +56,9 @@ class Block(nnx.Module):
         return x + (mlp_out[0] if isinstance(self.mlp, MoE) else mlp_out), cache
 
 
-def _block_fn(cfg: ModelConfig):
-    """``(block, x) -> block(x)`` under the config's remat policy (`lm/remat.py`)."""
-    call = lambda blk, h: blk(h)  # noqa: E731
+def _block_fn(cfg: ModelConfig, segment_ids: jax.Array | None):
+    """``(block, x) -> block(x, segment_ids)`` under the config's remat policy (`lm/remat.py`)."""
+    call = lambda blk, h: blk(h, segment_ids)  # noqa: E731
     if cfg.remat == "none":
         return call
     # A scan body is not merged with its neighbours, so CSE cannot undo the remat there; unrolled
@@ -101,7 +101,9 @@ class Transformer(nnx.Module):
         """
         cfg = self.cfg
         x = constrain(self.embed(tokens), ACTIVATION)
-        run_block = _block_fn(cfg)
+        # Document masking: segment k is the tokens from the k-th separator on (a separator opens its document).
+        segment_ids = None if cfg.document_separator is None else jnp.cumsum(tokens == cfg.document_separator, axis=1)
+        run_block = _block_fn(cfg, segment_ids)
         if cfg.scan_layers:
             scan = nnx.scan(
                 run_block,

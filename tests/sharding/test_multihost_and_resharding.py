@@ -12,9 +12,10 @@ import cross_replica_worker
 import jax
 import pytest
 
-from experiments import trainer
+from experiments import tokenize, trainer
 from experiments.configs import default
 from experiments.metrics_io import read_metrics
+from lm import documents
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -74,19 +75,31 @@ def _two_processes(workdir, *extra):
     return [p.returncode for p in procs], results
 
 
+def _shards(root):
+    """llm.c shards of a small text folder (`experiments.tokenize`), read with document-aligned windows."""
+    (root / "text").mkdir(parents=True)
+    for i in range(40):
+        (root / "text" / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n" * (5 + i % 9))
+    tokenize.tokenize("bytes", documents.expand(str(root / "text")), root / "shards", val_fraction=0.2, shard_tokens=3000, workers=1)
+    return {"data.train_files": str(root / "shards" / "train_*.bin"), "data.val_files": str(root / "shards" / "val_*.bin"), "data.bos_aligned": True}
+
+
 def test_two_process_run_checkpoints_resumes_and_matches_one_process(tmp_path):
-    """Stopped after step 3 and resumed by a second launch: equal to the same job on two devices of this process."""
+    """Stopped after step 3 and resumed by a second launch: equal to the same job on two devices of this process
+    (reading llm.c shards through the Grain loader, each process its rows)."""
+    data_keys = _shards(tmp_path)
     reference = default.get_config()
-    for key, value in JOB.items():
+    for key, value in {**JOB, **data_keys}.items():
         *path, last = key.split(".")
         (reference[path[0]] if path else reference)[last] = value
     reference.devices = 2
     trainer.run(reference, tmp_path / "single")
 
-    codes, results = _two_processes(tmp_path / "multi", "--stop_after=3")
+    data_flags = [f"--config.{k}={v}" for k, v in data_keys.items()]
+    codes, results = _two_processes(tmp_path / "multi", "--stop_after=3", *data_flags)
     assert codes == [143, 143], [r[1][-2000:] for r in results]
     assert (tmp_path / "multi" / "checkpoints" / "3").is_dir()
-    codes, results = _two_processes(tmp_path / "multi")
+    codes, results = _two_processes(tmp_path / "multi", *data_flags)
     assert codes == [0, 0], [r[1][-2000:] for r in results]
     _assert_same_run(tmp_path / "multi", tmp_path / "single")
 

@@ -1,0 +1,206 @@
+r"""Tokenizes text into llm.c / modded-nanogpt ``.bin`` shards plus a JSON manifest.
+
+    python -m experiments.tokenize --tokenizer=runs/bpe8k/tokenizer.json --out=data/stdlib-bpe8k
+    python -m experiments.tokenize --tokenizer=runs/bpe8k/tokenizer.json --input='texts/*.jsonl' --out=data/mine
+
+With no ``--input`` it reads the standard-library corpus (`lm.corpus`'s default). Inputs are plain text files (one document each), JSONL (one document per line, its ``text`` field) and
+Parquet (one per row of its ``text`` column). Every document is preceded by the tokenizer's separator
+(``<|endoftext|>``, EOS, else BOS), as in llm.c's FineWeb shards, and goes to ``val_*.bin`` when a stable
+hash of its text falls below ``--val_fraction``, else to ``train_*.bin``. Shards hold
+``--shard_tokens`` tokens (the last of a split fewer) in version 1 (uint16) of the format in
+`lm.shards`, or version 2 (uint32) for vocabularies over 65,536 ids. ``manifest.json`` records the
+tokenizer (path and sha256), its vocabulary size and separator id, and per split the files, documents,
+tokens and UTF-8 bytes, from which training reports bits per byte.
+
+Shards are written under temporary names and moved into ``--out`` only when every one is complete, so
+an interrupted or failed run leaves ``--out`` as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from absl import app, flags
+from tqdm import tqdm
+
+from experiments import cli
+from lm import documents, shards, tokenizer
+
+MANIFEST = "manifest.json"
+SPLITS = ("train", "val")
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command-line flags (defined under ``__main__`` only: scripts share absl's flag registry)."""
+    flags.DEFINE_string("tokenizer", "bytes", "'bytes' or a local tokenizer.json / SentencePiece .model / .tiktoken file.")
+    flags.DEFINE_string("input", "", "Text / JSONL / Parquet files (a glob, comma-separated globs or a folder); empty: the stdlib corpus.")
+    flags.DEFINE_string("out", None, "Output folder for train_*.bin, val_*.bin and manifest.json (must hold no manifest).")
+    flags.DEFINE_float("val_fraction", 0.01, "Share of documents (by a hash of their text) written to val_*.bin.")
+    flags.DEFINE_integer("shard_tokens", 100_000_000, "Tokens per shard (modded-nanogpt's FineWeb shards hold 10^8).")
+    flags.DEFINE_integer("workers", 0, "Tokenizing processes; 0: one per CPU core.")
+
+_worker_tokenizer: tokenizer.Tokenizer | None = None
+
+
+def is_validation(text: str, val_fraction: float) -> bool:
+    """Stable split: the first 8 hex digits of sha256(text) as a fraction of 2^32."""
+    return int(hashlib.sha256(text.encode("utf-8", errors="replace")).hexdigest()[:8], 16) / 2**32 < val_fraction
+
+
+def _init_worker(spec: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer.load(spec)
+
+
+def _encode_batch(args: tuple[list[str], float]) -> list[tuple[str, np.ndarray, int]]:
+    """``(split, separator + tokens, UTF-8 bytes)`` of each document."""
+    texts, val_fraction = args
+    tok = _worker_tokenizer
+    separator = np.array([tok.separator_id], tok.token_dtype)
+    return [
+        ("val" if is_validation(text, val_fraction) else "train", np.concatenate([separator, tok.encode(text)]), len(text.encode("utf-8", errors="replace")))
+        for text in texts
+    ]
+
+
+def _batches(files: list[Path], val_fraction: float, size: int = 64) -> Iterator[tuple[list[str], float]]:
+    batch: list[str] = []
+    for f in files:
+        for text in documents.read(f):
+            batch.append(text)
+            if len(batch) == size:
+                yield batch, val_fraction
+                batch = []
+    if batch:
+        yield batch, val_fraction
+
+
+class _SplitWriter:
+    """Accumulates one split's tokens and writes a shard every ``shard_tokens``."""
+
+    def __init__(self, folder: Path, split: str, shard_tokens: int, version: int):
+        self.folder, self.split, self.shard_tokens, self.version = folder, split, shard_tokens, version
+        self.pending: list[np.ndarray] = []
+        self.pending_tokens = 0
+        self.files: list[str] = []
+        self.tokens = self.bytes = self.documents = 0
+
+    def add(self, tokens: np.ndarray, nbytes: int) -> None:
+        self.pending.append(tokens)
+        self.pending_tokens += tokens.size
+        self.tokens += tokens.size
+        self.bytes += nbytes
+        self.documents += 1
+        while self.pending_tokens >= self.shard_tokens:
+            stream = np.concatenate(self.pending)
+            self._write(stream[: self.shard_tokens])
+            self.pending = [stream[self.shard_tokens :]]
+            self.pending_tokens = self.pending[0].size
+
+    def close(self) -> None:
+        if self.pending_tokens:
+            self._write(np.concatenate(self.pending))
+        self.pending, self.pending_tokens = [], 0
+
+    def _write(self, tokens: np.ndarray) -> None:
+        name = f"{self.split}_{len(self.files):06d}.bin"
+        shards.write(self.folder / name, tokens, version=self.version)
+        self.files.append(name)
+
+    def summary(self) -> dict:
+        return {"files": self.files, "documents": self.documents, "tokens": self.tokens, "bytes": self.bytes}
+
+
+def tokenize(spec: str, files: list[Path], out: str | Path, *, val_fraction: float, shard_tokens: int, workers: int = 0) -> dict:
+    """Tokenizes the documents of ``files`` into shards under ``out``; returns the manifest it writes.
+
+    Raises:
+      ValueError: bad arguments, an unreadable tokenizer or input, ``out`` already holds shards, or
+        the input holds no document.
+    """
+    out = Path(out)
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"--val_fraction={val_fraction} must lie in [0, 1)")
+    if shard_tokens < 1:
+        raise ValueError(f"--shard_tokens={shard_tokens} must be positive")
+    existing = [p.name for p in out.glob("*") if p.name == MANIFEST or p.name.startswith(tuple(f"{s}_" for s in SPLITS))]
+    if existing:
+        raise ValueError(f"--out={out} already holds {min(existing)}; choose another folder or delete the old shards")
+    tok = tokenizer.load(spec)
+    if tok.separator_id is None:
+        raise ValueError(f"tokenizer {spec} has no end-of-text or BOS token to separate documents")
+    version = shards.version_for(tok.vocab_size)
+    out.mkdir(parents=True, exist_ok=True)
+    staging = out / f".partial-{os.getpid()}"
+    staging.mkdir()
+    try:
+        writers = {split: _SplitWriter(staging, split, shard_tokens, version) for split in SPLITS}
+        workers = workers or os.cpu_count() or 1
+        total_bytes = sum(f.stat().st_size for f in files)
+        with contextlib.ExitStack() as stack:
+            bar = stack.enter_context(tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenize", disable=not sys.stderr.isatty()))
+            if workers == 1:  # in this process: no fork of a process that may run JAX
+                _init_worker(spec)
+                encode = map
+            else:
+                encode = stack.enter_context(multiprocessing.get_context("fork").Pool(workers, _init_worker, (spec,))).imap
+            for encoded in encode(_encode_batch, _batches(files, val_fraction)):
+                for split, tokens, nbytes in encoded:
+                    writers[split].add(tokens, nbytes)
+                    bar.update(nbytes)
+        for writer in writers.values():
+            writer.close()
+        if writers["train"].documents == 0:
+            raise ValueError(f"the input ({len(files)} files) holds no training document; give more text or a lower --val_fraction")
+        manifest = {
+            "format": "llm.c",
+            "version": version,
+            "tokenizer": spec,
+            "tokenizer_sha256": tok.fingerprint,
+            "vocab_size": tok.vocab_size,
+            "separator_id": tok.separator_id,
+            "bos_id": tok.bos_id,
+            "eos_id": tok.eos_id,
+            "val_fraction": val_fraction,
+            "splits": {split: writer.summary() for split, writer in writers.items()},
+        }
+        for split in SPLITS:
+            for name in writers[split].files:
+                os.replace(staging / name, out / name)
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        os.replace(staging / MANIFEST, out / MANIFEST)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return manifest
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if not FLAGS.out:
+        cli.usage_exit("--out is required: the folder to write the shards and manifest.json into")
+    try:
+        files = documents.expand(FLAGS.input) if FLAGS.input else documents.stdlib_files()
+        manifest = tokenize(
+            FLAGS.tokenizer, files, FLAGS.out,
+            val_fraction=FLAGS.val_fraction, shard_tokens=FLAGS.shard_tokens, workers=FLAGS.workers,
+        )  # fmt: skip
+    except (ValueError, OSError) as e:
+        cli.usage_exit(str(e))
+    counts = {split: (s["tokens"], len(s["files"])) for split, s in manifest["splits"].items()}
+    print(f"wrote {FLAGS.out}: " + ", ".join(f"{split} {n:,} tokens in {k} shards" for split, (n, k) in counts.items()))
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main, flags_parser=cli.parse_flags)

@@ -1,0 +1,90 @@
+r"""Trains a byte-level BPE tokenizer offline and writes ``DIR/tokenizer.json``.
+
+    python -m experiments.train_tokenizer --vocab_size=8192 --out=runs/bpe8k
+    python -m experiments.train_tokenizer --vocab_size=32768 --out=runs/bpe32k --input='texts/*.jsonl'
+
+With no ``--input`` it trains on the standard-library corpus (`lm.corpus`'s default). The tokenizer
+splits text GPT-2 style into words and byte-level pieces, so any text encodes with no unknown token,
+and it reserves ``<|endoftext|>`` as the document separator. Load it with
+``lm.tokenizer.load("DIR/tokenizer.json")``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from absl import app, flags
+
+from experiments import cli
+from lm import documents, tokenizer
+
+MIN_VOCAB = 256 + 1  # every byte, plus the separator
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command-line flags (defined under ``__main__`` only: scripts share absl's flag registry)."""
+    flags.DEFINE_integer("vocab_size", 8192, "Vocabulary size, the separator included.")
+    flags.DEFINE_string("out", None, "Output folder; receives tokenizer.json.")
+    flags.DEFINE_string("input", "", "Text / JSONL / Parquet files (glob, comma-separated globs or a folder); empty: the stdlib corpus.")
+    flags.DEFINE_integer("max_bytes", 40_000_000, "Train on at most this many bytes of text (the first documents in path order).")
+
+
+def _budgeted(texts: Iterable[str], max_bytes: int) -> Iterator[str]:
+    total = 0
+    for text in texts:
+        yield text
+        total += len(text)
+        if total >= max_bytes:
+            return
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> Path:
+    """Trains a byte-level BPE of ``vocab_size`` ids on ``texts``; returns the path of its ``tokenizer.json``.
+
+    Raises:
+      ValueError: ``vocab_size`` is below 257 (every byte and the separator).
+    """
+    if vocab_size < MIN_VOCAB:
+        raise ValueError(f"--vocab_size={vocab_size} must be at least {MIN_VOCAB} (256 bytes and the separator)")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[tokenizer.TIKTOKEN_EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=sys.stderr.isatty(),
+    )
+    bpe.train_from_iterator(texts, trainer)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "tokenizer.json"
+    tmp = path.with_suffix(".json.tmp")
+    bpe.save(str(tmp))
+    tmp.replace(path)
+    return path
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if not FLAGS.out:
+        cli.usage_exit("--out is required: the folder to write tokenizer.json into")
+    try:
+        files = documents.expand(FLAGS.input) if FLAGS.input else documents.stdlib_files()
+        texts = (text for f in files for text in documents.read(f))
+        path = train_bpe(_budgeted(texts, FLAGS.max_bytes), FLAGS.vocab_size, FLAGS.out)
+        tok = tokenizer.load(str(path))
+    except (ValueError, OSError) as e:
+        cli.usage_exit(str(e))
+    print(f"wrote {path} ({tok.vocab_size} ids, separator {tok.separator_id})")
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main, flags_parser=cli.parse_flags)

@@ -1,0 +1,177 @@
+"""The training input a ``config.data`` block describes: the stdlib / text corpus, or pre-tokenized shards.
+
+With ``data.train_files`` or ``data.mixture`` (`lm.mixture`), and ``data.val_files``, the run reads
+llm.c ``.bin`` / ``.npy`` shards memory-mapped (`lm.shards`); a ``manifest.json`` beside them (written
+by ``experiments.tokenize``) gives the vocabulary, the document separator and the tokens and UTF-8
+bytes of the validation split. Without them the run reads `lm.corpus` (byte-level). Either way the
+batches come from `lm.data.PackedBatches`.
+
+Validation is a fixed set: the first ``data.val_tokens`` tokens of the validation split (rounded down
+to whole batches), or with ``val_tokens`` 0, ``eval_batches`` batches of windows spread evenly over
+it. Bits per byte, the axis on which runs of different tokenizers compare, is the mean loss in bits
+times the split's tokens (one separator per document included) over its UTF-8 bytes:
+
+    bpb = val_loss / ln 2 * tokens / bytes
+
+(for the byte-level corpus tokens / bytes is taken as 1).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import grain
+import ml_collections
+import numpy as np
+
+from lm import corpus, data, documents, mixture, shards, tokenizer
+
+MANIFEST = "manifest.json"
+VOCAB_MULTIPLE = 128
+
+
+class ValidationSet(list):
+    """This process's rows of the fixed validation batches, and the tokens per UTF-8 byte of their text
+    (None when unknown: shards without a manifest)."""
+
+    def __init__(self, batches: list[np.ndarray], tokens_per_byte: float | None):
+        super().__init__(batches)
+        self.tokens_per_byte = tokens_per_byte
+
+    def bits_per_byte(self, val_loss: float) -> float | None:
+        """``val_loss`` (nats per token) in bits per UTF-8 byte."""
+        return None if self.tokens_per_byte is None else val_loss / math.log(2) * self.tokens_per_byte
+
+
+def read_manifest(files: list[Path]) -> dict | None:
+    """The ``manifest.json`` in the folder of the first of ``files``, if there is one."""
+    path = files[0].parent / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); rewrite it with experiments.tokenize or remove it") from e
+
+
+def padded(vocab_size: int) -> int:
+    """``vocab_size`` rounded up to a multiple of 128 (so the embedding splits over tensor-parallel axes)."""
+    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def train_patterns(data_config: ml_collections.ConfigDict) -> list[tuple[str, float]]:
+    """The training shards' globs with their weights: ``data.mixture``'s, or ``data.train_files`` with weight 1."""
+    if data_config.get("mixture") and data_config.get("train_files"):
+        raise ValueError("data.mixture and data.train_files are both set; give one (a mixture names its own globs)")
+    if data_config.get("mixture"):
+        return mixture.parse(data_config.mixture)
+    return [(data_config.train_files, 1.0)] if data_config.get("train_files") else []
+
+
+def manifest_vocab_size(data_config: ml_collections.ConfigDict) -> int | None:
+    """The model vocabulary the training shards ask for: their manifests' largest, padded; None without one."""
+    what = "data.mixture" if data_config.get("mixture") else "data.train_files"
+    manifests = [read_manifest(documents.expand(p, what=what)) for p, _ in train_patterns(data_config)]
+    sizes = [int(m["vocab_size"]) for m in manifests if m is not None]
+    return padded(max(sizes)) if sizes else None
+
+
+def token_shares(config: ml_collections.ConfigDict) -> dict[str, float] | None:
+    """Each mixture source's share of the tokens of the run's ``steps`` batches (None without a mixture)."""
+    if not config.data.get("mixture"):
+        return None
+    patterns = mixture.parse(config.data.mixture)
+    counts = mixture.Schedule([w for _, w in patterns]).counts(config.steps * config.batch_size)
+    return {p: float(c / counts.sum()) for (p, _), c in zip(patterns, counts)}
+
+
+def separator_id(data_config: ml_collections.ConfigDict) -> int | None:
+    """The token that opens (or closes) documents: ``data.separator_id``, else the training shards' manifest's,
+    else EOS for the byte-level corpus; None for shards without a manifest."""
+    if data_config.get("separator_id") is not None:
+        return data_config.separator_id
+    patterns = train_patterns(data_config)
+    if not patterns:
+        return tokenizer.EOS
+    manifest = read_manifest(documents.expand(patterns[0][0], what="data.mixture" if data_config.get("mixture") else "data.train_files"))
+    return None if manifest is None else manifest.get("separator_id")
+
+
+def document_separator(data_config: ml_collections.ConfigDict) -> int | None:
+    """The model's ``document_separator``: `separator_id` with ``data.document_mask``, else None.
+
+    Raises:
+      ValueError: ``data.document_mask`` is set and the separator is unknown.
+    """
+    if not data_config.get("document_mask"):
+        return None
+    separator = separator_id(data_config)
+    if separator is None:
+        raise ValueError("data.document_mask needs the document separator: give data.separator_id or shards with a manifest.json")
+    return separator
+
+
+def _open(pattern: str, what: str, vocab_size: int) -> tuple[list[np.ndarray], dict | None]:
+    files = documents.expand(pattern, what=what)
+    streams = [shards.read(f) for f in files]
+    for f, tokens in zip(files, streams):
+        shards.check_vocab(tokens, f"shard {f}", vocab_size)
+    return streams, read_manifest(files)
+
+
+def _windows(streams: list[np.ndarray], seq_len: int, data_config, separator_id: int | None) -> data.Windows:
+    if not data_config.get("bos_aligned"):
+        return data.Windows(streams, seq_len)
+    if separator_id is None:
+        raise ValueError("data.bos_aligned needs the document separator: give data.separator_id or shards with a manifest.json")
+    return data.Windows(streams, seq_len, [data.document_starts(s, seq_len, separator_id) for s in streams])
+
+
+def build(
+    config: ml_collections.ConfigDict, vocab_size: int, *, process_index: int = 0, process_count: int = 1
+) -> tuple[data.PackedBatches, ValidationSet]:
+    """This process's training batches and validation set for ``config`` (its ``data`` block, ``seed``,
+    ``batch_size``, ``eval_batches``), checked against the model's ``vocab_size``.
+
+    Raises:
+      ValueError: an empty glob, a bad shard or manifest, a token id at or above ``vocab_size``, or too little data.
+    """
+    d = config.data
+    seq_len, batch = d.seq_len, config.batch_size
+    num_val = d.get("val_tokens", 0) // (batch * seq_len) if d.get("val_tokens", 0) else config.eval_batches
+    if d.get("val_tokens", 0) and num_val < 1:
+        raise ValueError(f"data.val_tokens={d.val_tokens} is less than one batch of {batch} x {seq_len} tokens")
+    patterns = train_patterns(d)
+    if not patterns:
+        if d.get("val_files"):
+            raise ValueError("data.val_files is set without data.train_files; give both (or neither, for data.path)")
+        streams = corpus.load(d.path, val_fraction=d.val_fraction, cache_dir=d.cache_dir or None)
+        for split, tokens in streams.items():
+            shards.check_vocab(tokens, f"the byte-level corpus' {split} split", vocab_size)
+        train, val = [[streams["train"]]], [streams["validation"]]
+        tokens_per_byte = 1.0
+    else:
+        if not d.get("val_files"):
+            raise ValueError("training shards need data.val_files too (e.g. the val_*.bin shards beside them)")
+        what = "data.mixture" if d.get("mixture") else "data.train_files"
+        opened = [_open(p, what, vocab_size) for p, _ in patterns]
+        train = [streams for streams, _ in opened]
+        val, val_manifest = _open(d.val_files, "data.val_files", vocab_size)
+        split = (val_manifest or {}).get("splits", {}).get("val")
+        tokens_per_byte = split["tokens"] / split["bytes"] if split and split.get("bytes") else None
+    sources = [_windows(streams, seq_len, d, separator_id(d) if d.get("bos_aligned") else None) for streams in train]
+    name = f"mixture={d.get('mixture', '')} train_files={d.get('train_files', '')} path={d.path} bos_aligned={bool(d.get('bos_aligned'))}"
+    shares = {"seed": config.seed, "process_index": process_index, "process_count": process_count, "name": name}
+    if d.get("mixture"):
+        shuffled = [grain.MapDataset.source(s).shuffle(seed=(config.seed + k) % 2**32) for k, s in enumerate(sources)]
+        mixed = grain.MapDataset.source(mixture.Mixture(shuffled, [w for _, w in patterns]))
+        train_iter = data.PackedBatches(mixed, seq_len, batch, shuffle=False, **shares)
+    else:
+        train_iter = data.PackedBatches(sources[0], seq_len, batch, **shares)
+    validation = data.validation_batches(
+        data.Windows(val, seq_len), seq_len, batch, num_val,
+        process_index=process_index, process_count=process_count, leading=bool(d.get("val_tokens")),
+    )  # fmt: skip
+    return train_iter, ValidationSet(validation, tokens_per_byte)

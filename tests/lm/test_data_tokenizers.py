@@ -1,0 +1,101 @@
+"""Tokenizers from local files (built here, never downloaded) behind `lm.tokenizer.load`, and the offline BPE trainer."""
+
+import base64
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments import train_tokenizer
+from lm import tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+TEXT = "".join(f"def function_{i}(x):\n    return x * {i} + the_value  # the comment {i}\n\n" for i in range(200))
+SAMPLE = "def the_value(x):\n    return x * 3  # ünïcode ✓\n"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tokenizers")
+    hf = train_tokenizer.train_bpe([TEXT], 320, root / "hf")
+
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(TEXT.split("\n\n") * 3), model_prefix=str(root / "sp"), vocab_size=400, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity", remove_extra_whitespaces=False, bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2,
+    )  # fmt: skip
+
+    merges = [b"th", b"the", b"de", b"def", b" x", b"re", b"ret"]
+    lines = [f"{base64.b64encode(tok).decode()} {rank}" for rank, tok in enumerate([bytes([b]) for b in range(256)] + merges)]
+    (root / "ranks.tiktoken").write_text("\n".join(lines) + "\n")
+    return {"hf": str(hf), "sp": str(root / "sp.model"), "tiktoken": str(root / "ranks.tiktoken")}
+
+
+def test_bytes_is_the_default_and_matches_the_module_functions():
+    tok = tokenizer.load()
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.separator_id) == (259, 256, 257, 257)
+    np.testing.assert_array_equal(tok.encode(SAMPLE), tokenizer.encode(SAMPLE))
+    assert tok.decode(tok.encode(SAMPLE)) == SAMPLE
+    assert tok.token_dtype == np.uint16
+
+
+@pytest.mark.parametrize("kind", ["hf", "sp", "tiktoken"])
+def test_file_tokenizers_round_trip_and_compress(files, kind):
+    tok = tokenizer.load(files[kind])
+    ids = tok.encode(SAMPLE)
+    assert tok.decode(ids) == SAMPLE
+    assert 0 < len(ids) < len(SAMPLE.encode())  # merges were applied
+    assert int(ids.max()) < tok.vocab_size
+    assert tok.separator_id is not None and tok.separator_id < tok.vocab_size
+    assert len(tok.fingerprint) == 64
+
+
+def test_tokenizer_specifics(files):
+    hf = tokenizer.load(files["hf"])
+    assert hf.vocab_size == 320 and hf.eos_id == hf.separator_id == 0  # <|endoftext|> is the first id
+    assert tokenizer.load(str(Path(files["hf"]).parent)).fingerprint == hf.fingerprint  # a folder finds tokenizer.json
+    sp = tokenizer.load(files["sp"])
+    assert (sp.vocab_size, sp.bos_id, sp.eos_id) == (400, 1, 2)
+    tt = tokenizer.load(files["tiktoken"])
+    assert tt.vocab_size == 256 + 7 + 1 and tt.eos_id == 263
+    assert list(tt.encode("the")) == [257] and list(tt.encode("def")) == [259]
+
+
+def test_bad_tokenizer_files_name_the_file(tmp_path, files):
+    with pytest.raises(tokenizer.TokenizerError, match="nope.json.*does not exist"):
+        tokenizer.load(str(tmp_path / "nope.json"))
+    (tmp_path / "vocab.txt").write_text("x")
+    with pytest.raises(tokenizer.TokenizerError, match="vocab.txt.*unknown kind"):
+        tokenizer.load(str(tmp_path / "vocab.txt"))
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(tokenizer.TokenizerError, match="tokenizer.json is not a Hugging Face"):
+        tokenizer.load(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "bad.model").write_bytes(b"\x00garbage")
+    with pytest.raises(tokenizer.TokenizerError, match="bad.model is not a SentencePiece"):
+        tokenizer.load(str(tmp_path / "bad.model"))
+    (tmp_path / "bad.tiktoken").write_text("QQ== 0\nnot-base64!! 1\n")
+    with pytest.raises(tokenizer.TokenizerError, match="bad.tiktoken line 2"):
+        tokenizer.load(str(tmp_path / "bad.tiktoken"))
+    (tmp_path / "gap.tiktoken").write_text("QQ== 0\nQg== 2\n")
+    with pytest.raises(tokenizer.TokenizerError, match="without gaps"):
+        tokenizer.load(str(tmp_path / "gap.tiktoken"))
+
+
+def test_train_tokenizer_cli_on_given_text_and_bad_flags(tmp_path):
+    text = tmp_path / "in.jsonl"
+    text.write_text("\n".join(f'{{"text": "document number {i} says hello world"}}' for i in range(300)))
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "experiments.train_tokenizer", *args], cwd=REPO, capture_output=True, text=True, check=False)
+
+    done = run("--vocab_size=300", f"--out={tmp_path / 'tok'}", f"--input={text}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    tok = tokenizer.load(str(tmp_path / "tok" / "tokenizer.json"))
+    assert tok.vocab_size == 300 and len(tok.encode("hello world")) < 5
+    empty = run(f"--out={tmp_path / 'x'}", f"--input={tmp_path / 'none*.txt'}")
+    assert empty.returncode == 2 and empty.stderr.count("\n") == 1 and "matches no files" in empty.stderr
+    with pytest.raises(ValueError, match="--vocab_size=100 must be at least 257"):
+        train_tokenizer.train_bpe(["text"], 100, tmp_path / "small")

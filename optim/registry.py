@@ -8,6 +8,7 @@ layout check) its spec declares.
 from __future__ import annotations
 
 from optim import spec
+from optim.adamuon import AdaMuon
 from optim.adamw import AdamW
 from optim.came import Came
 from optim.demo import DeMo
@@ -39,6 +40,7 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "streaming_diloco": StreamingDiLoCo,
     "powersgd": PowerSGD,
     "lopt": LOpt,
+    "adamuon": AdaMuon,
 }
 
 

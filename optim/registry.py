@@ -20,6 +20,7 @@ from optim.muon import Muon
 from optim.muon_clip import MuonClip
 from optim.normuon import NorMuon
 from optim.powersgd import PowerSGD
+from optim.scion import Scion
 from optim.sgd import SGD
 from optim.shampoo import Shampoo
 from optim.soap import Soap
@@ -41,6 +42,7 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "powersgd": PowerSGD,
     "lopt": LOpt,
     "adamuon": AdaMuon,
+    "scion": Scion,
 }
 
 

@@ -13,6 +13,7 @@ from optim.adamw import AdamW
 from optim.came import Came
 from optim.demo import DeMo
 from optim.diloco import DiLoCo, StreamingDiLoCo
+from optim.hyperball import AdamHyperball, MuonHyperball
 from optim.learned.mlp_lopt import LOpt
 from optim.lion import Lion
 from optim.mars_muon import MarsMuon
@@ -43,6 +44,8 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "lopt": LOpt,
     "adamuon": AdaMuon,
     "scion": Scion,
+    "muon_hyperball": MuonHyperball,
+    "adam_hyperball": AdamHyperball,
 }
 
 

@@ -1,0 +1,131 @@
+"""Dion: orthonormal updates from one step of low-rank power iteration with error feedback (Ahn, Xu,
+Abreu and Langford, "Dion: Distributed Orthonormalized Updates", arXiv:2504.05295).
+
+For each hidden matrix ``W`` (layout ``(*batch, fan_in, fan_out)``, per matrix) with gradient ``G``,
+written for PyTorch's ``X = W^T`` (``(fan_out, fan_in)``) as the paper and the reference do, with
+``Q`` an ``(fan_in, r)`` matrix carried between steps (random normal at ``init``):
+
+    B_t = M_{t-1} + G_t                                  (momentum buffer plus the gradient)
+    P_t = QR(B_t Q_{t-1})                                 (fan_out, r): one power-iteration step
+    R_t = B_t^T P_t                                       (fan_in, r);  B_t ~ P_t R_t^T
+    M_t = B_t - (1 - mu) P_t R_t^T                        error feedback: what rank r missed stays
+    Q_t = R_t / (||R_t||_col + eps)                       column-normalised
+    W_{t+1} = W_t - lr_t (sqrt(fan_out / fan_in) (P_t Q_t^T)^T + lambda W_t)
+
+``P_t Q_t^T`` has orthonormal columns on the left and unit columns on the right: a rank-``r``
+stand-in for Muon's ``U V^T`` at ``O((m + n) r)`` communication instead of ``O(m n)`` once sharded.
+The rank is ``r = max(1, round(rank_fraction * min(fan_in, fan_out)))``.
+
+Reference matched step by step (tests/optim/test_dion.py, a float64 NumPy transcription):
+microsoft/dion ``dion/dion_simple.py`` (``dion_update``: the steps above, plain QR, ``eps = 1e-8``,
+decay on the pre-update weight), with the initial ``Q`` taken from this module's ``init``; its
+random draw is ``jax.random.normal`` from ``seed`` (the reference draws ``torch.randn``). Defaults:
+the reference's ``mu = 0.95`` and ``eps``; ``rank_fraction = 0.25`` where the reference class takes
+full rank, since a low rank is Dion's point (the paper runs 1/4 to 1/16). With ``state_bits=8`` a
+full-rank ``Q`` of a square matrix has the parameter's shape and is stored in 8 bits like the
+moments (a perturbed warm start of the power iteration, not a wrong step). Single device and GSPMD:
+under FSDP, XLA gathers each matrix for the QR; the sharded power iteration of the paper's
+Algorithm 3 (all-reduces of ``(m + n) r`` floats) is not written yet. Under
+`optax.inject_hyperparams` pass ``static_args=STATIC_ARGS`` (the rank sets ``Q``'s shape).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optim import common, spec
+from optim.muon import check_matrices
+
+STATIC_ARGS = ("rank_fraction", "seed")
+
+
+class DionState(NamedTuple):
+    """State of `scale_by_dion`."""
+
+    mu: optax.Updates  # momentum buffer M_t, float32, like the parameters
+    q: optax.Updates  # Q_t: (*batch, fan_in, r), float32
+
+
+def rank(shape: tuple[int, ...], fraction: float) -> int:
+    """``r`` for a leaf of ``shape``: ``max(1, round(fraction * min(fan_in, fan_out)))``."""
+    return max(1, round(fraction * min(shape[-2:])))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DionDirection:
+    """Dion's direction ``sqrt(fan_out / fan_in) Q_t P_t^T`` per matrix (module docstring).
+
+    Attributes:
+      mu: error-feedback momentum: the share of the rank-r approximation kept in ``M``.
+      rank_fraction: ``r`` as a fraction of ``min(fan_in, fan_out)``.
+      eps: added to ``R``'s column norms.
+      seed: seed of the random initial ``Q``.
+    """
+
+    mu: float = spec.param(0.95, valid="[0, 1]")
+    rank_fraction: float = spec.param(0.25, valid="(0, 1]")
+    eps: float = spec.param(1e-8, valid="[0, inf)")
+    seed: int = 0
+
+    static_args: ClassVar[tuple[str, ...]] = STATIC_ARGS
+    family: ClassVar[str] = "dion"
+
+    def direction(self) -> optax.GradientTransformation:
+        def init_fn(params):
+            check_matrices(params, None, self.family)
+            try:
+                fraction = float(self.rank_fraction)
+            except jax.errors.ConcretizationTypeError:
+                raise ValueError(
+                    f"rank_fraction sets Q's shape; with optax.inject_hyperparams pass static_args={STATIC_ARGS}"
+                ) from None
+            leaves, treedef = jax.tree.flatten(params)
+            key = jax.random.key(common.static_int("seed", self.seed, STATIC_ARGS))
+            keys = jax.random.split(key, max(1, len(leaves)))
+            qs = [
+                jax.random.normal(k, (*p.shape[:-1], rank(p.shape, fraction)), jnp.float32)
+                for k, p in zip(keys, leaves, strict=False)
+            ]
+            return DionState(
+                mu=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), q=treedef.unflatten(qs)
+            )
+
+        def update_fn(updates, state, params=None, **extra):
+            del params, extra
+            mu_, eps = jnp.asarray(self.mu, jnp.float32), jnp.asarray(self.eps, jnp.float32)
+
+            def leaf(g, m, q):
+                b = m + g.astype(jnp.float32)  # W layout: B_t^T
+                p, _ = jnp.linalg.qr(jnp.swapaxes(b, -1, -2) @ q)  # (fan_out, r)
+                r = b @ p  # (fan_in, r)
+                m = b - (1 - mu_) * r @ jnp.swapaxes(p, -1, -2)
+                q = r / (jnp.linalg.norm(r, axis=-2, keepdims=True) + eps)
+                fan_in, fan_out = g.shape[-2:]
+                d = (fan_out / fan_in) ** 0.5 * q @ jnp.swapaxes(p, -1, -2)
+                return d.astype(g.dtype), m, q
+
+            out = jax.tree.map(leaf, updates, state.mu, state.q)
+            treedef = jax.tree.structure(updates)
+            d, mu, q = (treedef.unflatten(x) for x in zip(*treedef.flatten_up_to(out), strict=True))
+            return d, DionState(mu=mu, q=q)
+
+        return optax.GradientTransformation(init_fn, update_fn)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Dion(DionDirection, common.MatrixOptimizer):
+    """Dion on hidden matrices, AdamW elsewhere (module docstring); AdamW group: `optim.common.AdamGroup`."""
+
+    # Unswept: Jordan-scaled Muon's learning rate (the same sqrt(fan_out / fan_in) scale); the reference's decay
+    learning_rate: optax.ScalarOrSchedule = 0.02
+    weight_decay: float = 0.01
+    adam_lr_ratio: float = spec.param(0.15, valid="[0, inf)")  # AdamW group at 3e-3, the AdamW default
+
+
+scale_by_dion = spec.function(DionDirection, "direction", name="scale_by_dion", positional=("mu",))
+dion = spec.function(Dion, name="dion")

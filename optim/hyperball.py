@@ -34,7 +34,7 @@ update is the second form above, levanter AdamH's (which computes ``||V||^2`` in
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -135,19 +135,19 @@ class ScionDirection(NewtonSchulz):
         return jax.tree.map(scale, ortho)
 
     def direction(self) -> optax.GradientTransformation:
-        def radius(r, fn):
+        def scaled_lmo(r, fn):
             return _stateless(lambda tree: jax.tree.map(lambda x: r * x, fn(tree)))
 
         def spectral_init(params):
             check_matrices(params, None, self.family)
             return optax.EmptyState()
 
-        spectral = radius(self.radius, self._spectral)
+        spectral = scaled_lmo(self.radius, self._spectral)
         lmos = {
             SPECTRAL: optax.GradientTransformation(spectral_init, spectral.update),
-            EMBEDDING: radius(self.embedding_radius, lambda t: jax.tree.map(row_rms_direction, t)),
-            HEAD: radius(self.head_radius, lambda t: jax.tree.map(sign_direction, t)),
-            VECTOR: radius(self.vector_radius, lambda t: jax.tree.map(row_rms_direction, t)),
+            EMBEDDING: scaled_lmo(self.embedding_radius, lambda t: jax.tree.map(row_rms_direction, t)),
+            HEAD: scaled_lmo(self.head_radius, lambda t: jax.tree.map(sign_direction, t)),
+            VECTOR: scaled_lmo(self.vector_radius, lambda t: jax.tree.map(row_rms_direction, t)),
         }
         return _in_gradient_dtype(
             optax.chain(

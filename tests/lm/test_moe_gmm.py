@@ -17,21 +17,6 @@ from sharding import partition
 from sharding import rules as rules_lib
 
 
-
-@pytest.mark.parametrize(
-    "platform, choice, kernel",
-    [("cpu", "auto", None), ("tpu", "auto", "mosaic_tpu"), ("cuda", "auto", "triton"), ("cpu", "gmm", "triton"), ("cuda", "ragged_dot", None)],
-)
-def test_auto_takes_the_kernel_where_the_platform_compiles_one(monkeypatch, platform, choice, kernel):
-    monkeypatch.setattr(moe.gmm_api, "platform", lambda: platform)
-    matmul, is_kernel = moe.grouped_matmul(choice)
-    assert is_kernel == (kernel is not None)
-    if kernel:
-        assert matmul.keywords == {"backend": kernel, "interpret": platform == "cpu"}
-    else:
-        assert matmul is jax.lax.ragged_dot
-
-
 def test_config_rejects_an_unknown_matmul():
     with pytest.raises(ValueError, match="model.moe_matmul='cutlass' must be one of auto, ragged_dot, gmm"):
         config_lib.from_preset("moe-tiny", moe_matmul="cutlass")

@@ -121,3 +121,25 @@ def test_tpu_kernels_lower_to_mosaic_on_any_host():
     text = jax.jit(forward_and_pullback).trace(lhs, rhs, group_sizes).lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") == 3  # gmm, gmm with rhs transposed (dlhs), tgmm (drhs)
     assert mosaic_tpu.DEFAULT_TILING.block_k % 128 == 0 and mosaic_tpu.DEFAULT_TILING.block_n % 128 == 0
+
+
+def test_triton_tiling_over_the_h100_shared_memory_is_refused_before_the_gpu():
+    """The old default (3 stages of 128 x 64 and 128 x 128 fp32 tiles) needed 288 KiB in tgmm; the default
+    now takes 2 stages for 4-byte operands (192 KiB), and a tiling that does not fit names the fix."""
+    from kernels_pallas.gmm import triton
+
+    assert triton.shared_bytes("tgmm", base.Tiling(num_stages=3), jnp.float32) == 288 * 1024
+    assert triton.shared_bytes("tgmm", base.Tiling(), jnp.float32) == 192 * 1024
+    assert triton.shared_bytes("tgmm", base.Tiling(), jnp.bfloat16) == 144 * 1024
+    lhs, dout = jax.ShapeDtypeStruct((256, 128), jnp.float32), jax.ShapeDtypeStruct((256, 128), jnp.float32)
+    sizes = jax.ShapeDtypeStruct((2,), jnp.int32)
+    with pytest.raises(ValueError, match="tgmm: .* needs up to 288 KiB of shared memory, .* lower num_stages, block_k or block_n"):
+        jax.eval_shape(lambda a, b, g: triton.tgmm(a, b, g, tiling=base.Tiling(num_stages=3)), lhs, dout, sizes)
+    jax.eval_shape(lambda a, b, g: triton.tgmm(a, b, g, tiling=base.Tiling(num_stages=3), interpret=True), lhs, dout, sizes)
+
+
+def test_operands_past_int32_offsets_are_refused():
+    lhs, rhs = jax.ShapeDtypeStruct((2**21, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((4, 1024, 128), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+    with pytest.raises(ValueError, match=r"gmm: an operand of shape \(2097152, 1024\) .* >= 2\*\*31 elements.*moe_matmul=ragged_dot"):
+        jax.eval_shape(lambda a, b, g: api.gmm(a, b, g, backend="triton", interpret=False), lhs, rhs, sizes)

@@ -15,6 +15,7 @@ import pytest
 import qcheck
 
 import kernels_pallas.quantized_update as qu
+from kernels_pallas import backends
 
 
 CASES = [
@@ -60,7 +61,8 @@ def test_lowers_for_cuda_with_aliased_state(name, bits, stochastic):
     rule = _rule(name)
     p, g, moments, layouts, scalars, noise = qcheck.problem(rule, (64, 96), bits, seed=1, stochastic=stochastic)
     step = jax.jit(lambda *a: qu.quantized_update(rule, *a[:3], layouts, *a[3:], backend="triton"))
-    text = step.trace(p, g, moments, scalars, noise).lower(lowering_platforms=("cuda",)).as_text()
+    with backends.gpu_target():
+        text = step.trace(p, g, moments, scalars, noise).lower(lowering_platforms=("cuda",)).as_text()
     assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == 1
     assert "output_operand_aliases" in text  # codes and scales written in place
 
@@ -70,20 +72,20 @@ def test_inside_the_replica_step_lowers_for_cuda_and_refuses_interpret_mode():
     compiled kernel lowers; jax's Pallas interpreter cannot run there, so interpret mode names the XLA path."""
     rule = qcheck.ADAMW
     p, g, moments, layouts, scalars, _ = qcheck.problem(rule, (64, 96), 8, seed=2)
-    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
-    def per_replica(interpret):
+    def per_replica(interpret, mesh):
         def step(*args):
             args = jax.tree.map(lambda x: jax.lax.pcast(x, "data", to="varying"), args)  # per-replica state
             return qu.quantized_update(rule, *args[:3], layouts, *args[3:], backend="triton", interpret=interpret)
 
         return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=jax.P(), out_specs=jax.P("data"), check_vma=True))
 
-    with jax.set_mesh(mesh):
-        text = per_replica(False).trace(p, g, moments, scalars).lower(lowering_platforms=("cuda",)).as_text()
-        assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == 1
-        with pytest.raises(ValueError, match="interpret mode cannot run .*optimizer.state_kernel=xla"):
-            per_replica(True)(p, g, moments, scalars)
+    with backends.gpu_target((2,), ("data",)) as h100s:
+        text = per_replica(False, h100s).trace(p, g, moments, scalars).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == 1
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="interpret mode cannot run .*optimizer.state_kernel=xla"):
+        per_replica(True, mesh)(p, g, moments, scalars)
 
 
 def test_bad_calls_say_what_to_do():

@@ -24,6 +24,12 @@ def platform() -> str:
     return device.platform if device is not None else jax.default_backend()
 
 
+def device_kind() -> str:
+    """The kind of device kernels target (e.g. ``NVIDIA H100 80GB HBM3``): the mesh's, else the first device's."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device.device_kind if device is not None else jax.devices()[0].device_kind
+
+
 def compiles(target: str) -> bool:
     """Whether a Pallas backend compiles for platform ``target``."""
     return target in PLATFORM_BACKENDS

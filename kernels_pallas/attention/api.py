@@ -4,16 +4,18 @@
 
 - ``xla``: `reference.attention`, the definition of correct (materialises the ``(batch, heads, T, T)``
   float32 logits).
-- ``cudnn``: `jax.nn.dot_product_attention(..., implementation="cudnn")` (NVIDIA GPUs). cuDNN reports
-  no row statistics, so tracked max logits come from `reference.max_logits` (one more ``Q K^T`` over
-  query blocks, no ``T x T`` buffer, no gradient).
+- ``cudnn``: `jax.nn.dot_product_attention(..., implementation="cudnn")` (NVIDIA GPUs; bf16/fp16,
+  head_dim a multiple of 8 up to 256 on Hopper and later, 128 before, as jax checks it). cuDNN reports
+  no row statistics, so tracked max logits (MuonClip) come from `reference.max_logits` (one more
+  ``Q K^T`` over query blocks, no ``T x T`` buffer, no gradient).
 - ``pallas``: `flash_attention` below (Triton on GPUs, Mosaic on TPUs, interpret mode on a CPU: correct
   but slow, for tests); max logits from the kernel's row maxima. GSPMD cannot partition a Pallas call,
   so the caller may pass ``per_shard`` to run it inside a `jax.shard_map`.
 
 ``auto`` tries the platform's `ORDER` (platform of the mesh in context, `kernels_pallas.backends`) and
 takes the first implementation whose ``unsupported`` check gives no reason; the reasons for passing
-over the others are logged once each.
+over the others are logged once each. On GPUs that is cuDNN wherever it serves, then our kernel for
+bf16/fp16, and XLA for float32.
 
 `flash_attention` is one `custom_vjp` over every backend's kernels. The backend follows the platform:
 ``triton`` on GPUs, ``mosaic_tpu`` on TPUs. On a CPU either backend runs in interpret mode only
@@ -26,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import re
 from collections.abc import Callable
 
 import jax
@@ -142,6 +145,7 @@ class Call:
     platform: str
     track_max_logits: bool
     sequence_sharded: bool
+    device_kind: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +182,14 @@ def _pallas(q, k, v, *, track_max_logits: bool, platform: str):
 
 
 _WHOLE_SEQUENCE = "the sequence is sharded (context parallelism) and the fused kernels need whole sequences"
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+# NVIDIA parts of compute capability 9.0 and later, on which jax lets cuDNN take head_dim up to 256.
+_HOPPER_OR_LATER = re.compile(r"\b(G?H100|G?H200|H800|H20|G?B[123]00|RTX PRO 6000)\b")
+
+
+def cudnn_max_head_dim(device_kind: str) -> int:
+    """The largest head_dim jax lets cuDNN's flash attention take on ``device_kind`` (bf16/fp16)."""
+    return 256 if _HOPPER_OR_LATER.search(device_kind) else 128
 
 
 def cudnn_unsupported(call: Call) -> str | None:
@@ -189,18 +201,21 @@ def cudnn_unsupported(call: Call) -> str | None:
         return "ROCm has no cuDNN"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"cuDNN flash attention takes bf16/fp16, not {q.dtype}"
-    if q.shape[-1] > 128 or q.shape[-1] % 8:
-        return f"cuDNN flash attention takes head_dim <= 128 and a multiple of 8, not {q.shape[-1]}"
+    limit = cudnn_max_head_dim(call.device_kind)
+    if q.shape[-1] > limit or q.shape[-1] % 8:
+        return f"cuDNN flash attention takes head_dim <= {limit} and a multiple of 8 on {call.device_kind or 'this GPU'}, not {q.shape[-1]}"
     if v.shape[-1] != q.shape[-1]:
-        return f"cuDNN flash attention takes equal q/v head dims, not {q.shape[-1]}/{v.shape[-1]}"
-    if call.track_max_logits:
-        return "cuDNN does not report the max logits that track_attn_logits needs"
+        return f"cuDNN flash attention takes equal q/v head dims here (MLA needs cuDNN >= 9.10), not {q.shape[-1]}/{v.shape[-1]}"
     return None
 
 
 def pallas_unsupported(call: Call) -> str | None:
     """Why `flash_attention` cannot serve ``call`` (None when it can)."""
-    return _WHOLE_SEQUENCE if call.sequence_sharded else None
+    if call.sequence_sharded:
+        return _WHOLE_SEQUENCE
+    if call.platform in _GPU_PLATFORMS and call.q.dtype == jnp.float32:
+        return "float32 attention on a GPU runs in XLA (the Triton kernel is tuned and measured for bf16/fp16)"
+    return None
 
 
 IMPLEMENTATIONS = {
@@ -227,11 +242,13 @@ def choose(
     *,
     track_max_logits: bool,
     sequence_sharded: bool = False,
+    device_kind: str = "",
 ) -> tuple[str, str | None]:
     """``(implementation to run, why auto passed over the platform's first choices, or None)``.
 
     A named implementation is taken as is; ``auto`` takes the first of ``ORDER[platform]`` that
-    supports the call (``xla`` on a platform not listed).
+    supports the call (``xla`` on a platform not listed). ``device_kind`` (e.g. ``NVIDIA H100 80GB
+    HBM3``) sets cuDNN's head_dim limit.
     """
     if implementation != "auto":
         if implementation not in IMPLEMENTATIONS:
@@ -239,7 +256,7 @@ def choose(
                 f"unknown attention implementation {implementation!r}; use one of auto, {', '.join(IMPLEMENTATIONS)}"
             )
         return implementation, None
-    call = Call(q, k, v, platform, track_max_logits, sequence_sharded)
+    call = Call(q, k, v, platform, track_max_logits, sequence_sharded, device_kind)
     reasons: list[str] = []
     for name in ORDER.get(platform, ("xla",)):
         reason = IMPLEMENTATIONS[name].unsupported(call)
@@ -276,7 +293,8 @@ def attention(
     """
     target = platform()
     chosen, reason = choose(
-        implementation, target, q, k, v, track_max_logits=track_max_logits, sequence_sharded=sequence_sharded
+        implementation, target, q, k, v, track_max_logits=track_max_logits, sequence_sharded=sequence_sharded,
+        device_kind=backends.device_kind() if target in _GPU_PLATFORMS else "",
     )
     if reason is not None and reason not in _LOGGED:
         _LOGGED.add(reason)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from kernels_pallas import backends
 from kernels_pallas.attention import api
 
 
@@ -15,24 +16,31 @@ def _qkv(dtype=jnp.bfloat16, head_dim=64, v_head_dim=None):
     return q, k, jax.ShapeDtypeStruct((2, 16, 2, v_head_dim or head_dim), dtype)
 
 
+H100, A100 = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"
+
+
 @pytest.mark.parametrize(
-    "platform, dtype, head_dim, v_head_dim, track, chosen, reason",
+    "platform, kind, dtype, head_dim, v_head_dim, track, chosen, reason",
     [
-        ("cpu", jnp.bfloat16, 64, None, False, "xla", None),
-        ("tpu", jnp.float32, 64, None, True, "pallas", None),
-        ("gpu", jnp.bfloat16, 64, None, False, "cudnn", None),
-        ("gpu", jnp.float32, 64, None, False, "pallas", "bf16/fp16, not float32"),
-        ("gpu", jnp.bfloat16, 192, None, False, "pallas", "head_dim <= 128"),
-        ("gpu", jnp.bfloat16, 64, 32, False, "pallas", "equal q/v head dims"),
-        ("gpu", jnp.bfloat16, 64, None, True, "pallas", "max logits"),
-        ("rocm", jnp.bfloat16, 64, None, False, "pallas", "ROCm"),
+        ("cpu", "cpu", jnp.bfloat16, 64, None, False, "xla", None),
+        ("tpu", "TPU v5 lite", jnp.float32, 64, None, True, "pallas", None),
+        ("gpu", H100, jnp.bfloat16, 64, None, False, "cudnn", None),
+        ("gpu", H100, jnp.float16, 128, None, False, "cudnn", None),
+        ("gpu", H100, jnp.float32, 64, None, False, "xla", "bf16/fp16, not float32"),
+        ("gpu", H100, jnp.bfloat16, 256, None, False, "cudnn", None),  # jax allows 256 on Hopper
+        ("gpu", A100, jnp.bfloat16, 256, None, False, "pallas", "head_dim <= 128"),
+        ("gpu", H100, jnp.bfloat16, 264, None, False, "pallas", "head_dim <= 256"),
+        ("gpu", H100, jnp.bfloat16, 192, 128, False, "pallas", "equal q/v head dims"),
+        ("gpu", H100, jnp.bfloat16, 64, None, True, "cudnn", None),  # MuonClip: cuDNN + reference.max_logits
+        ("rocm", "gfx942", jnp.bfloat16, 64, None, False, "pallas", "ROCm"),
     ],
 )
-def test_auto_picks_per_platform_and_says_why_it_leaves_cudnn(platform, dtype, head_dim, v_head_dim, track, chosen, reason):
-    got, why = api.choose("auto", platform, *_qkv(dtype, head_dim, v_head_dim), track_max_logits=track)
+def test_auto_picks_per_platform_and_says_why_it_leaves_cudnn(platform, kind, dtype, head_dim, v_head_dim, track, chosen, reason):
+    qkv = _qkv(dtype, head_dim, v_head_dim)
+    got, why = api.choose("auto", platform, *qkv, track_max_logits=track, device_kind=kind)
     assert got == chosen
     assert (why is None) if reason is None else (reason in why)
-    assert api.choose("xla", platform, *_qkv(dtype, head_dim, v_head_dim), track_max_logits=track) == ("xla", None)
+    assert api.choose("xla", platform, *qkv, track_max_logits=track, device_kind=kind) == ("xla", None)
 
 
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])
@@ -53,14 +61,18 @@ def test_an_unknown_implementation_is_named():
 
 
 def test_auto_logs_each_fallback_once(monkeypatch, caplog):
-    """A GPU seen from CPU: the fp32 call falls back to Pallas (traced, not run) and says so once."""
-    monkeypatch.setattr(api, "platform", lambda: "gpu")
+    """An H100 seen from CPU: the head_dim-264 call falls back to Pallas (traced, not run) and says so once;
+    the float32 call takes XLA and says why once."""
     monkeypatch.setattr(api, "_LOGGED", set())
-    q, k, v = _qkv(jnp.float32)
-    with caplog.at_level(logging.INFO, logger=api.__name__):
+    with backends.gpu_target(), caplog.at_level(logging.INFO, logger=api.__name__):
         for _ in range(2):
-            out, _ = jax.eval_shape(lambda q, k, v: api.attention(q, k, v, implementation="auto"), q, k, v)
-    assert out.shape == q.shape
+            for dtype, head_dim in ((jnp.bfloat16, 264), (jnp.float32, 64)):
+                q, k, v = _qkv(dtype, head_dim)
+                out, _ = jax.eval_shape(lambda q, k, v: api.attention(q, k, v, implementation="auto"), q, k, v)
+                assert out.shape == q.shape
     assert [r.getMessage() for r in caplog.records] == [
-        "model.attention=auto chose pallas: cuDNN flash attention takes bf16/fp16, not float32"
+        "model.attention=auto chose pallas: cuDNN flash attention takes head_dim <= 256 and a multiple of 8 on "
+        "NVIDIA H100 80GB HBM3, not 264",
+        "model.attention=auto chose xla: cuDNN flash attention takes bf16/fp16, not float32; float32 attention on a GPU "
+        "runs in XLA (the Triton kernel is tuned and measured for bf16/fp16)",
     ]

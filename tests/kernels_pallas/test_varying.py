@@ -52,6 +52,7 @@ def test_gmm_gradients_are_typed_like_their_inputs():
     assert _lowers_for_cuda(grads, *args).count("__gpu$xla.gpu.triton") == 2  # dlhs, drhs (a sum's gradient needs no forward)
 
 
+@pytest.mark.devices(REPLICAS)
 def test_interpret_mode_inside_the_replica_step_names_the_xla_path():
     q = jnp.zeros((REPLICAS, 8, 2, 16), jnp.float32)
     attention, mesh = _per_replica(lambda q: flash_attention(q, q, q, interpret=True))

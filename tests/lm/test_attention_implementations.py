@@ -57,6 +57,7 @@ def _train_losses(attention, mesh_spec, *, steps=3, batch=8, seq_len=32):
     return np.array(losses)
 
 
+@pytest.mark.devices(8)
 def test_pallas_trains_like_xla_on_a_sharded_mesh():
     """Pallas on a data x fsdp x tensor mesh under tp rules (batch and heads sharded inside the attention,
     max logits reduced over the batch shards) against XLA on one device; interpret-mode kernels on CPU.
@@ -66,6 +67,7 @@ def test_pallas_trains_like_xla_on_a_sharded_mesh():
     np.testing.assert_allclose(pallas, xla, rtol=1e-5)
 
 
+@pytest.mark.devices(8)
 def test_pallas_refuses_a_sharded_sequence():
     cfg = config_lib.from_preset("tiny", attention="pallas")
     model_def = model_lib.define(cfg)

@@ -35,6 +35,7 @@ def _layer_and_grads(matmul: str, x: jax.Array, cotangent: jax.Array):
     return y, grads
 
 
+@pytest.mark.devices(4)
 def test_gmm_equals_ragged_dot_in_the_layer_forward_and_backward():
     """On an expert x fsdp mesh: the kernel runs per shard, between the all-to-alls of expert parallelism."""
     x = jax.random.normal(jax.random.key(0), (4, 6, 16))
@@ -63,6 +64,7 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
     return output
 
 
+@pytest.mark.devices(8)
 def test_ragged_all_to_all_dispatch_offsets_match_one_device(monkeypatch):
     """The GPU/TPU dispatch (`moe.ragged_dispatch`) on 8 CPU devices, its collective emulated by definition:
     the offsets it computes put every slot on its expert's device and every result back in place."""

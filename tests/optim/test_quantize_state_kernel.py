@@ -22,7 +22,7 @@ LION = Fused(qu.Lion(b1=0.9, b2=0.99, weight_decay=0.5), SCHEDULE)
 
 def _lion(kernel, **kwargs):
     inner = optax.lion(SCHEDULE, b1=0.9, b2=0.99, weight_decay=0.5, mask=labels.decay_mask)
-    return quantize_state(inner, 8, kernel=kernel, fused=LION, interpret=True, mask=lambda p: {"w": True, "b": True, "s": False}, **kwargs)
+    return quantize_state(inner, 8, kernel=kernel, fused=LION, interpret=jax.default_backend() == "cpu", mask=lambda p: {"w": True, "b": True, "s": False}, **kwargs)
 
 
 def _has_kernel(tx, grads, state, params) -> bool:

@@ -43,6 +43,7 @@ def test_kernel_matches_reference(name, bits, shape, stochastic, zero_rows):
         assert float(jnp.min(want[1][0][1])) == 0.0  # the zero tiles really are zero
 
 
+@pytest.mark.devices(8)
 def test_sharded_on_8_devices_equals_unsharded():
     rule, shape, spec = qcheck.ADAMW, (8, 128), jax.P(None, "fsdp")  # 4-bit: rank-1 maxima all-reduced over fsdp
     p, g, moments, layouts, scalars, _ = qcheck.problem(rule, shape, 4, seed=5)
@@ -67,6 +68,7 @@ def test_lowers_for_cuda_with_aliased_state(name, bits, stochastic):
     assert "output_operand_aliases" in text  # codes and scales written in place
 
 
+@pytest.mark.devices(2)
 def test_inside_the_replica_step_lowers_for_cuda_and_refuses_interpret_mode():
     """Per replica in a type-checked `jax.shard_map` (tests/kernels_pallas/test_varying.py): the
     compiled kernel lowers; jax's Pallas interpreter cannot run there, so interpret mode names the XLA path."""

@@ -99,3 +99,14 @@ def test_bad_calls_say_what_to_do():
         qu.quantized_update(qcheck.ADAMW, p, g, moments, layouts, scalars, interpret=True)
     with pytest.raises(ValueError, match="must be a power of two"):
         qu.BlockSizes(rows=24)
+
+
+def test_parameters_past_int32_offsets_are_refused():
+    from optim import quantization as qz
+
+    big = jax.ShapeDtypeStruct((2**16, 2**15), jnp.float32)
+    node = jax.eval_shape(lambda x: qz.quantize_blockwise(x, bits=8, code="signed", block_size=256), big)
+    layout = qu.Moment(tuple(float(v) for v in qz.code_table("signed", 8)), node.tile)
+    scalars = jax.eval_shape(lambda: qcheck.LION.scalars(jnp.int32(3), 1e-2))
+    with backends.gpu_target(), pytest.raises(ValueError, match=r"quantized_update: .* >= 2\*\*31 elements.*state_kernel=xla"):
+        jax.eval_shape(lambda p, g, m, s: qu.quantized_update(qcheck.LION, p, g, [m], [layout], s), big, big, qcheck.arrays(node), scalars)

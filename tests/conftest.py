@@ -7,7 +7,8 @@ cache starts empty in every session, so nothing carries over between runs.
 
 On a GPU box, ``SPMDLAB_TEST_PLATFORMS=cuda,cpu python -m pytest -n 0 tests/kernels_pallas`` runs the
 kernel tests compiled on the GPU instead of in interpret mode. A test that needs more devices than
-such a box has is marked ``@pytest.mark.devices(n)`` and skips there.
+such a box has is marked ``@pytest.mark.devices(n)`` and skips there; ``SPMDLAB_TEST_CPU_DEVICES=1``
+gives a CPU run that one device, to check the marks without a GPU.
 """
 
 import atexit
@@ -35,7 +36,7 @@ os.environ.update(
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_num_cpu_devices", int(os.environ.get("SPMDLAB_TEST_CPU_DEVICES", "8")))  # 1: a one-GPU box's count
 jax.config.update("jax_platforms", os.environ.get("SPMDLAB_TEST_PLATFORMS", "cpu"))
 
 

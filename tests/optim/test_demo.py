@@ -92,6 +92,7 @@ def test_identical_gradients_on_four_replicas_equal_one_replica_and_replicas_agr
         np.testing.assert_array_equal(a, np.repeat(b, 4, axis=0))
 
 
+@pytest.mark.devices(2)
 def test_bf16_values_and_int16_indices_are_what_is_gathered():
     params, grads = _problem()
     tx = demo.demo(0.01, topk=3, chunk=4, value_dtype="bfloat16", index_dtype="int16", axis_name=AXIS)
@@ -109,6 +110,7 @@ def test_bf16_values_and_int16_indices_are_what_is_gathered():
     assert gathers and all(("bf16" in line) or ("i16" in line) for line in gathers)
 
 
+@pytest.mark.devices(8)
 def test_chunks_that_straddle_shards_are_refused():
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
     params = {"w": jax.ShapeDtypeStruct((4, 128, 384), jnp.float32)}

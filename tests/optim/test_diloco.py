@@ -154,6 +154,7 @@ def test_streaming_fragments_overlap_and_mixing_match_numpy_algorithm():
     np.testing.assert_allclose(gap[2, 0::2], gap[1, 0::2] + drift[0::2], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.devices(4)
 @pytest.mark.parametrize("exchange, tol", [("float32", 1e-6), ("bfloat16", 1e-2), ("int8", 3e-2), ("int4", 0.3)])
 def test_quantized_mean_is_the_fp32_mean_up_to_its_precision(exchange, tol):
     x = np.random.default_rng(0).normal(size=(4, 1, 700)).astype(np.float32)  # not a multiple of the chunking

@@ -272,6 +272,7 @@ def test_sharded_on_8_devices_matches_single_device(ns_sharding):
     ref.check_sharded_matches_single_device(tx, params, grads)
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize(
     "layout,ns_sharding,expected",
     [
@@ -316,6 +317,7 @@ def test_errors_name_the_fix():
         ns.newton_schulz(jnp.ones((4, 4)), steps=-1)
 
 
+@pytest.mark.devices(8)
 def test_state_of_every_family_is_sharded_like_the_tiny_model():
     """On the real `tiny` model with the fsdp rules on 8 devices, the momentum-like state of each Muon
     family optimizer takes its parameter's sharding (abstract: no compilation)."""

@@ -57,6 +57,7 @@ def test_mean_over_pickers_on_a_hand_case():
     np.testing.assert_array_equal(demo.mean_over_pickers((1, 4), idx, values), [[1.0, 0.0, 3.0, -6.0]])
 
 
+@pytest.mark.devices(2)
 def test_two_replicas_match_a_numpy_transcription():
     params, grads = _problem()
     lr, beta, topk, chunk, wd = 0.01, 0.9, 5, 4, 0.1
@@ -83,6 +84,7 @@ def test_two_replicas_match_a_numpy_transcription():
             np.testing.assert_allclose(trajectory[name][:, t], theta[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.devices(4)
 def test_identical_gradients_on_four_replicas_equal_one_replica_and_replicas_agree_bitwise():
     params, grads = _problem(replicas=1, steps=2)
     four = jax.tree.map(lambda g: np.repeat(g, 4, axis=0), grads)

@@ -264,6 +264,7 @@ def test_works_under_inject_hyperparams_with_traced_ns_steps():
     assert set(state.hyperparams) >= {"learning_rate", "beta", "ns_steps", "weight_decay"}
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("ns_sharding", ["replicated", "owner"])  # "as_is", the default: test_common.py
 def test_sharded_on_8_devices_matches_single_device(ns_sharding):
     params = jax.tree.map(jnp.float32, ref.model_tree(4, d=16, heads=2, head_dim=8, mlp=24, scale=0.1))

@@ -86,6 +86,7 @@ def _losses(workdir):
         return [r["loss"] for r in map(json.loads, f) if "loss" in r]
 
 
+@pytest.mark.devices(8)
 def test_tiny_lm_under_fsdp_with_the_kernel_matches_xla(tmp_path):
     spec = train.build_run(_lm_config("pallas"))  # what train.run builds: the kernel inside a shard_map over fsdp
     params = {"w": jnp.ones((128, 64))}  # 16 rows per shard: whole 16 x 16 tiles

@@ -32,6 +32,7 @@ def test_stack_spec_puts_each_axis_on_the_first_dim_it_divides(shape, mesh_shape
     assert blocking.stack_spec(shape, mesh_shape) == spec
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize(
     "make", [lambda: scale_by_shampoo(block_size=8), lambda: scale_by_soap()], ids=["shampoo", "soap"]
 )
@@ -51,6 +52,7 @@ def test_state_shapes_do_not_depend_on_the_mesh_and_stacks_are_spread(make):
             assert partition.per_device_bytes([v]) * mesh.size == v.nbytes, (v.shape, v.sharding)
 
 
+@pytest.mark.devices(8)
 def test_spread_blocks_pads_to_the_device_count_and_cuts_back():
     x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 4, 4)), jnp.float32)
     seen = []

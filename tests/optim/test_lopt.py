@@ -167,6 +167,7 @@ def test_clear_errors(meta):
         mlp_lopt.mulo(1.0, num_steps=5, weights=str(mlp_lopt.weights_path("lopt")))
 
 
+@pytest.mark.devices(8)
 def test_sharding_preserved_on_8_devices(meta):
     """FSDP x tensor: updates and parameter-shaped state keep the parameters' shardings; steps match the reference."""
     params = {"w": _params()["w"].reshape(4, 24)[:, :16], "b": _params()["b"]}

@@ -58,6 +58,7 @@ def _reference(grads, q0, rank_leaves):
     return out
 
 
+@pytest.mark.devices(2)
 def test_matches_numpy_algorithm_on_two_replicas(setup):
     """Rank 2, where the embedding (8 x 4) is compressed and the norm scales are all-reduced whole."""
     params, grads = setup
@@ -74,6 +75,7 @@ def test_matches_numpy_algorithm_on_two_replicas(setup):
             np.testing.assert_allclose(state.error[name], err, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.devices(2)
 def test_full_rank_equals_all_reduce(setup):
     """r = min(n, m): every step's estimate is the replica mean of that step's gradients."""
     params, grads = setup

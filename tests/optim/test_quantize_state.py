@@ -163,6 +163,7 @@ def test_state_bytes_is_exact():
     assert memory.state_bytes(q) == 40 * 35 + 5 * 5 * 4
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("bits", [8, 4])
 def test_sharded_state_is_one_eighth_per_device_and_matches_unsharded(bits):
     rng = np.random.default_rng(2)

@@ -155,7 +155,7 @@ def _scale_by_came(h: CameDirection) -> optax.GradientTransformation:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Came(CameDirection, common.DirectionOptimizer):
-    """CAME with decoupled weight decay on leaves of two or more axes (`optim.labels.decay_mask`).
+    """CAME with decoupled weight decay on weights, not norm scales or biases (`optim.labels.decay_mask`).
 
     ``w <- w - lr (came_direction + weight_decay w)``; ``weight_decay = 0`` as in the reference.
     Hyperparameters: `CameDirection`.

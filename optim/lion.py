@@ -65,7 +65,7 @@ class LionDirection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Lion(LionDirection, common.DirectionOptimizer):
-    """Lion with decoupled weight decay on leaves of two or more axes (`optim.labels.decay_mask`).
+    """Lion with decoupled weight decay on weights, not norm scales or biases (`optim.labels.decay_mask`).
 
     ``w <- w - lr (sign(b1 m + (1 - b1) g) + weight_decay w)``.
     """

@@ -46,8 +46,7 @@ class ScaleByPowerSGDState(NamedTuple):
 
 def compresses(path, shape: tuple[int, ...], rank: int, min_compression_rate: float = 1.0) -> bool:
     """Whether a leaf is compressed: a matrix (not a vector by name) that rank ``r`` shrinks enough."""
-    names = labels.path_names(path)
-    if len(shape) < 2 or (names and names[-1].lower() in labels.VECTOR_NAMES):
+    if labels.is_vector(path, shape):
         return False
     n, m = shape[-2:]
     return n * m > min_compression_rate * rank * (n + m)

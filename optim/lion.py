@@ -57,7 +57,7 @@ class LionDirection:
         def update_fn(updates: optax.Updates, state: ScaleByLionState, params: optax.Params | None = None):
             del params
             direction = jax.tree.map(lambda g, m: jnp.sign(b1 * m + (1 - b1) * g).astype(g.dtype), updates, state.mu)
-            mu = jax.tree.map(lambda g, m: b2 * m + (1 - b2) * g, updates, state.mu)
+            mu = jax.tree.map(lambda g, m: (b2 * m + (1 - b2) * g).astype(m.dtype), updates, state.mu)
             return direction, ScaleByLionState(mu=mu)
 
         return optax.GradientTransformation(init_fn, update_fn)

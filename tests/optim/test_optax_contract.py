@@ -124,8 +124,9 @@ def test_inject_hyperparams_names_the_argument_to_make_static():
     """A shape-setting argument injected anyway gets an error naming it and ``static_args``."""
     fn = spec.function(registry.spec_class("powersgd"), name="powersgd")
     tx = optax.inject_hyperparams(fn, static_args=())(rank=2)
+    p = params()
     with pytest.raises(ValueError, match="rank.*static_args"):
-        tx.init(params())
+        jax.jit(tx.update)(grads_like(p), tx.init(p), p)
 
 
 class Tiny(nnx.Module):

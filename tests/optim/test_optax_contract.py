@@ -15,7 +15,9 @@ import optax
 import pytest
 from flax import nnx
 
+from optim import quantization as qz
 from optim import registry, spec
+from optim import quantize_state as qs
 from optim.quantize_state import quantize_state
 
 NAMES = sorted(registry.OPTIMIZERS)
@@ -127,6 +129,16 @@ def test_inject_hyperparams_names_the_argument_to_make_static():
     p = params()
     with pytest.raises(ValueError, match="rank.*static_args"):
         jax.jit(tx.update)(grads_like(p), tx.init(p), p)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_quantize_state_under_inject_hyperparams(name):
+    """`quantize_state` around every optimizer, injected with its declared static arguments."""
+    tx = optax.inject_hyperparams(quantize_state, static_args=qs.STATIC_ARGS)(build(name), bits=8, min_size=64)
+    p = params()
+    updates, state = jax.jit(lambda g, s, p: tx.update(g, s, p, **extra_args(name)))(grads_like(p), tx.init(p), p)
+    assert any(qz.is_quantized(x) for x in jax.tree.leaves(state.inner_state, is_leaf=qz.is_quantized))
+    assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
 
 
 class Tiny(nnx.Module):

@@ -195,11 +195,13 @@ def _scale_by_shampoo(h: ShampooDirection) -> optax.GradientTransformation:
                 {key: blocking.constrain_blocks(scale * blocking.identity_fill(n, b)) for key, b, n in stack.groups}
             )
 
-        zeros = treedef.unflatten([jnp.zeros(p.shape, jnp.float32) for p in leaves])
+        def zeros():  # a fresh buffer per field: a donating jit step must never see one twice
+            return treedef.unflatten([jnp.zeros(p.shape, jnp.float32) for p in leaves])
+
         return ShampooState(
             count=jnp.zeros([], jnp.int32),
-            momentum=zeros,
-            graft_nu=zeros if has_nu else None,
+            momentum=zeros(),
+            graft_nu=zeros() if has_nu else None,
             stats=eyes(h.matrix_eps),
             preconds=eyes(1.0),
             root_failures=jnp.zeros([], jnp.int32),

@@ -152,11 +152,13 @@ def _scale_by_soap(h: SoapDirection) -> optax.GradientTransformation:
 
     def init_fn(params):
         leaves, treedef, _, stack = layouts(params)
-        zeros = treedef.unflatten([jnp.zeros(p.shape, jnp.float32) for p in leaves])
+        def zeros():  # a fresh buffer per field: a donating jit step must never see one twice
+            return treedef.unflatten([jnp.zeros(p.shape, jnp.float32) for p in leaves])
+
         return SoapState(
             count=jnp.zeros([], jnp.int32),
-            mu=zeros,
-            nu=zeros,
+            mu=zeros(),
+            nu=zeros(),
             stats=blocking.BlockStacks(
                 {k: blocking.constrain_blocks(blocking.zeros_fill(n, b)) for k, b, n in stack.groups}
             ),

@@ -162,8 +162,12 @@ def scale_by_mlp_lopt(
             "use weights made for this version (init_meta_params, or meta-train again)"
         )
 
+    def tensor_axes(tree):
+        return [feat.tensor_axes(path, tuple(x.shape)) for path, x in jax.tree_util.tree_leaves_with_path(tree)]
+
     def init_fn(params):
-        accs = [feat.init_accumulators(p, num_momenta, num_adafactor) for p in jax.tree.leaves(params)]
+        leaves = jax.tree.leaves(params)
+        accs = [feat.init_accumulators(p, num_momenta, num_adafactor, a) for p, a in zip(leaves, tensor_axes(params), strict=True)]
         treedef = jax.tree.structure(params)
         tree = lambda leaves: jax.tree.unflatten(treedef, list(leaves))  # noqa: E731
         return MLPLOptState(
@@ -187,12 +191,12 @@ def scale_by_mlp_lopt(
         rates = decays(meta_params)
         time = feat.time_features(state.count, num_steps)
         steps, accs = [], []
-        for i, (g, p) in enumerate(zip(grads, ps, strict=True)):
+        for i, (g, p, axes) in enumerate(zip(grads, ps, tensor_axes(updates), strict=True)):
             acc = feat.TensorAccumulators(
                 tuple(m[i] for m in mus), nus[i], tuple(r[i] for r in rows), tuple(c[i] for c in cols)
             )
-            acc = feat.update_accumulators(acc, g.astype(jnp.float32), rates)
-            out = apply_mlp(meta_params["mlp"], feat.features(p, g, acc, time))
+            acc = feat.update_accumulators(acc, g.astype(jnp.float32), rates, axes)
+            out = apply_mlp(meta_params["mlp"], feat.features(p, g, acc, time, axes))
             direction, magnitude = out[..., 0], out[..., 1]
             step = direction * jnp.exp(magnitude * exp_mult) * step_mult * scales[i]
             steps.append((-step).astype(g.dtype))

@@ -17,6 +17,10 @@ on hidden matrices and on the readout (the LM head, or the tied embedding, which
 meta-parameters also hold offsets of the accumulator decays, ``decay = 1 - (1 - decay_0) exp(10 o)``
 (``decay_0`` = `INITIAL_DECAYS`, the reference's ``param_to_decay(decay_to_param(decay_0) + o)``).
 
+Only μLO's *optimizer* half is here: μLO also changes the model (a zero-initialised readout with a
+``1 / width`` output multiplier), which `lm/` does not implement, so the shipped ``mulo`` weights
+were meta-trained and are evaluated on standard-parametrised models (docs/benchmarks.md §10).
+
 This is ``AdafacMLPLOpt`` of google/learned_optimization (``learned_optimizers/adafac_mlp_lopt.py``),
 the reference this follows, with hidden size 32 (the reference defaults to 4) and a time embedding
 relative to ``num_steps``. Its ``update`` takes ``loss`` as the reference does and, as there, leaves it

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optim import common, labels, spec
+from optim import common, labels, shapes, spec
 from sharding import partition
 
 _HI = jax.lax.Precision.HIGHEST
@@ -173,6 +173,7 @@ class DeMoDirection:
 
         def update_fn(updates, state, params=None):
             del params
+            shapes.check_like(updates, state.delta, "demo")
             step_lr = lr(state.count)
             leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
             deltas = treedef.flatten_up_to(state.delta)

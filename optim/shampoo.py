@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optim import blocking, common, matrix_roots, spec
+from optim import blocking, common, matrix_roots, shapes, spec
 
 GRAFT_TYPES = ("adam", "adagrad", "rmsprop", "sgd", "none")
 STATIC_ARGS = ("block_size", "max_precond_dim", "exponent_override")
@@ -225,6 +225,7 @@ def _scale_by_shampoo(h: ShampooDirection) -> optax.GradientTransformation:
 
     def update_fn(updates, state, params=None):
         del params
+        shapes.check_like(updates, state.momentum, "shampoo")
         grads, treedef, tensors, stack = layouts(updates)
         t = state.count + 1
         start = jnp.where(h.start_preconditioning_step < 0, h.precondition_every, h.start_preconditioning_step)

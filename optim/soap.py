@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optim import blocking, common, matrix_roots, spec
+from optim import blocking, common, matrix_roots, shapes, spec
 
 STATIC_ARGS = ("max_precond_dim",)
 
@@ -169,6 +169,7 @@ def _scale_by_soap(h: SoapDirection) -> optax.GradientTransformation:
 
     def update_fn(updates, state, params=None):
         del params
+        shapes.check_like(updates, state.mu, "soap")
         grads, treedef, tensors, stack = layouts(updates)
         g32 = [g.astype(jnp.float32) for g in grads]
         first = state.count == 0

@@ -102,6 +102,17 @@ def test_state_dtypes_survive_an_update_under_float64(name):
     assert after == before
 
 
+@pytest.mark.parametrize("name", ["demo", "shampoo", "soap"])
+def test_a_wrong_shaped_gradient_is_named_at_trace_time(name):
+    """issue 34 item 11: SOAP raised ``KeyError: 'b5'``, DeMo reshaped a transposed gradient silently.
+    (Leaves an optax transform handles, e.g. the AdamW group's, get optax's broadcasting error.)"""
+    tx = build(name)
+    p = {"blocks": {"mlp": {"kernel": jnp.ones((2, 8, 12))}}}
+    transposed = {"blocks": {"mlp": {"kernel": jnp.ones((2, 12, 8))}}}
+    with pytest.raises(ValueError, match=r"blocks/mlp/kernel has shape \(2, 12, 8\)"):
+        jax.jit(tx.update).trace(transposed, tx.init(p), p)
+
+
 def injected(name: str, **fields) -> optax.GradientTransformationExtraArgs:
     """``optax.inject_hyperparams`` over optimizer ``name``'s public function, its static arguments
     declared by the spec (``static_args``); every other numeric field is injected."""

@@ -39,7 +39,9 @@ out_shardings=...)`` use `optim.blocking.annotate_block_shardings`. Roots are co
 `lax.cond`, so steps that do not refresh them cost statistics + preconditioning only.
 
 Under `optax.inject_hyperparams` the integer arguments that set array shapes must be static:
-``static_args=STATIC_ARGS``.
+``static_args=STATIC_ARGS``. The stacks' group keys come from the parameters' shapes, so
+`optax.tree.map_params` (which initialises on a shapeless placeholder) cannot map this state: use
+`optim.blocking.map_params`, its equivalent (e.g. for the state's partition specs).
 """
 
 from __future__ import annotations

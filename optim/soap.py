@@ -30,7 +30,9 @@ with an unchanged basis is skipped (it is the identity).
 Statistics and bases of all parameters are stacked per side ``b`` into ``(n, b, b)`` arrays with
 mesh-independent shapes, spread over the ambient mesh (`optim.blocking`), so eigh / QR run batched
 and distributed.
-Under `optax.inject_hyperparams` pass ``static_args=STATIC_ARGS``.
+Under `optax.inject_hyperparams` pass ``static_args=STATIC_ARGS``. `optax.tree.map_params` cannot
+map this state (the stacks' group keys come from parameter shapes, which its placeholder lacks): use
+`optim.blocking.map_params`, its equivalent.
 """
 
 from __future__ import annotations

@@ -87,9 +87,9 @@ def _graft(kind: str, g: jax.Array, nu: jax.Array | None, t: jax.Array, beta2: A
     if kind == "adagrad":
         nu = nu + g * g
         return g / (jnp.sqrt(nu) + eps), nu
-    nu = beta2 * nu + (1 - beta2) * g * g
-    if kind == "adam":
-        return g / (jnp.sqrt(nu / (1 - beta2**t)) + eps), nu
+    nu = (beta2 * nu + (1 - beta2) * g * g).astype(g.dtype)
+    if kind == "adam":  # beta2**t: float64 under x64 for an int32 t, so the result is cast back
+        return (g / (jnp.sqrt(nu / (1 - beta2**t)) + eps)).astype(g.dtype), nu
     return g / (jnp.sqrt(nu) + eps), nu
 
 
@@ -275,7 +275,7 @@ def _scale_by_shampoo(h: ShampooDirection) -> optax.GradientTransformation:
         momentum = []
         out = []
         for d, m, g in zip(directions, treedef.flatten_up_to(state.momentum), grads, strict=True):
-            m = h.beta1 * m + (1 - h.beta1) * d
+            m = (h.beta1 * m + (1 - h.beta1) * d).astype(m.dtype)
             momentum.append(m)
             out.append((h.beta1 * m + (1 - h.beta1) * d if h.nesterov else m).astype(g.dtype))
         new_state = ShampooState(

@@ -117,6 +117,24 @@ def test_state_dtypes_survive_an_update_under_float64(name):
     assert after == before
 
 
+@pytest.mark.parametrize("name", EVERY)
+def test_weight_decay_never_touches_stacked_norm_scales_or_biases(name):
+    """issue 34 item 1: with zero gradients an update is weight decay alone; a scan-stacked norm scale
+    ``(layers, d)`` and the MoE router bias ``(layers, experts)`` must not move, kernels must."""
+    if name == "lopt":
+        pytest.skip("no weight decay: its learned step moves every leaf")
+    fields = {}
+    if name in registry.OPTIMIZERS and "weight_decay" in spec.defaults(registry.spec_class(name)):
+        fields["weight_decay"] = 0.1
+    tx = build(name, **fields)
+    p = dict(params(), router={"bias": jnp.ones((LAYERS, 4))})
+    zeros = jax.tree.map(jnp.zeros_like, p)
+    updates, _ = jax.jit(lambda g, s, p: tx.update(g, s, p, **extra_args(name)))(zeros, tx.init(p), p)
+    assert not np.asarray(updates["attn_norm"]["scale"]).any() and not np.asarray(updates["router"]["bias"]).any()
+    if fields or name == "quantize_state":  # decay reaches the update (cautious masks it with g = 0)
+        assert np.asarray(updates["embed"]["embedding"]).any()
+
+
 @pytest.mark.parametrize("name", ["demo", "shampoo", "soap"])
 def test_a_wrong_shaped_gradient_is_named_at_trace_time(name):
     """issue 34 item 11: SOAP raised ``KeyError: 'b5'``, DeMo reshaped a transposed gradient silently.

@@ -57,13 +57,13 @@ import optax
 
 from optim import common, labels
 from optim import quantization as qz
-from optim.quantize_state_fused import KERNELS, Fused, fused_steps
+from optim.quantize_state_fused import Fused, fused_steps
 
 NONNEGATIVE_FIELDS: tuple[str, ...] = ("nu", "nu_max", "v", "exp_avg_sq", "graft_nu")
 DEFAULT_BLOCK = {8: 256, 4: 128}
 STATIC_ARGS = ("bits", "block_size", "min_size")
 
-__all__ = ["DEFAULT_BLOCK", "KERNELS", "NONNEGATIVE_FIELDS", "STATIC_ARGS", "Fused", "QuantizedState", "default_mask", "quantize_state"]
+__all__ = ["Fused", "QuantizedState", "STATIC_ARGS", "default_mask", "quantize_state"]  # Fused: re-exported
 
 
 class QuantizedState(NamedTuple):

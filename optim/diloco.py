@@ -132,7 +132,8 @@ def _warm_start(warm_start_steps: int, axis_name: str | None):
 
 
 def _outer_init(params: optax.Params) -> tuple[optax.Params, optax.Params]:
-    as_f32 = lambda p: jnp.array(p, jnp.float32, copy=True)  # noqa: E731  # never the parameter's own buffer
+    # A copy even of a float32 parameter: the state must never alias the parameter's buffer.
+    as_f32 = lambda p: jnp.array(p, jnp.float32, copy=True)  # noqa: E731
     return jax.tree.map(as_f32, params), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
 

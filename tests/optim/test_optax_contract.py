@@ -169,12 +169,16 @@ def test_inject_hyperparams_with_the_declared_static_args(name):
     assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
 
 
-def test_inject_hyperparams_names_the_argument_to_make_static():
-    """A shape-setting argument injected anyway gets an error naming it and ``static_args``."""
-    fn = spec.function(registry.spec_class("powersgd"), name="powersgd")
-    tx = optax.inject_hyperparams(fn, static_args=())(rank=2)
+@pytest.mark.parametrize("name, arg", [("powersgd", "rank"), ("diloco", "sync_every"), ("quantize_state", "bits")])
+def test_inject_hyperparams_names_the_argument_to_make_static(name, arg):
+    """An argument that sets shapes or the schedule, injected anyway, gets an error naming it and
+    ``static_args`` (was a raw TracerBoolConversionError / unhashable-type error)."""
+    if name in WRAPPERS:
+        tx = optax.inject_hyperparams(WRAPPERS[name][0], static_args=())(build("adamw"), bits=8)
+    else:
+        tx = optax.inject_hyperparams(spec.function(registry.spec_class(name), name=name), static_args=())(**{arg: 2})
     p = params()
-    with pytest.raises(ValueError, match="rank.*static_args"):
+    with pytest.raises(ValueError, match=f"{arg}.*static_args"):
         jax.jit(tx.update)(grads_like(p), tx.init(p), p)
 
 

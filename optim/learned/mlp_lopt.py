@@ -170,8 +170,10 @@ def scale_by_mlp_lopt(
         return [feat.tensor_axes(path, tuple(x.shape)) for path, x in jax.tree_util.tree_leaves_with_path(tree)]
 
     def init_fn(params):
-        leaves = jax.tree.leaves(params)
-        accs = [feat.init_accumulators(p, num_momenta, num_adafactor, a) for p, a in zip(leaves, tensor_axes(params), strict=True)]
+        accs = [
+            feat.init_accumulators(p, num_momenta, num_adafactor, axes)
+            for p, axes in zip(jax.tree.leaves(params), tensor_axes(params), strict=True)
+        ]
         treedef = jax.tree.structure(params)
         tree = lambda leaves: jax.tree.unflatten(treedef, list(leaves))  # noqa: E731
         return MLPLOptState(

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optim import common, cross_replica, labels, spec
+from optim import common, cross_replica, labels, shapes, spec
 
 
 class DiLoCoState(NamedTuple):
@@ -189,6 +189,7 @@ def _diloco(
     def update_fn(grads, state, params=None, **extra_args):
         if params is None:
             raise ValueError("diloco needs params: call update(grads, state, params)")
+        shapes.check_like(grads, state.outer_momentum, "diloco")
         local, inner_state = _inner_step(inner, warm_gradients(grads, state.count), state.inner, params, extra_args)
         count = state.count + 1
         theta = warm_outer(state.outer_params, local, count)
@@ -311,6 +312,7 @@ def _streaming_diloco(
     def update_fn(grads, state, params=None, **extra_args):
         if params is None:
             raise ValueError("streaming_diloco needs params: call update(grads, state, params)")
+        shapes.check_like(grads, state.outer_momentum, "streaming_diloco")
         local, inner_state = _inner_step(inner, warm_gradients(grads, state.count), state.inner, params, extra_args)
         count = state.count + 1
         rounds = count - warm_start_steps  # fragment schedules start after the warm start

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optim import common, labels, spec
+from optim import common, labels, shapes, spec
 from optim import newton_schulz as ns
 
 MOMENTUM_FORMS = ("ema", "sum")
@@ -224,6 +224,7 @@ def scale_by_muon_core(
 
     def update_fn(updates, state, params=None):
         del params
+        shapes.check_like(updates, state.mu, "muon")
         grads, treedef = jax.tree.flatten(updates)
         axes = treedef.flatten_up_to(ns.matrix_axes_tree(updates, h.dimension_numbers))
         new_fields = {}

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optim import labels, spec
+from optim import labels, shapes, spec
 from optim.learned import features as feat
 
 INITIAL_DECAYS = feat.Decays(momentum=(0.9, 0.99, 0.999), rms=(0.999,), adafactor=(0.9, 0.99, 0.999))
@@ -188,6 +188,7 @@ def scale_by_mlp_lopt(
         del loss, extra_args  # per-element features only, as in the reference
         if params is None:
             raise ValueError("the learned optimizer reads the parameters: call update(grads, state, params)")
+        shapes.check_like(updates, state.nu, "lopt")
         treedef = jax.tree.structure(updates)
         grads, ps = treedef.flatten_up_to(updates), treedef.flatten_up_to(params)
         mus = [treedef.flatten_up_to(m) for m in state.mu]

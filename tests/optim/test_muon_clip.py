@@ -161,7 +161,7 @@ def test_errors_name_the_fix():
     normed = {"blocks": {"attn": dict(params["blocks"]["attn"], q_norm={"scale": jnp.ones((2, 4))})}}
     with pytest.raises(ValueError, match="qk_norm=False"):
         qk_clip(normed, jnp.ones((2, 4)))
-    with pytest.raises(ValueError, match="no 'q_proj/kernel'"):
+    with pytest.raises(ValueError, match=r"no query \(q_proj or q_up\)"):
         qk_clip({"w": jnp.ones((4, 4))}, jnp.ones((4,)))
 
 

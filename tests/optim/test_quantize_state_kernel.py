@@ -49,7 +49,7 @@ def test_kernel_path_equals_xla_path_over_steps():
                 np.testing.assert_allclose(a, b, rtol=1e-6)
         p_xla, p_pallas = optax.apply_updates(p_xla, u_xla), optax.apply_updates(p_pallas, u_pallas)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), p_xla, p_pallas)
-    assert qz.is_quantized(s_pallas.inner[0].mu["b"]) and not qz.is_quantized(s_pallas.inner[0].mu["s"])
+    assert qz.is_quantized(s_pallas.view()[0].mu["b"]) and not qz.is_quantized(s_pallas.view()[0].mu["s"])
 
 
 def test_auto_falls_back_to_xla_without_a_kernel_or_a_rule():

@@ -163,7 +163,9 @@ def injected(name: str, **fields) -> optax.GradientTransformationExtraArgs:
     cls = registry.spec_class(name)
     fn = spec.function(cls, name=name)
     kwargs = {**REQUIRED.get(name, {}), **fields}
-    if not issubclass(cls, spec.WrapperSpec):
+    if issubclass(cls, spec.WrapperSpec):
+        kwargs.setdefault("inner", build(cls.default_inner))
+    else:
         kwargs.setdefault("learning_rate", spec.defaults(cls)["learning_rate"])
     return optax.with_extra_args_support(optax.inject_hyperparams(fn, static_args=cls.static_args)(**kwargs))
 

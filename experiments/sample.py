@@ -6,7 +6,9 @@ r"""Samples text from a training run's checkpoint, decoding with a KV cache.
 Reads the run's ``config.json``, rebuilds its model and optimizer (a checkpoint holds both), restores
 the newest checkpoint (or ``--step``) onto one device and prints each sample. Sampling is
 `lm.sampling`: temperature (0: greedy), then top-k, then top-p. A sample starts a new document (the
-prompt follows an end-of-document token, as every document does in training) and ends at the next one.
+prompt follows the document separator, as every document does in training) and ends at the next one.
+Text is encoded and decoded with the run's tokenizer: byte-level for the text corpus, the one the
+training shards' manifest names otherwise (``--tokenizer`` names it where the manifest's path is gone).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from absl import app, flags
 
 from experiments import checkpointing, cli, run_spec, train_lib
 from lm import model as model_lib
-from lm import sampling, tokenizer
+from lm import input_pipeline, sampling, tokenizer
 from sharding import partition
 
 
@@ -53,6 +55,17 @@ def load_params(workdir: str | Path, step: int | None = None) -> tuple[model_lib
     return spec.model_def, state["params"], saved_step
 
 
+def load_tokenizer(workdir: str | Path, spec: str | None = None) -> tokenizer.Tokenizer:
+    """The tokenizer ``spec`` names, else the one the run in ``workdir`` trained with (`input_pipeline.run_tokenizer`)."""
+    try:
+        if spec:
+            return tokenizer.load(spec)
+        config = ml_collections.ConfigDict(json.loads((Path(workdir) / "config.json").read_text()))
+        return input_pipeline.run_tokenizer(config.data)
+    except ValueError as e:
+        raise cli.UsageError(f"{e} (--tokenizer=FILE)") from e
+
+
 def sample(
     model_def: model_lib.ModelDef,
     params: model_lib.Params,
@@ -64,9 +77,15 @@ def sample(
     top_k: int = 0,
     top_p: float = 0.95,
     seed: int = 0,
+    tok: tokenizer.Tokenizer | None = None,
 ) -> list[str]:
-    """``num_samples`` continuations of ``prompt`` as text, each cut at the first end-of-document token."""
-    prefix = np.concatenate([[tokenizer.EOS], tokenizer.encode(prompt)]).astype(np.int32)
+    """``num_samples`` continuations of ``prompt`` as text, each cut at the first document separator.
+
+    ``tok`` encodes the prompt and decodes the samples (default: byte-level); only its ids are sampled.
+    """
+    tok = tok or tokenizer.load("bytes")
+    separator = tok.separator_id
+    prefix = np.concatenate([[] if separator is None else [separator], tok.encode(prompt)]).astype(np.int32)
     try:
         generate = sampling.make_generate(
             model_def,
@@ -74,15 +93,15 @@ def sample(
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
-            valid_vocab=tokenizer.VOCAB_SIZE,
+            valid_vocab=tok.vocab_size,
         )
         tokens = generate(params, jnp.asarray(np.tile(prefix, (num_samples, 1))), jax.random.key(seed))
     except ValueError as e:
         raise cli.UsageError(str(e)) from e
     texts = []
     for row in np.asarray(tokens)[:, len(prefix) :]:
-        end = np.flatnonzero(row == tokenizer.EOS)
-        texts.append(prompt + tokenizer.decode(row[: end[0]] if end.size else row))
+        end = np.flatnonzero(row == separator) if separator is not None else np.array([], int)
+        texts.append(prompt + tok.decode(row[: end[0]] if end.size else row))
     return texts
 
 
@@ -93,6 +112,7 @@ def main(argv: list[str]) -> None:
     cli.quiet_logging(f.verbose)
     try:
         model_def, params, step = load_params(f.workdir, f.step)
+        tok = load_tokenizer(f.workdir, f.tokenizer)
         texts = sample(
             model_def,
             params,
@@ -103,6 +123,7 @@ def main(argv: list[str]) -> None:
             top_k=f.top_k,
             top_p=f.top_p,
             seed=f.seed,
+            tok=tok,
         )
     except cli.UsageError as e:
         cli.usage_exit(str(e))
@@ -116,7 +137,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("step", None, "Checkpoint step to sample from; default: the newest.")
     flags.DEFINE_string("prompt", "def ", "Text the samples continue.")
     flags.DEFINE_integer("num_samples", 1, "Number of samples (one batch).")
-    flags.DEFINE_integer("max_new_tokens", 200, "Tokens (bytes) generated per sample.")
+    flags.DEFINE_integer("max_new_tokens", 200, "Tokens generated per sample (bytes for a byte-level run).")
+    flags.DEFINE_string("tokenizer", None, "Tokenizer file to encode / decode with; default: the run's (bytes, or its shards' manifest's).")
     flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 is greedy decoding.")
     flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens; 0 keeps all.")
     flags.DEFINE_float("top_p", 0.95, "Keep the smallest set of most likely tokens with this much probability; 1 keeps all.")

@@ -10,6 +10,7 @@ import pytest
 from experiments import cli, sample, trainer
 from experiments.configs import default
 from experiments.metrics_io import read_metrics
+from lm import tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +62,16 @@ def test_the_command_line_prints_the_sample_without_library_logs(mla_run):
     assert result.returncode == 0, result.stderr
     assert result.stderr.splitlines() == [f"# {mla_run}, checkpoint step 8"]
     assert result.stdout.startswith("----- sample 0 -----\ndef ")
+
+
+def test_samples_decode_with_the_given_tokenizer(mla_run):
+    """A tokenizer other than bytes encodes the prompt and decodes the sample (here a byte-level one whose
+    vocabulary stops short of the specials, so the sample is plain UTF-8 bytes and has no separator to end at)."""
+    model_def, params, _ = sample.load_params(mla_run)
+    plain = tokenizer.Tokenizer(
+        name="plain-bytes", vocab_size=256, bos_id=None, eos_id=None, fingerprint="",
+        _encode=lambda text: list(text.encode()), _decode=lambda ids: bytes(ids).decode(errors="replace"),
+    )  # fmt: skip
+    texts = sample.sample(model_def, params, "def ", num_samples=2, max_new_tokens=8, temperature=1.0, tok=plain)
+    assert all(t.startswith("def ") for t in texts)
+    assert all(len(t.encode()) == 4 + 8 for t in texts if "\ufffd" not in t)  # no early stop without a separator

@@ -34,12 +34,13 @@ _RESUMABLE_MODEL_CHANGES = ("attention", "dtype", "remat", "scan_unroll", "track
 
 def model_config(config: ml_collections.ConfigDict) -> model_config_lib.ModelConfig:
     """The `ModelConfig` for ``config.model``: the preset plus every key that is set (the vocabulary, when
-    unset, from the manifest of ``data.train_files`` if they have one; the document separator with
-    ``data.document_mask``)."""
+    unset, from the manifest of ``data.train_files`` if they have one; the document separator, when
+    unset, from ``data.document_mask``)."""
     overrides = {k: v for k, v in config.model.items() if k != "preset" and v is not None}
     if "vocab_size" not in overrides and (vocab_size := input_pipeline.manifest_vocab_size(config.data)) is not None:
         overrides["vocab_size"] = vocab_size
-    overrides["document_separator"] = input_pipeline.document_separator(config.data)
+    if "document_separator" not in overrides:
+        overrides["document_separator"] = input_pipeline.document_separator(config.data)
     return model_config_lib.from_preset(config.model.preset, **overrides)
 
 

@@ -37,6 +37,13 @@ CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
+# The ModelConfig fields a transformers config.json decides (the rest say how to compute, not what).
+CONFIG_FIELDS = (
+    "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "max_seq_len", "rope_theta",
+    "norm_eps", "tie_embeddings", "qk_norm", "attention_type", "n_experts", "experts_per_token", "n_shared_experts",
+    "moe_every", "first_dense_layers", "expert_mlp_dim", "router_score", "normalize_router_weights",
+)  # fmt: skip
+
 _LLAMA, _QWEN3, _MIXTRAL = "LlamaForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM"
 _MODEL_TYPES = {_LLAMA: "llama", _QWEN3: "qwen3", _MIXTRAL: "mixtral"}
 

@@ -1,0 +1,145 @@
+"""A training run exported as a transformers checkpoint, trained on from it, and evaluated.
+
+One small Qwen3-shaped run (QK-norm) on 8 CPU devices; the export, the import into a new run and
+the evaluations all read it.
+"""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import cli, evaluate, export_hf, sample, trainer
+from experiments.configs import default
+from lm import hf
+from lm import model as model_lib
+
+REPO = Path(evaluate.__file__).parents[1]
+TASK = REPO / "tests" / "data" / "eval" / "synthetic_choice.jsonl"
+MODEL = {"model.n_layers": 2, "model.d_model": 64, "model.mlp_dim": 128, "model.head_dim": 16, "model.qk_norm": True}
+
+
+def _config(**overrides):
+    config = default.get_config()
+    config.update_from_flattened_dict(
+        {"steps": 4, "batch_size": 8, "data.seq_len": 32, "eval_every": 4, "eval_batches": 2, "log_every": 1,
+         "checkpoint_every": 4, "optimizer.warmup_steps": 1, **overrides}
+    )  # fmt: skip
+    return config
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("run")
+    trainer.run(_config(**MODEL), workdir)
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def exported(run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export")
+    export_hf.export(run, out, max_shard_bytes=100_000)
+    return out
+
+
+def test_the_export_is_the_runs_model(run, exported):
+    assert json.loads((exported / hf.CONFIG).read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert (exported / hf.INDEX_FILE).is_file()
+    model_def, params, step = sample.load_params(run)
+    hf_def, hf_params = model_lib.from_hf(exported)
+    assert step == 4 and hf_def.config == model_def.config
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(hf_params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_run_starts_from_the_export(run, exported, tmp_path):
+    config = _config(**{"init_from_hf": str(exported), "optimizer.learning_rate": 0.0, "steps": 2, "checkpoint_every": 2})
+    trainer.run(config, tmp_path)
+    _, start, _ = sample.load_params(tmp_path)
+    _, trained, _ = sample.load_params(run)
+    for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(trained), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_run_that_contradicts_the_checkpoint_is_refused(exported, tmp_path):
+    with pytest.raises(cli.UsageError, match=r"model.d_model=96 \(config.json: 64\)"):
+        trainer.run(_config(**{"init_from_hf": str(exported), "model.d_model": 96}), tmp_path)
+
+
+def test_validation_bits_per_byte_match_training(run):
+    summary = json.loads((run / "summary.json").read_text())
+    results = evaluate.evaluate(workdir=str(run), batch_size=8)
+    assert math.isclose(results["val_loss"], summary["final_val_loss"], rel_tol=1e-5)
+    assert math.isclose(results["val_bits_per_byte"], summary["final_val_loss"] / math.log(2), rel_tol=1e-5)
+
+
+def _one_device_log_likelihood(model_def, params, tokens, n_scored):
+    """Log-likelihood of the last ``n_scored`` tokens of ``tokens``, one unpadded row on one device."""
+    params = jax.device_put(params, jax.devices()[0])
+    logits = model_lib.apply(model_def, params, jnp.asarray(tokens[None, :-1]))[0]
+    logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+    return sum(logp[t - 1, tokens[t]] for t in range(len(tokens) - n_scored, len(tokens)))
+
+
+def test_multiple_choice_equals_unbatched_scoring_of_each_choice(exported):
+    scorer = evaluate.from_hf(exported)
+    assert scorer.batch_shards == 8
+    questions = evaluate.read_questions(TASK)
+    results = evaluate.multiple_choice(scorer, questions, batch_size=5)
+    tok, sep = scorer.tokenizer, scorer.tokenizer.separator_id
+    correct = correct_norm = 0
+    for q in questions:
+        scores = []
+        for choice in q.choices:
+            answer = tok.encode(choice)
+            tokens = np.concatenate([[sep], tok.encode(q.context), answer]).astype(np.int32)
+            scores.append(_one_device_log_likelihood(scorer.model_def, scorer.params, tokens, len(answer)))
+        scores = np.array(scores)
+        correct += int(np.argmax(scores) == q.label)
+        correct_norm += int(np.argmax(scores / [len(c.encode()) for c in q.choices]) == q.label)
+    n = len(questions)
+    assert results["n"] == n and results["acc"] == correct / n and results["acc_norm"] == correct_norm / n
+    assert results["acc_stderr"] == pytest.approx(math.sqrt(correct / n * (1 - correct / n) / n))
+
+
+def test_text_bits_per_byte_of_the_run_and_its_export_agree(run, exported, tmp_path):
+    text = tmp_path / "text.py"
+    text.write_text("def f(x):\n    return x * 2  # ünï\n" * 6)
+    ours = evaluate.evaluate(workdir=str(run), text=str(text), seq_len=24, batch_size=4)["text_bits_per_byte"]
+    theirs = evaluate.evaluate(hf_dir=str(exported), text=str(text), seq_len=24, batch_size=4)["text_bits_per_byte"]
+    scorer = evaluate.from_hf(exported)
+    stream = np.concatenate([[scorer.tokenizer.separator_id], scorer.tokenizer.encode(text.read_text())]).astype(np.int32)
+    assert len(stream) > 3 * 24  # several windows, the last one short
+    windows = [stream[start : start + 25] for start in range(0, len(stream) - 1, 24)]
+    nats = -sum(_one_device_log_likelihood(scorer.model_def, scorer.params, w, len(w) - 1) for w in windows)
+    assert ours == pytest.approx(theirs, rel=1e-5)
+    assert ours == pytest.approx(nats / math.log(2) / len(text.read_bytes()), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [('{"context": "a", "choices": ["b"], "label": 0}', "needs >= 2 choices"), ("not json", "line 1 is not")],
+)
+def test_a_malformed_task_line_is_named(tmp_path, line, message):
+    path = tmp_path / "task.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(cli.UsageError, match=message):
+        evaluate.read_questions(path)
+
+
+def test_the_command_lines_export_and_evaluate(run, tmp_path):
+    out = tmp_path / "hf"
+    args = [sys.executable, "-m", "experiments.export_hf", f"--workdir={run}", f"--out={out}"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(out / hf.CONFIG), str(out / hf.SINGLE_FILE)]
+    args = [sys.executable, "-m", "experiments.evaluate", f"--hf={out}", f"--tasks={TASK}", "--batch_size=8"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["synthetic_choice"]["n"] == 12

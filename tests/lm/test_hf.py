@@ -206,3 +206,19 @@ def test_a_wrong_shape_or_missing_tensor_is_named(tmp_path):
     save_file(tensors, tmp_path / hf.SINGLE_FILE)
     with pytest.raises(hf.CheckpointMismatch, match="lacks tensor model.layers.1.mlp.up_proj.weight"):
         model_lib.from_hf(tmp_path)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_transformers_itself_gives_our_logits(name, tmp_path):
+    """Runs only where torch and transformers are installed (the suite does not need them)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = CONFIGS[name]
+    params = _params(cfg)
+    hf.save(tmp_path, cfg, params)
+    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 12))
+    with torch.no_grad():
+        theirs = theirs_model(torch.tensor(tokens)).logits.numpy()
+    ours = np.asarray(model_lib.apply(model_lib.define(cfg), params, jax.numpy.asarray(tokens)))
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)

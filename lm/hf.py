@@ -9,10 +9,14 @@ Each of our parameter leaves maps to one or more transformers tensors (`Source`)
 
 The architecture follows from the config (`architecture`): Llama for dense grouped-query attention,
 Qwen3 when QK-norm is on (``self_attn.{q,k}_norm``), Mixtral for a routed MoE in every block without
-shared experts (``block_sparse_moe.gate``, ``experts.{j}.w1`` gate / ``w3`` up / ``w2`` down). Both
-sides rotate halves in RoPE (pairs ``(x_i, x_{i + d/2})``, transformers' ``rotate_half``), so query
-and key rows keep their order. Anything else has no transformers equivalent here and is an
-`UnsupportedArchitecture` naming the difference.
+shared experts (``block_sparse_moe.gate``, ``experts.{j}.w1`` gate / ``w3`` up / ``w2`` down),
+DeepSeek-V2 for multi-head latent attention, dense or MoE (``mlp.gate``, ``mlp.experts.{j}.*_proj``,
+``mlp.shared_experts``, dense blocks before ``first_k_dense_replace``). Llama, Qwen3 and Mixtral
+rotate halves in RoPE (pairs ``(x_i, x_{i + d/2})``, transformers' ``rotate_half``) as we do, so
+their query and key rows keep their order; DeepSeek-V2 rotates adjacent pairs ``(x_{2i}, x_{2i+1})``,
+so the RoPE rows of its query and key projections are permuted (`_interleaved`). Its
+``kv_a_proj_with_mqa`` and ``kv_b_proj`` each hold two of our leaves (`Source.rows`). Anything else
+has no transformers equivalent here and is an `UnsupportedArchitecture` naming the difference.
 """
 
 from __future__ import annotations
@@ -41,11 +45,12 @@ INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FIELDS = (
     "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "max_seq_len", "rope_theta",
     "norm_eps", "tie_embeddings", "qk_norm", "attention_type", "n_experts", "experts_per_token", "n_shared_experts",
-    "moe_every", "first_dense_layers", "expert_mlp_dim", "router_score", "normalize_router_weights",
+    "moe_every", "first_dense_layers", "expert_mlp_dim", "router_score", "normalize_router_weights", "kv_lora_rank",
+    "q_lora_rank", "rope_head_dim", "v_head_dim",
 )  # fmt: skip
 
-_LLAMA, _QWEN3, _MIXTRAL = "LlamaForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM"
-_MODEL_TYPES = {_LLAMA: "llama", _QWEN3: "qwen3", _MIXTRAL: "mixtral"}
+_LLAMA, _QWEN3, _MIXTRAL, _DEEPSEEK = "LlamaForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM", "DeepseekV2ForCausalLM"
+_MODEL_TYPES = {_LLAMA: "llama", _QWEN3: "qwen3", _MIXTRAL: "mixtral", _DEEPSEEK: "deepseek_v2"}
 
 
 class UnsupportedArchitecture(ValueError):
@@ -64,12 +69,16 @@ class Source:
       names: the tensor names, an array shaped like the leaf's stacked leading axes (``layers`` under
         ``scan_layers``, then ``experts``); 0-d for an unstacked leaf.
       transpose: each tensor is the transpose of the leaf's trailing matrix (a Linear weight).
+      rows: None, or row ``k`` of the leaf's matrix (transposed where ``transpose``) is row ``rows[k]``
+        of each tensor: a tensor shared by several leaves, or rows in another order.
     """
 
     names: np.ndarray
     transpose: bool
+    rows: np.ndarray | None = None
 
-    def tensor_shape(self, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
+    def oriented_shape(self, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the leaf's part of one tensor, in the tensor's orientation."""
         inner = leaf_shape[self.names.ndim :]
         return inner[::-1] if self.transpose else inner
 
@@ -79,11 +88,8 @@ class Source:
 
 def architecture(cfg: ModelConfig) -> str:
     """The transformers architecture of ``cfg`` (``LlamaForCausalLM``, ...); raises where there is none."""
-    if cfg.attention_type != "gqa":
-        raise UnsupportedArchitecture(
-            "model.attention_type=mla (DeepSeek-V2's multi-head latent attention) has no converter yet; "
-            "only grouped-query attention models (Llama, Qwen3, Mixtral) convert"
-        )
+    if cfg.attention_type == "mla":
+        return _deepseek_architecture(cfg)
     if not cfg.n_experts:
         return _QWEN3 if cfg.qk_norm else _LLAMA
     differences = []
@@ -101,6 +107,17 @@ def architecture(cfg: ModelConfig) -> str:
     if differences:
         raise UnsupportedArchitecture(f"this MoE model has no transformers equivalent: {'; '.join(differences)}")
     return _MIXTRAL
+
+
+def _deepseek_architecture(cfg: ModelConfig) -> str:
+    differences = []
+    if cfg.n_experts and cfg.router_score != "softmax":
+        differences.append("DeepSeek-V2 scores experts with a softmax: set model.router_score=softmax")
+    if cfg.n_experts and cfg.moe_every != 1:
+        differences.append("DeepSeek-V2 places MoE blocks by first_k_dense_replace only: set model.moe_every=1")
+    if differences:
+        raise UnsupportedArchitecture(f"this MLA model has no transformers equivalent: {'; '.join(differences)}")
+    return _DEEPSEEK
 
 
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -136,6 +153,29 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
             "num_local_experts": cfg.n_experts,
             "num_experts_per_tok": cfg.experts_per_token,
             "sliding_window": None,
+        }
+    if arch == _DEEPSEEK:
+        del out["head_dim"]
+        moe = cfg.n_experts > 0
+        out |= {
+            "num_key_value_heads": cfg.n_heads,
+            "kv_lora_rank": cfg.kv_lora_rank,
+            "q_lora_rank": cfg.q_lora_rank or None,
+            "qk_nope_head_dim": cfg.head_dim,
+            "qk_rope_head_dim": cfg.rope_head_dim,
+            "v_head_dim": cfg.value_head_dim,
+            "n_routed_experts": cfg.n_experts if moe else None,
+            "n_shared_experts": (cfg.n_shared_experts or None) if moe else None,
+            "num_experts_per_tok": cfg.experts_per_token if moe else None,
+            "moe_intermediate_size": cfg.expert_mlp_dim or cfg.mlp_dim,
+            "first_k_dense_replace": cfg.first_dense_layers if moe else cfg.n_layers,
+            "moe_layer_freq": 1,
+            "norm_topk_prob": cfg.normalize_router_weights,
+            "routed_scaling_factor": 1.0,
+            "scoring_func": "softmax",
+            "topk_method": "greedy",
+            "n_group": 1,
+            "topk_group": 1,
         }
     return out
 
@@ -192,31 +232,116 @@ def from_hf_config(hf: dict[str, Any], where: str = CONFIG, **overrides: Any) ->
             expert_mlp_dim=fields["mlp_dim"],
             normalize_router_weights=True,
         )
+    if arch == _DEEPSEEK:
+        fields |= _deepseek_fields(hf, where)
     return ModelConfig(**(fields | overrides))
+
+
+def _deepseek_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """The MLA and MoE fields of a DeepSeek-V2 ``config.json``."""
+    n_heads = hf["num_attention_heads"]
+    fields = dict(
+        attention_type="mla",
+        n_kv_heads=n_heads,
+        head_dim=_require(hf, "qk_nope_head_dim", where),
+        rope_head_dim=_require(hf, "qk_rope_head_dim", where),
+        v_head_dim=_require(hf, "v_head_dim", where),
+        kv_lora_rank=_require(hf, "kv_lora_rank", where),
+        q_lora_rank=hf.get("q_lora_rank") or 0,
+    )
+    if not hf.get("n_routed_experts"):
+        return fields
+    problems = []
+    if hf.get("scoring_func", "softmax") != "softmax":
+        problems.append(f"scoring_func={hf['scoring_func']!r} (ours: softmax for DeepSeek-V2)")
+    if hf.get("topk_method", "greedy") != "greedy" and hf.get("topk_group", 1) < hf.get("n_group", 1):
+        problems.append(f"topk_method={hf['topk_method']!r} with topk_group < n_group (ours chooses experts greedily)")
+    if hf.get("routed_scaling_factor", 1.0) != 1.0:
+        problems.append(f"routed_scaling_factor={hf['routed_scaling_factor']} (ours does not scale the gates)")
+    if hf.get("moe_layer_freq", 1) != 1:
+        problems.append(f"moe_layer_freq={hf['moe_layer_freq']} (ours: MoE from first_k_dense_replace on)")
+    if problems:
+        raise UnsupportedArchitecture(f"{where} describes a model ours does not compute: {'; '.join(problems)}")
+    first_dense = hf.get("first_k_dense_replace", 0)
+    return fields | dict(
+        n_experts=hf["n_routed_experts"],
+        experts_per_token=_require(hf, "num_experts_per_tok", where),
+        n_shared_experts=hf.get("n_shared_experts") or 0,
+        expert_mlp_dim=_require(hf, "moe_intermediate_size", where),
+        first_dense_layers=first_dense,
+        normalize_router_weights=bool(hf.get("norm_topk_prob", False)),
+        scan_layers=first_dense == 0,
+    )
 
 
 # ------------------------------------------------------------------------------------ tensor names
 
 
-def _block(cfg: ModelConfig, moe: bool) -> dict[Path_, tuple[str, bool] | None]:
-    """A block's leaves -> ``(name under model.layers.{i}, transpose)``; ``{j}`` is the expert; None: not stored."""
-    out: dict[Path_, tuple[str, bool] | None] = {
-        ("attn_norm", "scale"): ("input_layernorm.weight", False),
-        ("mlp_norm", "scale"): ("post_attention_layernorm.weight", False),
-    }
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        out[("attn", proj, "kernel")] = (f"self_attn.{proj}.weight", True)
-    if cfg.qk_norm:
-        out[("attn", "q_norm", "scale")] = ("self_attn.q_norm.weight", False)
-        out[("attn", "k_norm", "scale")] = ("self_attn.k_norm.weight", False)
-    if moe:
-        out[("mlp", "router", "kernel")] = ("block_sparse_moe.gate.weight", True)
-        out[("mlp", "router", "bias")] = None  # selection-only bias: Mixtral has none, so it must be zero
-        for ours, theirs in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2")):
-            out[("mlp", ours)] = (f"block_sparse_moe.experts.{{j}}.{theirs}.weight", True)
+Entry = tuple[str, bool, np.ndarray | None] | None  # (name under model.layers.{i}, transpose, rows); None: not stored
+
+
+def _interleaved(d: int) -> np.ndarray:
+    """Row ``k`` of our rotate-half RoPE projection is row ``perm[k]`` of DeepSeek's, which rotates pairs ``(2i, 2i + 1)``."""
+    return np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
+
+
+def _per_head(n_heads: int, width: int, rows: np.ndarray) -> np.ndarray:
+    """``rows`` of each head's ``width`` rows, head after head."""
+    return np.concatenate([h * width + rows for h in range(n_heads)])
+
+
+def _mla(cfg: ModelConfig) -> dict[Path_, Entry]:
+    """DeepSeek-V2's attention names: ``kv_a_proj_with_mqa`` holds our latent and RoPE-key projections
+    (rows ``[latent; rope key]``), ``kv_b_proj`` our key and value up-projections (per head ``[key; value]``)."""
+    h, dn, dr, dv, r = cfg.n_heads, cfg.head_dim, cfg.rope_head_dim, cfg.value_head_dim, cfg.kv_lora_rank
+    q_rows = _per_head(h, dn + dr, np.concatenate([np.arange(dn), dn + _interleaved(dr)]))
+    out: dict[Path_, Entry] = {}
+    if cfg.q_lora_rank:
+        out[("attn", "q_down", "kernel")] = ("self_attn.q_a_proj.weight", True, None)
+        out[("attn", "q_norm", "scale")] = ("self_attn.q_a_layernorm.weight", False, None)
+        out[("attn", "q_up", "kernel")] = ("self_attn.q_b_proj.weight", True, q_rows)
     else:
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            out[("mlp", proj, "kernel")] = (f"mlp.{proj}.weight", True)
+        out[("attn", "q_proj", "kernel")] = ("self_attn.q_proj.weight", True, q_rows)
+    out[("attn", "kv_down", "kernel")] = ("self_attn.kv_a_proj_with_mqa.weight", True, np.arange(r))
+    out[("attn", "k_rope_proj", "kernel")] = ("self_attn.kv_a_proj_with_mqa.weight", True, r + _interleaved(dr))
+    out[("attn", "kv_norm", "scale")] = ("self_attn.kv_a_layernorm.weight", False, None)
+    out[("attn", "k_up", "kernel")] = ("self_attn.kv_b_proj.weight", True, _per_head(h, dn + dv, np.arange(dn)))
+    out[("attn", "v_up", "kernel")] = ("self_attn.kv_b_proj.weight", True, _per_head(h, dn + dv, dn + np.arange(dv)))
+    out[("attn", "o_proj", "kernel")] = ("self_attn.o_proj.weight", True, None)
+    return out
+
+
+def _block(cfg: ModelConfig, moe: bool) -> dict[Path_, Entry]:
+    """A block's leaves -> their `Entry`; ``{j}`` in a name is the expert."""
+    out: dict[Path_, Entry] = {
+        ("attn_norm", "scale"): ("input_layernorm.weight", False, None),
+        ("mlp_norm", "scale"): ("post_attention_layernorm.weight", False, None),
+    }
+    if cfg.attention_type == "mla":
+        out |= _mla(cfg)
+    else:
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out[("attn", proj, "kernel")] = (f"self_attn.{proj}.weight", True, None)
+    if cfg.qk_norm:
+        out[("attn", "q_norm", "scale")] = ("self_attn.q_norm.weight", False, None)
+        out[("attn", "k_norm", "scale")] = ("self_attn.k_norm.weight", False, None)
+    dense = ("gate_proj", "up_proj", "down_proj")
+    if not moe:
+        for proj in dense:
+            out[("mlp", proj, "kernel")] = (f"mlp.{proj}.weight", True, None)
+        return out
+    out[("mlp", "router", "bias")] = None  # selection-only bias: Mixtral and DeepSeek-V2 have none, so it must be zero
+    if cfg.attention_type == "mla":
+        out[("mlp", "router", "kernel")] = ("mlp.gate.weight", True, None)
+        experts = zip(("w_gate", "w_up", "w_down"), (f"mlp.experts.{{j}}.{p}.weight" for p in dense), strict=True)
+        for proj in dense if cfg.n_shared_experts else ():
+            out[("mlp", "shared", proj, "kernel")] = (f"mlp.shared_experts.{proj}.weight", True, None)
+    else:
+        out[("mlp", "router", "kernel")] = ("block_sparse_moe.gate.weight", True, None)
+        experts = (("w_gate", "block_sparse_moe.experts.{j}.w1.weight"), ("w_up", "block_sparse_moe.experts.{j}.w3.weight"),
+                   ("w_down", "block_sparse_moe.experts.{j}.w2.weight"))  # fmt: skip
+    for ours, theirs in experts:
+        out[("mlp", ours)] = (theirs, True, None)
     return out
 
 
@@ -239,13 +364,29 @@ def layout(cfg: ModelConfig) -> dict[Path_, Source | None]:
     }
     if not cfg.tie_embeddings:
         out[("lm_head", "kernel")] = Source(one("lm_head.weight"), True)
-    for sub, entry in _block(cfg, moe=cfg.n_experts > 0).items():
-        if cfg.scan_layers:
-            out[("blocks", *sub)] = entry and Source(_names(entry[0], list(range(cfg.n_layers)), cfg.n_experts), entry[1])
-        else:
-            for i in range(cfg.n_layers):
-                out[("blocks", i, *sub)] = entry and Source(_names(entry[0], [i], cfg.n_experts)[0, ...], entry[1])
+    if cfg.scan_layers:  # every block alike
+        for sub, entry in _block(cfg, moe=cfg.n_experts > 0).items():
+            out[("blocks", *sub)] = entry and Source(_names(entry[0], list(range(cfg.n_layers)), cfg.n_experts), *entry[1:])
+    else:
+        for i in range(cfg.n_layers):
+            for sub, entry in _block(cfg, moe=cfg.is_moe_layer(i)).items():
+                out[("blocks", i, *sub)] = entry and Source(_names(entry[0], [i], cfg.n_experts)[0, ...], *entry[1:])
     return out
+
+
+def tensor_shapes(table: dict[Path_, Source | None], leaf_shapes: dict[Path_, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The shape of every transformers tensor the leaves (``leaf_shapes``) map to."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path, source in table.items():
+        if source is None:
+            continue
+        shape = source.oriented_shape(leaf_shapes[path])
+        if source.rows is not None:
+            shape = (int(source.rows.max()) + 1, *shape[1:])
+        for name in source.names.flat:
+            old = shapes.get(name, shape)
+            shapes[name] = (max(old[0], shape[0]), *shape[1:])
+    return shapes
 
 
 def _flat(tree: Params) -> dict[Path_, Any]:
@@ -267,20 +408,25 @@ def _checked_layout(cfg: ModelConfig, params: Params) -> dict[Path_, Source | No
 def to_hf_tensors(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
     """Our parameters as transformers tensors by name (host NumPy arrays, float32)."""
     table = _checked_layout(cfg, params)
+    flat = _flat(params)
+    shapes = tensor_shapes(table, {path: leaf.shape for path, leaf in flat.items()})
     tensors = {}
-    for path, leaf in _flat(params).items():
+    for path, leaf in flat.items():
         value = np.asarray(jax.device_get(leaf), np.float32)
         source = table[path]
         if source is None:
             if np.any(value):
                 raise UnsupportedArchitecture(
                     f"parameter {'.'.join(map(str, path))} is nonzero (the router's selection bias, model.bias_rate > 0); "
-                    "Mixtral routes without it, so the exported model would choose other experts"
+                    f"{architecture(cfg)} routes without it, so the exported model would choose other experts"
                 )
             continue
         for index in np.ndindex(source.names.shape):
-            tensor = value[index]
-            tensors[source.names[index]] = np.ascontiguousarray(tensor.T if source.transpose else tensor)
+            name, part = source.names[index], value[index].T if source.transpose else value[index]
+            if source.rows is None:
+                tensors[name] = np.ascontiguousarray(part)
+            else:
+                tensors.setdefault(name, np.zeros(shapes[name], np.float32))[source.rows] = part
     return tensors
 
 
@@ -376,6 +522,7 @@ def load_params(directory: str | Path, cfg: ModelConfig, abstract: Params, shard
     flat_shardings = _flat(shardings) if shardings is not None else {}
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     flat = _flat(abstract)
+    shapes = tensor_shapes(table, {path: leaf.shape for path, leaf in flat.items()})
     needed = {name for s in table.values() if s is not None for name in s.names.flat}
     missing = sorted(needed - set(weight_map))
     if missing:
@@ -392,9 +539,8 @@ def load_params(directory: str | Path, cfg: ModelConfig, abstract: Params, shard
                 out[path] = jax.jit(lambda s=leaf.shape: jnp.zeros(s, jnp.float32), out_shardings=sharding)()
                 continue
             slices = {name: handles[weight_map[name]].get_slice(name) for name in source.names.flat}
-            expected = source.tensor_shape(leaf.shape)
             for name, tensor in slices.items():
-                if tuple(tensor.get_shape()) != expected:
+                if tuple(tensor.get_shape()) != (expected := shapes[name]):
                     raise CheckpointMismatch(
                         f"tensor {name} in {directory} has shape {tuple(tensor.get_shape())}; the model of its config.json needs {expected}"
                     )
@@ -411,8 +557,13 @@ def _reader(source: Source, slices: dict[str, Any]):
         names = source.names[(*index[:lead], ...)]
         parts = []
         for i in np.ndindex(names.shape):
-            part = slices[names[i]][inner[::-1] if source.transpose else inner]
-            parts.append((part.T if source.transpose else part).astype(np.float32))
+            if source.rows is None:  # read only this shard's slice
+                part = slices[names[i]][inner[::-1] if source.transpose else inner]
+                part = part.T if source.transpose else part
+            else:  # this leaf's rows of a shared or reordered tensor
+                part = slices[names[i]][:][source.rows]
+                part = (part.T if source.transpose else part)[inner]
+            parts.append(part.astype(np.float32))
         return np.stack(parts).reshape(*names.shape, *parts[0].shape)
 
     return read

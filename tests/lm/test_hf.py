@@ -25,6 +25,14 @@ CONFIGS = {
         **SMALL | dict(mlp_dim=16), tie_embeddings=False, n_experts=4, experts_per_token=2, expert_mlp_dim=16,
         normalize_router_weights=True,
     ),
+    "deepseek_v2": config_lib.ModelConfig(  # MLA, a dense first block, routed + shared experts, query LoRA
+        **SMALL | dict(n_layers=3, n_kv_heads=4), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, q_lora_rank=10,
+        rope_head_dim=6, v_head_dim=10, n_experts=4, experts_per_token=2, n_shared_experts=1, expert_mlp_dim=16,
+        first_dense_layers=1, scan_layers=False,
+    ),
+    "deepseek_v2_dense_scanned": config_lib.ModelConfig(  # MLA reads no n_kv_heads: DeepSeek's is n_heads
+        **SMALL | dict(n_kv_heads=4), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, rope_head_dim=6, v_head_dim=8,
+    ),
 }
 
 
@@ -89,6 +97,56 @@ def _attention(x, w, p, c):
     return (probs @ v).transpose(1, 0, 2).reshape(s, nh * hd) @ w[f"{p}.o_proj.weight"].T
 
 
+def _rope_pairs(x, theta):
+    """DeepSeek's RoPE: rotates adjacent pairs ``(x_2i, x_2i+1)`` by ``pos theta^(-2i/d)``."""
+    d = x.shape[-1]
+    angles = np.arange(x.shape[1])[:, None] * (1.0 / theta ** (np.arange(0, d, 2) / d))[None]
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = a * np.cos(angles) - b * np.sin(angles)
+    out[..., 1::2] = a * np.sin(angles) + b * np.cos(angles)
+    return out
+
+
+def _causal_attention(q, k, v):
+    s = q.shape[1]
+    scores = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
+    scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    return (probs / probs.sum(-1, keepdims=True)) @ v
+
+
+def _deepseek_attention(x, w, p, c):
+    s, h, eps = x.shape[0], c["num_attention_heads"], c["rms_norm_eps"]
+    dn, dr, dv, r = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
+    if c["q_lora_rank"]:
+        q = _rms_norm(x @ w[f"{p}.q_a_proj.weight"].T, w[f"{p}.q_a_layernorm.weight"], eps) @ w[f"{p}.q_b_proj.weight"].T
+    else:
+        q = x @ w[f"{p}.q_proj.weight"].T
+    q = q.reshape(s, h, dn + dr).transpose(1, 0, 2)
+    compressed = x @ w[f"{p}.kv_a_proj_with_mqa.weight"].T
+    kv = _rms_norm(compressed[:, :r], w[f"{p}.kv_a_layernorm.weight"], eps) @ w[f"{p}.kv_b_proj.weight"].T
+    kv = kv.reshape(s, h, dn + dv).transpose(1, 0, 2)
+    k_pe = np.broadcast_to(_rope_pairs(compressed[None, :, r:], c["rope_theta"]), (h, s, dr))
+    q = np.concatenate([q[..., :dn], _rope_pairs(q[..., dn:], c["rope_theta"])], axis=-1)
+    k = np.concatenate([kv[..., :dn], k_pe], axis=-1)
+    out = _causal_attention(q, k, kv[..., dn:])
+    return out.transpose(1, 0, 2).reshape(s, h * dv) @ w[f"{p}.o_proj.weight"].T
+
+
+def _deepseek_moe(x, w, p, c):
+    logits = x @ w[f"{p}.gate.weight"].T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = _mlp(x, w, f"{p}.shared_experts") if c["n_shared_experts"] else np.zeros_like(x)
+    for t in range(x.shape[0]):
+        top = np.argsort(-probs[t])[: c["num_experts_per_tok"]]
+        gates = probs[t, top] / probs[t, top].sum() if c["norm_topk_prob"] else probs[t, top]
+        for e, g in zip(top, gates, strict=True):
+            out[t] += g * _mlp(x[t], w, f"{p}.experts.{e}")
+    return out
+
+
 def _mixtral_moe(x, w, p, c):
     logits = x @ w[f"{p}.gate.weight"].T
     probs = np.exp(logits - logits.max(-1, keepdims=True))
@@ -110,9 +168,15 @@ def reference_logits(directory, tokens: np.ndarray) -> np.ndarray:
     x = w["model.embed_tokens.weight"][tokens]
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        x = x + _attention(_rms_norm(x, w[f"{p}.input_layernorm.weight"], eps), w, f"{p}.self_attn", c)
+        attention = _deepseek_attention if c["model_type"] == "deepseek_v2" else _attention
+        x = x + attention(_rms_norm(x, w[f"{p}.input_layernorm.weight"], eps), w, f"{p}.self_attn", c)
         h = _rms_norm(x, w[f"{p}.post_attention_layernorm.weight"], eps)
-        x = x + (_mixtral_moe(h, w, f"{p}.block_sparse_moe", c) if c["model_type"] == "mixtral" else _mlp(h, w, f"{p}.mlp"))
+        if c["model_type"] == "mixtral":
+            x = x + _mixtral_moe(h, w, f"{p}.block_sparse_moe", c)
+        elif c["model_type"] == "deepseek_v2" and c["n_routed_experts"] and i >= c["first_k_dense_replace"]:
+            x = x + _deepseek_moe(h, w, f"{p}.mlp", c)
+        else:
+            x = x + _mlp(h, w, f"{p}.mlp")
     head = w["model.embed_tokens.weight"] if c["tie_word_embeddings"] else w["lm_head.weight"]
     return _rms_norm(x, w["model.norm.weight"], eps) @ head.T
 
@@ -132,7 +196,7 @@ def test_exported_logits_equal_the_transformers_equations(name, tmp_path):
         np.testing.assert_allclose(ours[row], reference_logits(tmp_path, tokens[row]), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3", "mixtral", "deepseek_v2"])
 def test_round_trip_is_bit_identical_and_lands_in_the_run_shardings(name, tmp_path):
     cfg = CONFIGS[name]
     params = _params(cfg, seed=3)
@@ -168,7 +232,7 @@ def test_config_round_trip():
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(attention_type="mla", tie_embeddings=False), "mla"),
+        (dict(attention_type="mla", n_experts=4, router_score="sigmoid"), "DeepSeek-V2 scores experts with a softmax"),
         (dict(n_experts=4, n_shared_experts=1, expert_mlp_dim=16, normalize_router_weights=True), "shared experts"),
         (dict(n_experts=4, expert_mlp_dim=16), "normalize_router_weights"),
     ],

@@ -190,7 +190,7 @@ def from_hf_config(hf: dict[str, Any], where: str = CONFIG, **overrides: Any) ->
     """The `ModelConfig` of a transformers ``config.json`` (``hf``), with ``overrides`` (``dtype``, ``scan_layers``, ...).
 
     Raises:
-      UnsupportedArchitecture: an architecture other than Llama / Qwen3 / Mixtral, or a setting our
+      UnsupportedArchitecture: an architecture other than Llama / Qwen3 / Mixtral / DeepSeek-V2, or a setting our
         model does not compute (RoPE scaling, biases, sliding windows, another activation), named.
     """
     archs = _require(hf, "architectures", where)

@@ -49,6 +49,7 @@ CONFIG_FIELDS = (
     "q_lora_rank", "rope_head_dim", "v_head_dim",
 )  # fmt: skip
 
+_BUFFERS = ("rotary_emb.inv_freq",)  # saved by older transformers versions; recomputed, not parameters
 _LLAMA, _QWEN3, _MIXTRAL, _DEEPSEEK = "LlamaForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM", "DeepseekV2ForCausalLM"
 _MODEL_TYPES = {_LLAMA: "llama", _QWEN3: "qwen3", _MIXTRAL: "mixtral", _DEEPSEEK: "deepseek_v2"}
 
@@ -527,7 +528,7 @@ def load_params(directory: str | Path, cfg: ModelConfig, abstract: Params, shard
     missing = sorted(needed - set(weight_map))
     if missing:
         raise CheckpointMismatch(f"{directory} lacks tensor {missing[0]} ({len(missing)} missing) that the model of its config.json needs")
-    unused = sorted(set(weight_map) - needed)
+    unused = sorted(name for name in set(weight_map) - needed if not name.endswith(_BUFFERS))
     if unused:
         raise CheckpointMismatch(f"{directory} holds tensor {unused[0]} ({len(unused)} in all) that the model of its config.json has no place for")
     out = {}

@@ -4,6 +4,7 @@ One small Qwen3-shaped run (QK-norm) on 8 CPU devices; the export, the import in
 the evaluations all read it.
 """
 
+import hashlib
 import json
 import math
 import subprocess
@@ -143,3 +144,18 @@ def test_the_command_lines_export_and_evaluate(run, tmp_path):
     result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["synthetic_choice"]["n"] == 12
+
+
+def test_the_runs_subword_tokenizer_is_copied_only_while_it_is_the_one_the_shards_were_made_with(tmp_path):
+    source = tmp_path / "bpe" / "tokenizer.json"
+    source.parent.mkdir()
+    source.write_text('{"model": "stand-in"}')
+    manifest = {"tokenizer": str(source.parent), "tokenizer_sha256": hashlib.sha256(source.read_bytes()).hexdigest()}
+    out = tmp_path / "out"
+    out.mkdir()
+    assert export_hf.copy_tokenizer(manifest, out) == out / "tokenizer.json"
+    assert (out / "tokenizer.json").read_bytes() == source.read_bytes()
+    assert export_hf.copy_tokenizer({"tokenizer": "bytes"}, out) is None
+    source.write_text('{"model": "changed since"}')
+    (out / "tokenizer.json").unlink()
+    assert export_hf.copy_tokenizer(manifest, out) is None and not (out / "tokenizer.json").exists()

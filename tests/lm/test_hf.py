@@ -258,10 +258,16 @@ def test_unsupported_transformers_configs_are_named():
         hf.from_hf_config(hf_config | {"architectures": ["GPT2LMHeadModel"]})
 
 
-def test_a_wrong_shape_or_missing_tensor_is_named(tmp_path):
+def test_a_wrong_shape_or_missing_or_extra_tensor_is_named(tmp_path):
     cfg = CONFIGS["llama"]
     hf.save(tmp_path, cfg, _params(cfg))
     tensors = load_file(tmp_path / hf.SINGLE_FILE)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)  # a buffer: ignored
+    save_file(tensors | {"model.layers.0.mlp.extra.weight": np.ones(2, np.float32)}, tmp_path / hf.SINGLE_FILE)
+    with pytest.raises(hf.CheckpointMismatch, match="holds tensor model.layers.0.mlp.extra.weight"):
+        model_lib.from_hf(tmp_path)
+    save_file(tensors, tmp_path / hf.SINGLE_FILE)
+    model_lib.from_hf(tmp_path)
     tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:-1]
     save_file(tensors, tmp_path / hf.SINGLE_FILE)
     with pytest.raises(hf.CheckpointMismatch, match=r"model.layers.1.mlp.up_proj.weight in .* has shape \(47, 32\); .* needs \(48, 32\)"):

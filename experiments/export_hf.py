@@ -6,7 +6,7 @@ r"""Exports a training run's checkpoint as a Hugging Face transformers checkpoin
 Restores the newest checkpoint of ``--workdir`` (or ``--step``) and writes ``config.json`` and
 ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` files of at most ``--max_shard_mb`` and
 their ``model.safetensors.index.json``) in the layout `lm.hf` describes: Llama, Qwen3 (QK-norm),
-Mixtral (routed MoE) or DeepSeek-V2 (MLA). A run trained on shards of a subword tokenizer (their ``manifest.json`` names
+Qwen3-MoE, Mixtral (routed MoE) or DeepSeek-V2 (MLA). A run trained on shards of a subword tokenizer (their ``manifest.json`` names
 it) also gets its tokenizer file (``tokenizer.json``, or ``tokenizer.model`` for SentencePiece) and
 the BOS / EOS ids in ``config.json``. The byte-level tokenizer has no transformers equivalent: such
 an export holds the weights only (token ``i`` is byte ``i``; see `lm.tokenizer`).

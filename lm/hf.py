@@ -8,8 +8,10 @@ Each of our parameter leaves maps to one or more transformers tensors (`Source`)
 - tied embeddings have no ``lm_head.weight`` (``tie_word_embeddings``).
 
 The architecture follows from the config (`architecture`): Llama for dense grouped-query attention,
-Qwen3 when QK-norm is on (``self_attn.{q,k}_norm``), Mixtral for a routed MoE in every block without
-shared experts (``block_sparse_moe.gate``, ``experts.{j}.w1`` gate / ``w3`` up / ``w2`` down),
+Qwen3 when QK-norm is on (``self_attn.{q,k}_norm``), Qwen3-MoE for QK-norm with routed experts
+(``mlp.gate``, ``mlp.experts.{j}.*_proj``; ``decoder_sparse_step`` is our ``moe_every``), Mixtral for a
+routed MoE in every block without shared experts or QK-norm (``block_sparse_moe.gate``,
+``experts.{j}.w1`` gate / ``w3`` up / ``w2`` down),
 DeepSeek-V2 for multi-head latent attention, dense or MoE (``mlp.gate``, ``mlp.experts.{j}.*_proj``,
 ``mlp.shared_experts``, dense blocks before ``first_k_dense_replace``). Llama, Qwen3 and Mixtral
 rotate halves in RoPE (pairs ``(x_i, x_{i + d/2})``, transformers' ``rotate_half``) as we do, so
@@ -50,8 +52,9 @@ CONFIG_FIELDS = (
 )  # fmt: skip
 
 _BUFFERS = ("rotary_emb.inv_freq",)  # saved by older transformers versions; recomputed, not parameters
-_LLAMA, _QWEN3, _MIXTRAL, _DEEPSEEK = "LlamaForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM", "DeepseekV2ForCausalLM"
-_MODEL_TYPES = {_LLAMA: "llama", _QWEN3: "qwen3", _MIXTRAL: "mixtral", _DEEPSEEK: "deepseek_v2"}
+_LLAMA, _QWEN3, _QWEN3_MOE = "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
+_MIXTRAL, _DEEPSEEK = "MixtralForCausalLM", "DeepseekV2ForCausalLM"
+_MODEL_TYPES = {_LLAMA: "llama", _QWEN3: "qwen3", _QWEN3_MOE: "qwen3_moe", _MIXTRAL: "mixtral", _DEEPSEEK: "deepseek_v2"}
 
 
 class UnsupportedArchitecture(ValueError):
@@ -93,9 +96,9 @@ def architecture(cfg: ModelConfig) -> str:
         return _deepseek_architecture(cfg)
     if not cfg.n_experts:
         return _QWEN3 if cfg.qk_norm else _LLAMA
-    differences = []
     if cfg.qk_norm:
-        differences.append("model.qk_norm=True (Mixtral has no QK-norm)")
+        return _qwen3_moe_architecture(cfg)
+    differences = []
     if cfg.n_shared_experts:
         differences.append(f"model.n_shared_experts={cfg.n_shared_experts} (Mixtral has no shared experts)")
     if cfg.router_score != "softmax" or not cfg.normalize_router_weights:
@@ -108,6 +111,17 @@ def architecture(cfg: ModelConfig) -> str:
     if differences:
         raise UnsupportedArchitecture(f"this MoE model has no transformers equivalent: {'; '.join(differences)}")
     return _MIXTRAL
+
+
+def _qwen3_moe_architecture(cfg: ModelConfig) -> str:
+    differences = []
+    if cfg.n_shared_experts:
+        differences.append(f"model.n_shared_experts={cfg.n_shared_experts} (Qwen3-MoE has no shared experts)")
+    if cfg.router_score != "softmax":
+        differences.append("Qwen3-MoE scores experts with a softmax: set model.router_score=softmax")
+    if differences:
+        raise UnsupportedArchitecture(f"this QK-norm MoE model has no transformers equivalent: {'; '.join(differences)}")
+    return _QWEN3_MOE
 
 
 def _deepseek_architecture(cfg: ModelConfig) -> str:
@@ -146,8 +160,17 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     }
     if arch == _LLAMA:
         out["mlp_bias"] = False
-    if arch == _QWEN3:
+    if arch in (_QWEN3, _QWEN3_MOE):
         out |= {"use_sliding_window": False, "sliding_window": None}
+    if arch == _QWEN3_MOE:
+        out |= {
+            "num_experts": cfg.n_experts,
+            "num_experts_per_tok": cfg.experts_per_token,
+            "moe_intermediate_size": cfg.expert_mlp_dim or cfg.mlp_dim,
+            "norm_topk_prob": cfg.normalize_router_weights,
+            "decoder_sparse_step": cfg.moe_every,
+            "mlp_only_layers": list(range(cfg.first_dense_layers)),
+        }
     if arch == _MIXTRAL:
         out |= {
             "intermediate_size": cfg.expert_mlp_dim or cfg.mlp_dim,
@@ -191,7 +214,7 @@ def from_hf_config(hf: dict[str, Any], where: str = CONFIG, **overrides: Any) ->
     """The `ModelConfig` of a transformers ``config.json`` (``hf``), with ``overrides`` (``dtype``, ``scan_layers``, ...).
 
     Raises:
-      UnsupportedArchitecture: an architecture other than Llama / Qwen3 / Mixtral / DeepSeek-V2, or a setting our
+      UnsupportedArchitecture: an architecture other than Llama / Qwen3 / Qwen3-MoE / Mixtral / DeepSeek-V2, or a setting our
         model does not compute (RoPE scaling, biases, sliding windows, another activation), named.
     """
     archs = _require(hf, "architectures", where)
@@ -224,7 +247,7 @@ def from_hf_config(hf: dict[str, Any], where: str = CONFIG, **overrides: Any) ->
         rope_theta=float(hf.get("rope_theta", 10_000.0)),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qk_norm=arch == _QWEN3,
+        qk_norm=arch in (_QWEN3, _QWEN3_MOE),
     )
     if arch == _MIXTRAL:
         fields |= dict(
@@ -235,7 +258,27 @@ def from_hf_config(hf: dict[str, Any], where: str = CONFIG, **overrides: Any) ->
         )
     if arch == _DEEPSEEK:
         fields |= _deepseek_fields(hf, where)
+    if arch == _QWEN3_MOE:
+        fields |= _qwen3_moe_fields(hf, where)
     return ModelConfig(**(fields | overrides))
+
+
+def _qwen3_moe_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE ``config.json``: block ``i`` is MoE when ``(i + 1) % decoder_sparse_step == 0``
+    and ``i`` is not in ``mlp_only_layers``, which must be the first blocks (our ``first_dense_layers``)."""
+    dense = sorted(hf.get("mlp_only_layers") or [])
+    if dense != list(range(len(dense))):
+        raise UnsupportedArchitecture(f"{where}: mlp_only_layers={dense} (ours: dense blocks only at the start)")
+    moe_every = hf.get("decoder_sparse_step", 1)
+    return dict(
+        n_experts=_require(hf, "num_experts", where),
+        experts_per_token=_require(hf, "num_experts_per_tok", where),
+        expert_mlp_dim=_require(hf, "moe_intermediate_size", where),
+        normalize_router_weights=bool(hf.get("norm_topk_prob", False)),
+        moe_every=moe_every,
+        first_dense_layers=len(dense),
+        scan_layers=moe_every == 1 and not dense,
+    )
 
 
 def _deepseek_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
@@ -331,8 +374,8 @@ def _block(cfg: ModelConfig, moe: bool) -> dict[Path_, Entry]:
         for proj in dense:
             out[("mlp", proj, "kernel")] = (f"mlp.{proj}.weight", True, None)
         return out
-    out[("mlp", "router", "bias")] = None  # selection-only bias: Mixtral and DeepSeek-V2 have none, so it must be zero
-    if cfg.attention_type == "mla":
+    out[("mlp", "router", "bias")] = None  # selection-only bias: no transformers MoE here has one, so it must be zero
+    if architecture(cfg) != _MIXTRAL:  # DeepSeek-V2, Qwen3-MoE
         out[("mlp", "router", "kernel")] = ("mlp.gate.weight", True, None)
         experts = zip(("w_gate", "w_up", "w_down"), (f"mlp.experts.{{j}}.{p}.weight" for p in dense), strict=True)
         for proj in dense if cfg.n_shared_experts else ():

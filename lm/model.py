@@ -108,7 +108,7 @@ def init_params(model_def: ModelDef, seed: int, shardings: Params | None = None)
 def from_hf(
     directory: str | Path, mesh: jax.sharding.Mesh | None = None, rules: rules_lib.Rules | None = None, **overrides: Any
 ) -> tuple[ModelDef, Params]:
-    """A local transformers checkpoint (Llama, Qwen3, Mixtral, DeepSeek-V2; `lm.hf`) as ``(model_def, params)``.
+    """A local transformers checkpoint (Llama, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V2; `lm.hf`) as ``(model_def, params)``.
 
     The config comes from ``directory/config.json`` with ``overrides`` (``dtype``, ``scan_layers``,
     ``attention``, ...). With ``mesh`` the parameters are placed by ``rules`` (default: the ``fsdp``

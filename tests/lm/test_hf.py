@@ -25,6 +25,10 @@ CONFIGS = {
         **SMALL | dict(mlp_dim=16), tie_embeddings=False, n_experts=4, experts_per_token=2, expert_mlp_dim=16,
         normalize_router_weights=True,
     ),
+    "qwen3_moe": config_lib.ModelConfig(  # the first block dense, then MoE every second block, gates not renormalised
+        **SMALL | dict(n_layers=4), qk_norm=True, n_experts=4, experts_per_token=2, expert_mlp_dim=16, moe_every=2,
+        first_dense_layers=1, scan_layers=False,
+    ),
     "deepseek_v2": config_lib.ModelConfig(  # MLA, a dense first block, routed + shared experts, query LoRA
         **SMALL | dict(n_layers=3, n_kv_heads=4), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, q_lora_rank=10,
         rope_head_dim=6, v_head_dim=10, n_experts=4, experts_per_token=2, n_shared_experts=1, expert_mlp_dim=16,
@@ -86,7 +90,7 @@ def _attention(x, w, p, c):
     q = (x @ w[f"{p}.q_proj.weight"].T).reshape(s, nh, hd).transpose(1, 0, 2)
     k = (x @ w[f"{p}.k_proj.weight"].T).reshape(s, nkv, hd).transpose(1, 0, 2)
     v = (x @ w[f"{p}.v_proj.weight"].T).reshape(s, nkv, hd).transpose(1, 0, 2)
-    if c["model_type"] == "qwen3":
+    if c["model_type"] in ("qwen3", "qwen3_moe"):
         q, k = _rms_norm(q, w[f"{p}.q_norm.weight"], c["rms_norm_eps"]), _rms_norm(k, w[f"{p}.k_norm.weight"], c["rms_norm_eps"])
     q, k = _rope(q, c["rope_theta"]), _rope(k, c["rope_theta"])
     k, v = np.repeat(k, nh // nkv, axis=0), np.repeat(v, nh // nkv, axis=0)
@@ -134,11 +138,12 @@ def _deepseek_attention(x, w, p, c):
     return out.transpose(1, 0, 2).reshape(s, h * dv) @ w[f"{p}.o_proj.weight"].T
 
 
-def _deepseek_moe(x, w, p, c):
+def _softmax_top_k_moe(x, w, p, c):
+    """DeepSeek-V2's and Qwen3-MoE's MoE: softmax gates of the top k (renormalised with norm_topk_prob), shared experts."""
     logits = x @ w[f"{p}.gate.weight"].T
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
-    out = _mlp(x, w, f"{p}.shared_experts") if c["n_shared_experts"] else np.zeros_like(x)
+    out = _mlp(x, w, f"{p}.shared_experts") if c.get("n_shared_experts") else np.zeros_like(x)
     for t in range(x.shape[0]):
         top = np.argsort(-probs[t])[: c["num_experts_per_tok"]]
         gates = probs[t, top] / probs[t, top].sum() if c["norm_topk_prob"] else probs[t, top]
@@ -174,7 +179,9 @@ def reference_logits(directory, tokens: np.ndarray) -> np.ndarray:
         if c["model_type"] == "mixtral":
             x = x + _mixtral_moe(h, w, f"{p}.block_sparse_moe", c)
         elif c["model_type"] == "deepseek_v2" and c["n_routed_experts"] and i >= c["first_k_dense_replace"]:
-            x = x + _deepseek_moe(h, w, f"{p}.mlp", c)
+            x = x + _softmax_top_k_moe(h, w, f"{p}.mlp", c)
+        elif c["model_type"] == "qwen3_moe" and i not in c["mlp_only_layers"] and (i + 1) % c["decoder_sparse_step"] == 0:
+            x = x + _softmax_top_k_moe(h, w, f"{p}.mlp", c)
         else:
             x = x + _mlp(h, w, f"{p}.mlp")
     head = w["model.embed_tokens.weight"] if c["tie_word_embeddings"] else w["lm_head.weight"]
@@ -196,7 +203,7 @@ def test_exported_logits_equal_the_transformers_equations(name, tmp_path):
         np.testing.assert_allclose(ours[row], reference_logits(tmp_path, tokens[row]), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "mixtral", "deepseek_v2"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "mixtral", "deepseek_v2"])
 def test_round_trip_is_bit_identical_and_lands_in_the_run_shardings(name, tmp_path):
     cfg = CONFIGS[name]
     params = _params(cfg, seed=3)

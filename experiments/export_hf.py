@@ -1,7 +1,7 @@
 r"""Exports a training run's checkpoint as a Hugging Face transformers checkpoint (safetensors).
 
     python -m experiments.export_hf --workdir=runs/tiny --out=exports/tiny
-    python -m experiments.export_hf --workdir=runs/moe --out=exports/moe --max_shard_mb=2000 --step=400
+    python -m experiments.export_hf --workdir=runs/moe --out=exports/moe --max_shard_mb=2000 --step=400 --dtype=bfloat16
 
 Restores the newest checkpoint of ``--workdir`` (or ``--step``) and writes ``config.json`` and
 ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` files of at most ``--max_shard_mb`` and
@@ -58,7 +58,9 @@ def copy_tokenizer(manifest: dict | None, out: Path) -> Path | None:
     return target
 
 
-def export(workdir: str | Path, out: str | Path, *, step: int | None = None, max_shard_bytes: int = 5 * 2**30) -> list[Path]:
+def export(
+    workdir: str | Path, out: str | Path, *, step: int | None = None, max_shard_bytes: int = 5 * 2**30, dtype: str = "float32"
+) -> list[Path]:
     """Writes checkpoint ``step`` (default: the newest) of the run in ``workdir`` into ``out``; returns the files.
 
     Raises:
@@ -68,7 +70,7 @@ def export(workdir: str | Path, out: str | Path, *, step: int | None = None, max
     model_def, params, saved_step = load_params(workdir, step)
     try:
         hf.architecture(model_def.config)
-        files = hf.save(out, model_def.config, params, max_shard_bytes=max_shard_bytes)
+        files = hf.save(out, model_def.config, params, max_shard_bytes=max_shard_bytes, dtype=dtype)
     except hf.UnsupportedArchitecture as e:
         raise cli.UsageError(str(e)) from e
     manifest = run_manifest(workdir)
@@ -89,7 +91,7 @@ def main(argv: list[str]) -> None:
     if f.max_shard_mb <= 0:
         cli.usage_exit(f"--max_shard_mb={f.max_shard_mb} must be > 0")
     try:
-        files = export(f.workdir, f.out, step=f.step, max_shard_bytes=int(f.max_shard_mb * 2**20))
+        files = export(f.workdir, f.out, step=f.step, max_shard_bytes=int(f.max_shard_mb * 2**20), dtype=f.dtype)
     except cli.UsageError as e:
         if f.verbose:
             raise
@@ -103,6 +105,7 @@ def define_flags() -> None:
     flags.DEFINE_string("workdir", None, "A training run's workdir (its config.json and checkpoints).", required=True)
     flags.DEFINE_string("out", None, "Folder to write the transformers checkpoint into.", required=True)
     flags.DEFINE_integer("step", None, "Checkpoint step to export; default: the newest.")
+    flags.DEFINE_enum("dtype", "float32", list(hf.EXPORT_DTYPES), "Weight dtype of the export (float32 is exact).")
     flags.DEFINE_float("max_shard_mb", 5 * 1024, "Largest safetensors file in MiB; more tensors go into numbered files with an index.")
     cli.define_verbose_flag()
 

@@ -40,6 +40,7 @@ Params = dict[str, Any]
 Path_ = tuple[Any, ...]  # a leaf's keys in the parameter dict, e.g. ("blocks", "attn", "q_proj", "kernel")
 
 CONFIG = "config.json"
+EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16)}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -135,8 +136,8 @@ def _deepseek_architecture(cfg: ModelConfig) -> str:
     return _DEEPSEEK
 
 
-def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """The transformers ``config.json`` of ``cfg`` (float32 weights)."""
+def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+    """The transformers ``config.json`` of ``cfg`` with weights in ``dtype``."""
     arch = architecture(cfg)
     out = {
         "architectures": [arch],
@@ -156,7 +157,7 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
     }
     if arch == _LLAMA:
         out["mlp_bias"] = False
@@ -474,8 +475,12 @@ def to_hf_tensors(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
     return tensors
 
 
-def save(directory: str | Path, cfg: ModelConfig, params: Params, *, max_shard_bytes: int = 5 * 2**30) -> list[Path]:
+def save(
+    directory: str | Path, cfg: ModelConfig, params: Params, *, max_shard_bytes: int = 5 * 2**30, dtype: str = "float32"
+) -> list[Path]:
     """Writes ``config.json`` and the tensors as safetensors into ``directory``; returns the files written.
+
+    ``dtype``: ``float32`` (exact) or ``bfloat16`` (rounded to nearest even; half the bytes).
 
     Tensors go into one ``model.safetensors`` when they fit in ``max_shard_bytes``, else into
     ``model-0000k-of-0000n.safetensors`` files of at most that size (a larger single tensor gets a file
@@ -485,8 +490,10 @@ def save(directory: str | Path, cfg: ModelConfig, params: Params, *, max_shard_b
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = to_hf_tensors(cfg, params)
-    (directory / CONFIG).write_text(json.dumps(to_hf_config(cfg), indent=2) + "\n")
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype={dtype!r} must be one of {', '.join(EXPORT_DTYPES)}")
+    tensors = {name: t.astype(EXPORT_DTYPES[dtype]) for name, t in to_hf_tensors(cfg, params).items()}
+    (directory / CONFIG).write_text(json.dumps(to_hf_config(cfg, dtype), indent=2) + "\n")
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, tensor in tensors.items():

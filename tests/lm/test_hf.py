@@ -220,6 +220,18 @@ def test_round_trip_is_bit_identical_and_lands_in_the_run_shardings(name, tmp_pa
         assert b.dtype == a.dtype and np.array_equal(np.asarray(a), np.asarray(b)), path
 
 
+def test_a_bfloat16_export_holds_the_rounded_weights(tmp_path):
+    cfg = CONFIGS["mixtral"]
+    params = _params(cfg)
+    hf.save(tmp_path, cfg, params, dtype="bfloat16")
+    assert json.loads((tmp_path / hf.CONFIG).read_text())["torch_dtype"] == "bfloat16"
+    assert {t.dtype for t in load_file(tmp_path / hf.SINGLE_FILE).values()} == {np.dtype(jax.numpy.bfloat16)}
+    _, loaded = model_lib.from_hf(tmp_path)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
+        assert b.dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(a).astype(jax.numpy.bfloat16).astype(np.float32), np.asarray(b))
+
+
 def test_a_stacked_export_imports_unrolled(tmp_path):
     cfg = CONFIGS["llama"]
     params = _params(cfg)

@@ -4,6 +4,7 @@ One small Qwen3-shaped run (QK-norm) on 8 CPU devices; the export, the import in
 the evaluations all read it.
 """
 
+import functools
 import hashlib
 import json
 import math
@@ -80,10 +81,17 @@ def test_validation_bits_per_byte_match_training(run):
     assert math.isclose(results["val_bits_per_byte"], summary["final_val_loss"] / math.log(2), rel_tol=1e-5)
 
 
-def _one_device_log_likelihood(model_def, params, tokens, n_scored):
-    """Log-likelihood of the last ``n_scored`` tokens of ``tokens``, one unpadded row on one device."""
+def _forward(model_def):
+    return jax.jit(functools.partial(model_lib.apply, model_def))
+
+
+def _one_device_log_likelihood(forward, params, tokens, n_scored, width=128):
+    """Log-likelihood of the last ``n_scored`` tokens of ``tokens``, one row on one device (right-padded to
+    ``width``, which causal attention keeps from the scored positions, so one program serves every row)."""
     params = jax.device_put(params, jax.devices()[0])
-    logits = model_lib.apply(model_def, params, jnp.asarray(tokens[None, :-1]))[0]
+    padded = np.zeros(width, np.int32)
+    padded[: len(tokens)] = tokens
+    logits = forward(params, jnp.asarray(padded[None, :-1]))[0]
     logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
     return sum(logp[t - 1, tokens[t]] for t in range(len(tokens) - n_scored, len(tokens)))
 
@@ -94,13 +102,14 @@ def test_multiple_choice_equals_unbatched_scoring_of_each_choice(exported):
     questions = evaluate.read_questions(TASK)
     results = evaluate.multiple_choice(scorer, questions, batch_size=5)
     tok, sep = scorer.tokenizer, scorer.tokenizer.separator_id
+    forward = _forward(scorer.model_def)
     correct = correct_norm = 0
     for q in questions:
         scores = []
         for choice in q.choices:
             answer = tok.encode(choice)
             tokens = np.concatenate([[sep], tok.encode(q.context), answer]).astype(np.int32)
-            scores.append(_one_device_log_likelihood(scorer.model_def, scorer.params, tokens, len(answer)))
+            scores.append(_one_device_log_likelihood(forward, scorer.params, tokens, len(answer)))
         scores = np.array(scores)
         correct += int(np.argmax(scores) == q.label)
         correct_norm += int(np.argmax(scores / [len(c.encode()) for c in q.choices]) == q.label)
@@ -118,7 +127,8 @@ def test_text_bits_per_byte_of_the_run_and_its_export_agree(run, exported, tmp_p
     stream = np.concatenate([[scorer.tokenizer.separator_id], scorer.tokenizer.encode(text.read_text())]).astype(np.int32)
     assert len(stream) > 3 * 24  # several windows, the last one short
     windows = [stream[start : start + 25] for start in range(0, len(stream) - 1, 24)]
-    nats = -sum(_one_device_log_likelihood(scorer.model_def, scorer.params, w, len(w) - 1) for w in windows)
+    forward = _forward(scorer.model_def)
+    nats = -sum(_one_device_log_likelihood(forward, scorer.params, w, len(w) - 1) for w in windows)
     assert ours == pytest.approx(theirs, rel=1e-5)
     assert ours == pytest.approx(nats / math.log(2) / len(text.read_bytes()), rel=1e-5)
 

@@ -557,7 +557,9 @@ def load_params(directory: str | Path, cfg: ModelConfig, abstract: Params, shard
     """The transformers tensors in ``directory`` as our parameters (float32), placed in ``shardings``.
 
     Each device's shard is read from the files alone (safetensors ``get_slice``): a process reads only
-    the slices its devices hold, and no host holds a whole stacked array unless its devices do.
+    the slices its devices hold, and no host holds a whole stacked array unless its devices do. The
+    tensors that hold reordered rows or two of our leaves (DeepSeek-V2's query and KV projections,
+    `Source.rows`) are read whole, one layer at a time, for each shard.
 
     Args:
       directory: holds ``model.safetensors`` or the ``model.safetensors.index.json`` of its shards.

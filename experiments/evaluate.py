@@ -3,10 +3,12 @@ r"""Evaluates a training run's checkpoint or a transformers checkpoint: bits per
     python -m experiments.evaluate --workdir=runs/tiny                       # the run's validation set
     python -m experiments.evaluate --workdir=runs/tiny --text=notes.txt --tasks=hellaswag.jsonl,arc.jsonl
     python -m experiments.evaluate --hf=exports/tiny --tasks=tests/data/eval/synthetic_choice.jsonl
+    python -m experiments.evaluate --hf=exports/bpe --val_files='data/stdlib-bpe8k/val_*.bin'
 
-Bits per byte: of the run's fixed validation set (`lm.input_pipeline`, as training reports it), or of
-a text file (``--text``): the file is one document, tokenized after a separator so every token is
-predicted once, in windows of ``--seq_len``:  ``bpb = sum_t -log2 p(x_t | x_<t) / utf8_bytes``.
+Bits per byte: of the run's fixed validation set (`lm.input_pipeline`, as training reports it), of
+held-out token shards (``--val_files``; tokens per byte from their ``manifest.json``), or of a text
+file (``--text``): the file is one document, tokenized after a separator so every token is predicted
+once, in windows of ``--seq_len``:  ``bpb = sum_t -log2 p(x_t | x_<t) / utf8_bytes``.
 
 Multiple choice (``--tasks``): JSONL files, one question per line, ``{"context": str, "choices":
 [str, ...], "label": int}`` (HellaSwag / ARC converted to this shape; see the README). Each choice
@@ -35,7 +37,7 @@ from absl import app, flags
 
 from experiments import cli, sample, trainer
 from experiments.export_hf import run_manifest
-from lm import hf, tokenizer
+from lm import documents, hf, input_pipeline, shards, tokenizer
 from lm import model as model_lib
 from sharding import mesh as mesh_lib
 from sharding import partition
@@ -128,6 +130,31 @@ def text_bits_per_byte(scorer: Scorer, text: str, *, seq_len: int, batch_size: i
         mask[w, 1 : len(piece)] = 1.0  # each window predicts its tokens after the first
     nats = -float(np.sum(scorer.log_likelihoods(rows, mask, batch_size)))
     return nats / math.log(2) / max(1, len(text.encode("utf-8")))
+
+
+def shards_bits_per_byte(scorer: Scorer, pattern: str, *, seq_len: int, batch_size: int, max_tokens: int = 0) -> dict:
+    """Loss and bits per byte of held-out token shards (``.bin`` / ``.npy``, `lm.shards`), in disjoint windows
+    of ``seq_len + 1`` tokens (the first ``max_tokens`` of them; 0: all). Bits per byte need the shards'
+    ``manifest.json`` (its ``val`` split's tokens per byte, as training uses; None without one)."""
+    try:
+        files = documents.expand(pattern, what="--val_files")
+        streams = [shards.read(f) for f in files]
+        for f, tokens in zip(files, streams, strict=True):
+            shards.check_vocab(tokens, f"shard {f}", scorer.model_def.config.vocab_size)
+        manifest = input_pipeline.read_manifest(files)
+    except (ValueError, FileNotFoundError) as e:
+        raise cli.UsageError(str(e)) from e
+    width = seq_len + 1
+    rows = np.concatenate([s[: len(s) // width * width].reshape(-1, width) for s in streams]).astype(np.int32)
+    if max_tokens:
+        rows = rows[: max(1, max_tokens // width)]
+    if not len(rows):
+        raise cli.UsageError(f"--val_files={pattern} holds fewer than seq_len + 1 = {width} tokens per file")
+    sums = scorer.log_likelihoods(rows, np.ones(rows.shape, np.float32), batch_size)
+    loss = -float(np.sum(sums)) / (rows.shape[0] * seq_len)
+    split = (manifest or {}).get("splits", {}).get("val")
+    bpb = loss / math.log(2) * split["tokens"] / split["bytes"] if split and split.get("bytes") else None
+    return {"shards_loss": loss, "shards_bits_per_byte": bpb, "shards_tokens": int(rows.shape[0] * seq_len)}
 
 
 def validation_bits_per_byte(scorer: Scorer, config: ml_collections.ConfigDict, batch_size: int) -> dict:
@@ -228,6 +255,8 @@ def evaluate(
     hf_dir: str = "",
     step: int | None = None,
     text: str = "",
+    val_files: str = "",
+    max_tokens: int = 0,
     tasks: Sequence[str] = (),
     mesh: str = "",
     tokenizer_spec: str = "",
@@ -248,13 +277,15 @@ def evaluate(
     if not 1 <= seq_len <= scorer.model_def.config.max_seq_len:
         raise cli.UsageError(f"--seq_len={seq_len} must be in [1, the model's max_seq_len={scorer.model_def.config.max_seq_len}]")
     results: dict = {"model": workdir or hf_dir, "tokenizer": scorer.tokenizer.name}
-    if config is not None and not text and not tasks:
+    if config is not None and not text and not tasks and not val_files:
         results |= validation_bits_per_byte(scorer, config, batch_size)
     if text:
         path = Path(text)
         if not path.is_file():
             raise cli.UsageError(f"--text={text} does not exist")
         results["text_bits_per_byte"] = text_bits_per_byte(scorer, path.read_text(encoding="utf-8"), seq_len=seq_len, batch_size=batch_size)
+    if val_files:
+        results |= shards_bits_per_byte(scorer, val_files, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens)
     for task in tasks:
         results[Path(task).stem] = multiple_choice(scorer, read_questions(task), batch_size=batch_size)
     return results
@@ -267,7 +298,8 @@ def main(argv: list[str]) -> None:
     cli.quiet_logging(f.verbose)
     try:
         results = evaluate(
-            workdir=f.workdir or "", hf_dir=f.hf or "", step=f.step, text=f.text or "", tasks=[t for t in f.tasks if t],
+            workdir=f.workdir or "", hf_dir=f.hf or "", step=f.step, text=f.text or "", val_files=f.val_files or "",
+            max_tokens=f.max_tokens, tasks=[t for t in f.tasks if t],
             mesh=f.mesh, tokenizer_spec=f.tokenizer or "", seq_len=f.seq_len, batch_size=f.batch_size,
         )  # fmt: skip
     except (cli.UsageError, tokenizer.TokenizerError) as e:
@@ -286,6 +318,8 @@ def define_flags() -> None:
     flags.DEFINE_string("hf", None, "A transformers checkpoint folder (config.json, *.safetensors) instead of --workdir.")
     flags.DEFINE_integer("step", None, "Checkpoint step of --workdir; default: the newest.")
     flags.DEFINE_string("text", None, "A UTF-8 text file to report bits per byte on.")
+    flags.DEFINE_string("val_files", None, "Held-out token shards (glob, comma-separated) to report bits per byte on.")
+    flags.DEFINE_integer("max_tokens", 1 << 20, "Score at most this many tokens of --val_files; 0: all.")
     flags.DEFINE_list("tasks", [], "Multiple-choice JSONL files ({context, choices, label} per line).")
     flags.DEFINE_string("tokenizer", None, "Tokenizer spec (lm.tokenizer.load); default: the run's, or --hf's tokenizer.json, else bytes.")
     flags.DEFINE_string("mesh", "", "Mesh to evaluate on (sharding.mesh.make_mesh); empty: every device data-parallel.")

@@ -19,7 +19,7 @@ import pytest
 
 from experiments import cli, evaluate, export_hf, sample, trainer
 from experiments.configs import default
-from lm import hf
+from lm import hf, shards
 from lm import model as model_lib
 
 REPO = Path(evaluate.__file__).parents[1]
@@ -169,3 +169,19 @@ def test_the_runs_subword_tokenizer_is_copied_only_while_it_is_the_one_the_shard
     source.write_text('{"model": "changed since"}')
     (out / "tokenizer.json").unlink()
     assert export_hf.copy_tokenizer(manifest, out) is None and not (out / "tokenizer.json").exists()
+
+
+def test_bits_per_byte_of_held_out_shards(exported, tmp_path):
+    scorer = evaluate.from_hf(exported)
+    streams = [np.asarray(scorer.tokenizer.encode(f"def f{i}(x):\n    return x + {i}  # ünï\n" * 3), np.int32) for i in range(2)]
+    for i, stream in enumerate(streams):
+        shards.write(tmp_path / f"val_{i}.bin", stream)
+    manifest = {"splits": {"val": {"tokens": 300, "bytes": 200}}}  # 1.5 tokens per byte
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    results = evaluate.evaluate(hf_dir=str(exported), val_files=str(tmp_path / "val_*.bin"), seq_len=24, batch_size=4)
+    forward = _forward(scorer.model_def)
+    windows = [s[k : k + 25] for s in streams for k in range(0, len(s) - 24, 25)]
+    nats = -sum(_one_device_log_likelihood(forward, scorer.params, w, 24) for w in windows)
+    assert results["shards_tokens"] == 24 * len(windows) and len(windows) > 4
+    assert results["shards_loss"] == pytest.approx(nats / (24 * len(windows)), rel=1e-5)
+    assert results["shards_bits_per_byte"] == pytest.approx(results["shards_loss"] / math.log(2) * 1.5, rel=1e-6)

@@ -17,6 +17,7 @@ import numpy as np
 from experiments import train_lib
 from experiments.cli import UsageError
 from lm import config as model_config_lib
+from lm import hf
 from lm import input_pipeline
 from lm import model as model_lib
 from lm import moe
@@ -37,11 +38,33 @@ def model_config(config: ml_collections.ConfigDict) -> model_config_lib.ModelCon
     unset, from the manifest of ``data.train_files`` if they have one; the document separator, when
     unset, from ``data.document_mask``)."""
     overrides = {k: v for k, v in config.model.items() if k != "preset" and v is not None}
+    if config.get("init_from_hf"):
+        return _hf_model_config(config, overrides)
     if "vocab_size" not in overrides and (vocab_size := input_pipeline.manifest_vocab_size(config.data)) is not None:
         overrides["vocab_size"] = vocab_size
     if "document_separator" not in overrides:
         overrides["document_separator"] = input_pipeline.document_separator(config.data)
     return model_config_lib.from_preset(config.model.preset, **overrides)
+
+
+def _hf_model_config(config: ml_collections.ConfigDict, overrides: dict) -> model_config_lib.ModelConfig:
+    """The model of the transformers checkpoint ``config.init_from_hf``; ``config.model`` may set only how it
+    computes (``dtype``, ``remat``, ``scan_layers``, ...), an architecture field that differs is an error."""
+    directory = config.init_from_hf
+    try:
+        from_hf = hf.read_config(directory)
+    except FileNotFoundError as e:
+        raise ValueError(f"init_from_hf: {e}") from e
+    defaults = {f.name: f.default for f in dataclasses.fields(model_config_lib.ModelConfig)}
+    conflicts = [
+        f"model.{k}={v!r} (config.json: {getattr(from_hf, k)!r})"
+        for k, v in overrides.items()
+        if k in hf.CONFIG_FIELDS and v != defaults[k] and v != getattr(from_hf, k)
+    ]
+    if conflicts:
+        raise ValueError(f"init_from_hf={directory} fixes the architecture, but the config sets {', '.join(conflicts)}; drop those keys")
+    computes = {k: v for k, v in overrides.items() if k not in hf.CONFIG_FIELDS}
+    return hf.read_config(directory, **computes, document_separator=input_pipeline.document_separator(config.data))
 
 
 def balancing(config: ml_collections.ConfigDict) -> moe.Balancing:

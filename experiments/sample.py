@@ -30,13 +30,20 @@ from sharding import partition
 
 
 def load_params(workdir: str | Path, step: int | None = None) -> tuple[model_lib.ModelDef, model_lib.Params, int]:
-    """``(model_def, params, step)`` of checkpoint ``step`` (default: the newest) of the run in ``workdir``."""
+    """``(model_def, params, step)`` of checkpoint ``step`` (default: the newest) of the run in ``workdir``, on one device."""
+    spec, params, saved_step = restore_run(workdir, step)
+    return spec.model_def, params, saved_step
+
+
+def restore_run(workdir: str | Path, step: int | None = None, *, mesh: str = "", devices: int = 1):
+    """``(run_spec.RunSpec, params, step)``: the run in ``workdir`` rebuilt on ``mesh`` over ``devices``
+    (0: all), its params restored from checkpoint ``step`` (default: the newest) into the run's shardings."""
     workdir = Path(workdir)
     config_path = workdir / "config.json"
     if not config_path.is_file():
         raise cli.UsageError(f"{config_path} does not exist; pass the --workdir of a training run")
     config = ml_collections.ConfigDict(json.loads(config_path.read_text()))
-    config.mesh, config.devices = "", 1  # checkpoints restore onto any mesh; one device serves sampling
+    config.mesh, config.devices = mesh, devices  # checkpoints restore onto any mesh
     spec = run_spec.build_run(config)
     if not (workdir / "checkpoints").is_dir():
         raise cli.UsageError(f"{workdir} holds no checkpoints; train longer than checkpoint_every steps or pick another run")
@@ -52,7 +59,7 @@ def load_params(workdir: str | Path, step: int | None = None) -> tuple[model_lib
     if restored is None:
         raise cli.UsageError(f"{workdir} holds no finished checkpoint; train longer than checkpoint_every steps")
     saved_step, state, _ = restored
-    return spec.model_def, state["params"], saved_step
+    return spec, state["params"], saved_step
 
 
 def load_tokenizer(workdir: str | Path, spec: str | None = None) -> tokenizer.Tokenizer:

@@ -35,8 +35,7 @@ import ml_collections
 import numpy as np
 from absl import app, flags
 
-from experiments import cli, sample, trainer
-from experiments.export_hf import run_manifest
+from experiments import cli, restore, trainer
 from lm import documents, hf, input_pipeline, shards, tokenizer
 from lm import model as model_lib
 from sharding import mesh as mesh_lib
@@ -92,8 +91,8 @@ def _score_fn(model_def: model_lib.ModelDef, batch: jax.NamedSharding) -> Callab
 
 def from_run(workdir: str | Path, step: int | None = None, mesh: str = "", tokenizer_spec: str = "") -> tuple[Scorer, ml_collections.ConfigDict]:
     """A `Scorer` of the run in ``workdir`` (its tokenizer from its shards' manifest), and the run's config."""
-    spec, params, _ = sample.restore_run(workdir, step, mesh=mesh, devices=0)
-    manifest = run_manifest(Path(workdir))
+    spec, params, _ = restore.restore_run(workdir, step, mesh=mesh, devices=0)
+    manifest = restore.run_manifest(workdir)
     tok = tokenizer.load(tokenizer_spec or (manifest or {}).get("tokenizer", "bytes"))
     config = ml_collections.ConfigDict(json.loads((Path(workdir) / "config.json").read_text()))
     return Scorer(spec.model_def, params, spec.mesh, spec.rules, tok), config

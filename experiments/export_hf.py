@@ -20,24 +20,13 @@ import shutil
 import sys
 from pathlib import Path
 
-import ml_collections
 from absl import app, flags, logging
 
 from experiments import cli
-from experiments.sample import load_params
-from lm import documents, hf, input_pipeline
+from experiments.restore import load_params, run_manifest
+from lm import hf
 
 _TOKENIZER_NAMES = {".json": "tokenizer.json", ".model": "tokenizer.model", ".tiktoken": "tokenizer.tiktoken"}
-
-
-def run_manifest(workdir: Path) -> dict | None:
-    """The training shards' manifest of the run in ``workdir`` (None for the byte-level corpus)."""
-    config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
-    patterns = input_pipeline.train_patterns(config.data)
-    if not patterns:
-        return None
-    what = "data.mixture" if config.data.get("mixture") else "data.train_files"
-    return input_pipeline.read_manifest(documents.expand(patterns[0][0], what=what))
 
 
 def copy_tokenizer(manifest: dict | None, out: Path) -> Path | None:

@@ -13,64 +13,16 @@ training shards' manifest names otherwise (``--tokenizer`` names it where the ma
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from absl import app, flags
 
-from experiments import checkpointing, cli, run_spec, train_lib
+from experiments import cli, restore
 from lm import model as model_lib
-from lm import input_pipeline, sampling, tokenizer
-from sharding import partition
-
-
-def load_params(workdir: str | Path, step: int | None = None) -> tuple[model_lib.ModelDef, model_lib.Params, int]:
-    """``(model_def, params, step)`` of checkpoint ``step`` (default: the newest) of the run in ``workdir``, on one device."""
-    spec, params, saved_step = restore_run(workdir, step)
-    return spec.model_def, params, saved_step
-
-
-def restore_run(workdir: str | Path, step: int | None = None, *, mesh: str = "", devices: int = 1):
-    """``(run_spec.RunSpec, params, step)``: the run in ``workdir`` rebuilt on ``mesh`` over ``devices``
-    (0: all), its params restored from checkpoint ``step`` (default: the newest) into the run's shardings."""
-    workdir = Path(workdir)
-    config_path = workdir / "config.json"
-    if not config_path.is_file():
-        raise cli.UsageError(f"{config_path} does not exist; pass the --workdir of a training run")
-    config = ml_collections.ConfigDict(json.loads(config_path.read_text()))
-    config.mesh, config.devices = mesh, devices  # checkpoints restore onto any mesh
-    spec = run_spec.build_run(config)
-    if not (workdir / "checkpoints").is_dir():
-        raise cli.UsageError(f"{workdir} holds no checkpoints; train longer than checkpoint_every steps or pick another run")
-    mgr = checkpointing.manager(workdir, keep=config.keep_checkpoints, every=config.checkpoint_every)
-    try:
-        with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
-            target = train_lib.abstract_state(spec.model_def, spec.tx, spec.shardings)
-            restored = checkpointing.restore(mgr, target, run_spec.run_meta(config, spec.cfg), step, discard_newer=False)
-    except checkpointing.CheckpointError as e:
-        raise cli.UsageError(str(e)) from e
-    finally:
-        mgr.close()
-    if restored is None:
-        raise cli.UsageError(f"{workdir} holds no finished checkpoint; train longer than checkpoint_every steps")
-    saved_step, state, _ = restored
-    return spec, state["params"], saved_step
-
-
-def load_tokenizer(workdir: str | Path, spec: str | None = None) -> tokenizer.Tokenizer:
-    """The tokenizer ``spec`` names, else the one the run in ``workdir`` trained with (`input_pipeline.run_tokenizer`)."""
-    try:
-        if spec:
-            return tokenizer.load(spec)
-        config = ml_collections.ConfigDict(json.loads((Path(workdir) / "config.json").read_text()))
-        return input_pipeline.run_tokenizer(config.data)
-    except ValueError as e:
-        raise cli.UsageError(f"{e} (--tokenizer=FILE)") from e
+from lm import sampling, tokenizer
 
 
 def sample(
@@ -118,8 +70,8 @@ def main(argv: list[str]) -> None:
     f = flags.FLAGS
     cli.quiet_logging(f.verbose)
     try:
-        model_def, params, step = load_params(f.workdir, f.step)
-        tok = load_tokenizer(f.workdir, f.tokenizer)
+        model_def, params, step = restore.load_params(f.workdir, f.step)
+        tok = restore.load_tokenizer(f.workdir, f.tokenizer)
         texts = sample(
             model_def,
             params,

@@ -87,7 +87,7 @@ def token_shares(config: ml_collections.ConfigDict) -> dict[str, float] | None:
     return {p: float(c / counts.sum()) for (p, _), c in zip(patterns, counts)}
 
 
-def _train_manifest(data_config: ml_collections.ConfigDict) -> dict | None:
+def train_manifest(data_config: ml_collections.ConfigDict) -> dict | None:
     """The manifest of the (first source's) training shards; None for the text corpus or shards without one."""
     patterns = train_patterns(data_config)
     if not patterns:
@@ -104,7 +104,7 @@ def run_tokenizer(data_config: ml_collections.ConfigDict) -> tokenizer.Tokenizer
     """
     if not train_patterns(data_config):
         return tokenizer.load("bytes")
-    manifest = _train_manifest(data_config)
+    manifest = train_manifest(data_config)
     if manifest is None or not manifest.get("tokenizer"):
         raise ValueError("the run's shards have no manifest.json naming their tokenizer; name the tokenizer file yourself")
     tok = tokenizer.load(manifest["tokenizer"])
@@ -123,7 +123,7 @@ def separator_id(data_config: ml_collections.ConfigDict) -> int | None:
         return data_config.separator_id
     if not train_patterns(data_config):
         return tokenizer.EOS
-    manifest = _train_manifest(data_config)
+    manifest = train_manifest(data_config)
     return None if manifest is None else manifest.get("separator_id")
 
 

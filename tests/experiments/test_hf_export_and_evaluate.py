@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import cli, evaluate, export_hf, sample, trainer
+from experiments import cli, evaluate, export_hf, restore, trainer
 from experiments.configs import default
 from lm import hf, shards
 from lm import model as model_lib
@@ -53,7 +53,7 @@ def exported(run, tmp_path_factory):
 def test_the_export_is_the_runs_model(run, exported):
     assert json.loads((exported / hf.CONFIG).read_text())["architectures"] == ["Qwen3ForCausalLM"]
     assert (exported / hf.INDEX_FILE).is_file()
-    model_def, params, step = sample.load_params(run)
+    model_def, params, step = restore.load_params(run)
     hf_def, hf_params = model_lib.from_hf(exported)
     assert step == 4 and hf_def.config == model_def.config
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(hf_params), strict=True):
@@ -63,8 +63,8 @@ def test_the_export_is_the_runs_model(run, exported):
 def test_a_run_starts_from_the_export(run, exported, tmp_path):
     config = _config(**{"init_from_hf": str(exported), "optimizer.learning_rate": 0.0, "steps": 2, "checkpoint_every": 2})
     trainer.run(config, tmp_path)
-    _, start, _ = sample.load_params(tmp_path)
-    _, trained, _ = sample.load_params(run)
+    _, start, _ = restore.load_params(tmp_path)
+    _, trained, _ = restore.load_params(run)
     for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(trained), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

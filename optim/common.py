@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optim import labels, spec
+from optim import labels, shapes, spec
 
 
 def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
@@ -148,9 +148,10 @@ class DirectionOptimizer(spec.OptimizerSpec):
 
     applies_weight_decay: ClassVar[bool] = True
 
-    def transform(self) -> optax.GradientTransformation:
-        return optax.chain(
+    def transform(self) -> optax.GradientTransformationExtraArgs:
+        full = optax.chain(
             self.direction(),
             optax.add_decayed_weights(self.weight_decay, mask=labels.decay_mask),
             optax.scale_by_learning_rate(self.learning_rate),
         )
+        return shapes.checked(full, type(self).__name__.lower())

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optim import common, labels, spec
+from optim import common, labels, shapes, spec
 
 
 class ScaleByPowerSGDState(NamedTuple):
@@ -171,7 +171,7 @@ class PowerSGD(PowerSGDCompressor, spec.WrapperSpec):
     """
 
     def transform(self) -> optax.GradientTransformation:
-        return optax.chain(self.compressor(), self.inner)
+        return shapes.checked(optax.chain(self.compressor(), self.inner), "powersgd")
 
 
 scale_by_powersgd = spec.function(PowerSGDCompressor, "compressor", name="scale_by_powersgd", positional=("rank",))

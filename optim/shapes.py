@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import optax
 
 from optim import labels
 
@@ -24,3 +25,17 @@ def check_like(updates: Any, like: Any, family: str) -> None:
                 f"{family}: the gradient of {where} has shape {tuple(g.shape)} but its parameter {tuple(m.shape)}; "
                 "pass gradients shaped like the parameters the state was built for"
             )
+
+
+def checked(tx: optax.GradientTransformation, family: str) -> optax.GradientTransformationExtraArgs:
+    """``tx`` with its gradients checked against the parameters at trace time (`check_like`), where its
+    update gets them; for transforms whose state does not mirror every parameter (optax's AdamW, SGD
+    without momentum). Same state as ``tx``."""
+    tx = optax.with_extra_args_support(tx)
+
+    def update(updates, state, params=None, **extra_args):
+        if params is not None:
+            check_like(updates, params, family)
+        return tx.update(updates, state, params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(tx.init, update)

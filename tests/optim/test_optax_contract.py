@@ -137,12 +137,7 @@ def test_weight_decay_never_touches_stacked_norm_scales_or_biases(name):
         assert np.asarray(updates["embed"]["embedding"]).any()
 
 
-# Optimizers whose own state mirrors a hidden matrix (AdamW, SGD and their groups are optax's, which
-# raise optax's broadcasting error; PowerSGD's error memory is its inner optimizer's to check).
-OWN_STATE = sorted(set(NAMES) - {"adamw", "sgd", "powersgd"})
-
-
-@pytest.mark.parametrize("name", OWN_STATE)
+@pytest.mark.parametrize("name", NAMES)
 def test_a_wrong_shaped_gradient_is_named_at_trace_time(name):
     """issue 34 item 11: SOAP raised ``KeyError: 'b5'``, DeMo reshaped a transposed gradient silently,
     the others raised a broadcasting error naming no leaf."""

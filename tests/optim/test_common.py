@@ -206,6 +206,7 @@ def test_jitted_steps_are_finite_and_keep_the_state_types(name):
         assert float(jnp.max(jnp.abs(u))) > 0, jax.tree_util.keystr(path)
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("name", NAMES)
 def test_injected_on_8_fsdp_devices_matches_plain_on_1_device(name):
     """Two equivalences in one compiled program (programs are what cost): the public function under

@@ -123,25 +123,27 @@ def _all_gather(axes, q, k, v, pos, seg):
 
 def _ring(axes, q, k, v, pos, seg):
     shards = jax.lax.axis_size(axes)
-    me = jax.lax.axis_index(axes)
-    result = _block(q, k, v, pos, pos, seg, seg)
-    q_second = [_halves(x, axis)[1] for x, axis in ((q, 1), (pos, 0))] + [None if seg is None else _halves(seg, 1)[1]]
-    travelling = (k, v, pos, seg)
+    first_key_half_only = jnp.asarray(ring_schedule(shards)[:, :, 0, 0])[jax.lax.axis_index(axes)]
+    first = lambda x, axis: None if x is None else _halves(x, axis)[0]  # noqa: E731
+    second = lambda x, axis: None if x is None else _halves(x, axis)[1]  # noqa: E731
     step = [(i, (i + 1) % shards) for i in range(shards)]
-    for hop in range(1, shards):
+
+    def hop(t, carry):
+        result, travelling = carry
         travelling = jax.tree.map(lambda x: jax.lax.ppermute(x, axes, step), travelling)
         k_t, v_t, pos_t, seg_t = travelling
 
-        def first_key_half(k_t=k_t, v_t=v_t, pos_t=pos_t, seg_t=seg_t):
-            first = lambda x, axis: None if x is None else _halves(x, axis)[0]  # noqa: E731
+        def all_queries_first_key_half():
             return _block(q, first(k_t, 1), first(v_t, 1), pos, first(pos_t, 0), seg, first(seg_t, 1))
 
-        def second_query_half(k_t=k_t, v_t=v_t, pos_t=pos_t, seg_t=seg_t):
-            q_2, pos_2, seg_2 = q_second
-            return _pad_front(_block(q_2, k_t, v_t, pos_2, pos_t, seg_2, seg_t), q.shape[1] - q_2.shape[1])
+        def second_query_half_all_keys():
+            partial = _block(second(q, 1), k_t, v_t, second(pos, 0), pos_t, second(seg, 1), seg_t)
+            return _pad_front(partial, q.shape[1] // 2)
 
-        result = _merge(result, jax.lax.cond(hop <= me, first_key_half, second_query_half))
-    return result
+        partial = jax.lax.cond(first_key_half_only[t], all_queries_first_key_half, second_query_half_all_keys)
+        return _merge(result, partial), travelling
+
+    return jax.lax.fori_loop(1, shards, hop, (_block(q, k, v, pos, pos, seg, seg), (k, v, pos, seg)))[0]
 
 
 def _ulysses(axes, q, k, v, seg, *, track_max_logits: bool):

@@ -17,18 +17,18 @@ MESHES = [("context:4,data:2", "fsdp"), ("context:2,fsdp:2,tensor:2", "tp")]
 SEPARATOR = 7
 
 
-def _model(mode: str, documents: bool = False):
+def _model(mode: str):
+    """`tiny` with packed documents, reporting its attention max logits (all three are compared)."""
     # Ulysses splits each device's heads over the context shards: tiny's 2 kv heads would not split 4 ways.
     heads = {"n_kv_heads": 4} if mode == "ulysses" else {}
-    documents = {"document_separator": SEPARATOR} if documents else {}
-    return model_lib.define(config_lib.from_preset("tiny", context_parallel=mode, track_attn_logits=True, **heads, **documents))
+    cfg = config_lib.from_preset("tiny", context_parallel=mode, track_attn_logits=True, document_separator=SEPARATOR, **heads)
+    return model_lib.define(cfg)
 
 
 def _tokens(model_def):
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, model_def.config.vocab_size, (BATCH, SEQ_LEN + 1), dtype=np.int32)
-    if model_def.config.document_separator is not None:
-        tokens[:, rng.integers(1, SEQ_LEN, 12)] = SEPARATOR  # several documents per row, crossing shard boundaries
+    tokens[:, rng.integers(1, SEQ_LEN, 12)] = SEPARATOR  # several documents per row, crossing shard boundaries
     return tokens
 
 

@@ -74,3 +74,53 @@ def one_device():
 def test_mode_equals_one_device(one_device, mode, spec, rules_name):
     expected = one_device["ulysses" if mode == "ulysses" else "all_gather"]
     _assert_same(loss_and_grads(_model(mode), spec, rules_name), expected)
+
+
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_ring_schedule_covers_every_causal_block_with_equal_work(shards):
+    """Zig-zag ring: each device computes the same number of half-chunk blocks, and every skipped block is fully masked."""
+    half = 3
+    positions = context_attention.zigzag_order(2 * shards * half, shards).reshape(shards, 2, half)
+    schedule = context_attention.ring_schedule(shards)
+    for device in range(shards):
+        for hop in range(shards):
+            source = (device - hop) % shards
+            for q_half in range(2):
+                for k_half in range(2):
+                    sees = positions[source, k_half].min() <= positions[device, q_half].max()
+                    assert schedule[device, hop, q_half, k_half] or not sees, (device, hop, q_half, k_half)
+    work = schedule.sum(axis=(1, 2, 3))
+    assert (work == work[0]).all() and work[0] == 4 + 2 * (shards - 1)
+
+
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_contiguous_chunks_would_leave_causal_work_unequal(shards):
+    """Without the zig-zag, device i's queries see i + 1 of the C key chunks: the ring's reason to permute."""
+    chunks = np.arange(shards)
+    blocks_seen = (chunks[None, :] <= chunks[:, None]).sum(axis=1)
+    zigzag = context_attention.zigzag_order(2 * shards, shards).reshape(shards, 2)
+    zigzag_seen = (zigzag.reshape(-1)[None, None, :] <= zigzag[:, :, None]).sum(axis=(1, 2))
+    assert blocks_seen.tolist() == list(range(1, shards + 1))
+    assert (zigzag_seen == zigzag_seen[0]).all()
+
+
+def test_zigzag_order_needs_two_chunks_per_shard():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        context_attention.zigzag_order(36, 4)
+
+
+@pytest.mark.devices(8)
+def test_ulysses_names_heads_that_do_not_split():
+    model_def = model_lib.define(config_lib.from_preset("tiny", context_parallel="ulysses"))
+    mesh, rules = mesh_lib.make_mesh("context:4,data:2"), rules_lib.make_rules("fsdp")
+    tokens = np.zeros((2, 32), np.int32)
+    with jax.set_mesh(mesh), partition.use_rules(rules), pytest.raises(ValueError, match="4 query and 2 key/value heads over 4"):
+        jax.eval_shape(lambda p: model_lib.apply(model_def, p, tokens), model_def.abstract_params)
+
+
+@pytest.mark.devices(8)
+def test_pallas_under_context_is_an_error():
+    model_def = model_lib.define(config_lib.from_preset("tiny", attention="pallas"))
+    mesh, rules = mesh_lib.make_mesh("context:4,data:2"), rules_lib.make_rules("fsdp")
+    with jax.set_mesh(mesh), partition.use_rules(rules), pytest.raises(ValueError, match="model.attention='pallas'"):
+        jax.eval_shape(lambda p: model_lib.apply(model_def, p, np.zeros((2, 32), np.int32)), model_def.abstract_params)

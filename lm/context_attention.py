@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.attention import reference
+from lm.config import ModelConfig
 from sharding import partition
 
 CONTEXT_AXIS = "context"
@@ -38,6 +39,29 @@ MODES = ("all_gather", "ring", "ulysses")
 
 _Q = ("batch", "seq", "heads", "head_dim")
 _KV = ("batch", "seq", "kv_heads", "head_dim")
+
+
+def check(cfg: ModelConfig, seq_len: int, shards: int, head_shards: int) -> None:
+    """Raises a one-line ValueError naming the sizes when ``cfg`` cannot run over ``shards`` context shards.
+
+    ``head_shards``: how many ways the rules split the ``heads`` (and ``kv_heads``) axis (tensor parallelism).
+    """
+    if shards <= 1:
+        return
+    if cfg.attention not in ("auto", "xla"):
+        raise ValueError(f"model.attention={cfg.attention!r} does not run per context shard yet; use model.attention=xla or auto")
+    chunks = 2 * shards if cfg.context_parallel == "ring" else shards
+    if seq_len % chunks:
+        raise ValueError(
+            f"context_parallel={cfg.context_parallel} splits data.seq_len={seq_len} into {chunks} chunks over {shards} "
+            f"context shards; use a seq_len divisible by {chunks}"
+        )
+    kv_heads = cfg.n_heads if cfg.attention_type == "mla" else cfg.n_kv_heads
+    if cfg.context_parallel == "ulysses" and (cfg.n_heads % (shards * head_shards) or kv_heads % (shards * head_shards)):
+        raise ValueError(
+            f"context_parallel=ulysses splits {cfg.n_heads} query and {kv_heads} key/value heads over {head_shards} head "
+            f"shard(s) x {shards} context shards; use head counts divisible by {shards * head_shards} or context_parallel=ring"
+        )
 
 
 def zigzag_order(seq_len: int, shards: int) -> np.ndarray:

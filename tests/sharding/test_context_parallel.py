@@ -4,6 +4,9 @@ import jax
 import numpy as np
 import pytest
 
+from experiments import run_spec
+from experiments.cli import UsageError
+from experiments.configs import default
 from lm import config as config_lib
 from lm import context_attention
 from lm import loss as loss_lib
@@ -124,3 +127,15 @@ def test_pallas_under_context_is_an_error():
     mesh, rules = mesh_lib.make_mesh("context:4,data:2"), rules_lib.make_rules("fsdp")
     with jax.set_mesh(mesh), partition.use_rules(rules), pytest.raises(ValueError, match="model.attention='pallas'"):
         jax.eval_shape(lambda p: model_lib.apply(model_def, p, np.zeros((2, 32), np.int32)), model_def.abstract_params)
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize(
+    "mode, seq_len, match",
+    [("ring", 36, "seq_len=36 into 8 chunks"), ("ulysses", 64, "2 key/value heads over 1 head shard")],
+)
+def test_run_spec_names_sizes_that_do_not_split(mode, seq_len, match):
+    config = default.get_config()
+    config.mesh, config.model.preset, config.model.context_parallel, config.data.seq_len = "context:4,data:2", "tiny", mode, seq_len
+    with pytest.raises(UsageError, match=match):
+        run_spec.build_run(config)

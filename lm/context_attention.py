@@ -11,9 +11,10 @@ mode below is a `jax.shard_map` (`sharding.partition.logical_shard_map`) over th
 
       lse = log(exp(lse_a) + exp(lse_b)),   o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b
 
-  The sequence is laid out zig-zag (device ``i`` holds chunks ``i`` and ``2C-1-i`` of ``2C``), so every
-  hop from another device costs each device half a block (`ring_schedule`): the causal work is equal
-  on every device. The backward pass is `jax.grad` of the hop loop (the transposed ppermutes carry
+  Inside the call the shards are re-laid out zig-zag by two ppermutes of half a shard each way
+  (`zigzag_pairs`; device ``i`` then holds chunks ``i`` and ``2C-1-i`` of ``2C``), so every hop from
+  another device costs each device half a block (`ring_schedule`): the causal work is equal on every
+  device. The backward pass is `jax.grad` of the hop loop (the transposed ppermutes carry
   dK/dV back around the ring); a hand-written ring backward is not here yet.
 - ``ulysses`` (DeepSpeed-Ulysses, arXiv:2309.14509): an all-to-all turns sequence-split q, k, v into
   head-split ones over the whole sequence, `reference.attention` runs per device, and a second
@@ -91,6 +92,35 @@ def ring_schedule(shards: int) -> np.ndarray:
             else:
                 work[i, t, 1, :] = True
     return work
+
+
+def zigzag_pairs(shards: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The two ppermutes (source, destination) that turn contiguous shards into the zig-zag layout.
+
+    Shard ``d`` holds half-chunks ``2d`` (slot 0) and ``2d+1`` (slot 1); zig-zag shard ``i`` needs
+    half-chunks ``i`` and ``2C-1-i``. The first list moves every slot 0 (to an even ``i`` as its first
+    half, to an odd ``i`` as its second), the second list every slot 1 (the other way round).
+    """
+    mirror = lambda i: (2 * shards - 1 - i) // 2  # noqa: E731
+    slot_0 = [(i // 2 if i % 2 == 0 else mirror(i), i) for i in range(shards)]
+    slot_1 = [(mirror(i) if i % 2 == 0 else i // 2, i) for i in range(shards)]
+    return slot_0, slot_1
+
+
+def _to_zigzag(x, axes, axis: int):
+    slot_0, slot_1 = zigzag_pairs(jax.lax.axis_size(axes))
+    first, second = _halves(x, axis)
+    a, b = jax.lax.ppermute(first, axes, slot_0), jax.lax.ppermute(second, axes, slot_1)
+    even = jax.lax.axis_index(axes) % 2 == 0
+    return jnp.where(even, jnp.concatenate([a, b], axis), jnp.concatenate([b, a], axis))
+
+
+def _from_zigzag(x, axes, axis: int):
+    slot_0, slot_1 = zigzag_pairs(jax.lax.axis_size(axes))
+    first, second = _halves(x, axis)
+    even = jax.lax.axis_index(axes) % 2 == 0
+    back = lambda y, pairs: jax.lax.ppermute(y, axes, [(d, s) for s, d in pairs])  # noqa: E731
+    return jnp.concatenate([back(jnp.where(even, first, second), slot_0), back(jnp.where(even, second, first), slot_1)], axis)
 
 
 def _block(q, k, v, q_pos, k_pos, q_seg, k_seg):
@@ -217,9 +247,6 @@ def attend(
     if q.shape[1] % shards:
         raise ValueError(f"seq_len={q.shape[1]} does not split over {shards} context shards; use a multiple of {shards}")
     order = zigzag_order(q.shape[1], shards) if mode == "ring" else np.arange(q.shape[1])
-    if mode == "ring":
-        q, k, v = (jnp.take(x, order, axis=1) for x in (q, k, v))
-        segment_ids = None if segment_ids is None else jnp.take(segment_ids, order, axis=1)
     reduce_axes = (*partition.logical_mesh_axes("batch"), *seq_axes)
 
     def per_shard(q, k, v, pos, *seg):
@@ -230,10 +257,15 @@ def attend(
             if max_logits is not None and batch_axes:
                 max_logits = jax.lax.pmax(max_logits, batch_axes)
         else:
+            if mode == "ring":
+                q, k, v = (_to_zigzag(x, seq_axes, 1) for x in (q, k, v))
+                seg = None if seg is None else _to_zigzag(seg, seq_axes, 1)
             run = _ring if mode == "ring" else _all_gather
             out, _, row_max = run(seq_axes, q, k, v, pos, seg)
             b, kv, group, s, dv = out.shape
             out = out.transpose(0, 3, 1, 2, 4).reshape(b, s, kv * group, dv).astype(q.dtype)
+            if mode == "ring":
+                out = _from_zigzag(out, seq_axes, 1)
             max_logits = None
             if track_max_logits:
                 max_logits = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(row_max, axis=(0, 3)).reshape(-1)), reduce_axes)
@@ -244,7 +276,4 @@ def attend(
         args, specs = [*args, segment_ids], [*specs, ("batch", "seq")]
     out_logical = (_Q, ("heads",)) if track_max_logits else _Q
     result = partition.logical_shard_map(per_shard, specs, out_logical)(*args)
-    out, max_logits = result if track_max_logits else (result, None)
-    if mode == "ring":
-        out = jnp.take(out, np.argsort(order), axis=1)
-    return out, max_logits
+    return result if track_max_logits else (result, None)

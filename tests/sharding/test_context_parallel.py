@@ -139,3 +139,17 @@ def test_run_spec_names_sizes_that_do_not_split(mode, seq_len, match):
     config.mesh, config.model.preset, config.model.context_parallel, config.data.seq_len = "context:4,data:2", "tiny", mode, seq_len
     with pytest.raises(UsageError, match=match):
         run_spec.build_run(config)
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_zigzag_relayout_by_ppermute_and_back(shards):
+    mesh = mesh_lib.make_mesh(f"context:{shards}", jax.devices()[:shards])
+    positions = np.arange(4 * shards)
+
+    def run(fn):
+        return jax.shard_map(lambda x: fn(x, "context", 0), mesh=mesh, in_specs=jax.P("context"), out_specs=jax.P("context"))
+
+    zigzag = run(context_attention._to_zigzag)(positions)
+    np.testing.assert_array_equal(zigzag, context_attention.zigzag_order(4 * shards, shards))
+    np.testing.assert_array_equal(run(context_attention._from_zigzag)(zigzag), positions)

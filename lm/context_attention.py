@@ -181,11 +181,11 @@ def _ring(axes, q, k, v, pos, seg):
     first = lambda x, axis: None if x is None else _halves(x, axis)[0]  # noqa: E731
     second = lambda x, axis: None if x is None else _halves(x, axis)[1]  # noqa: E731
     step = [(i, (i + 1) % shards) for i in range(shards)]
+    send = lambda blocks: jax.tree.map(lambda x: jax.lax.ppermute(x, axes, step), blocks)  # noqa: E731
 
-    def hop(t, carry):
-        result, travelling = carry
-        travelling = jax.tree.map(lambda x: jax.lax.ppermute(x, axes, step), travelling)
-        k_t, v_t, pos_t, seg_t = travelling
+    def partial_at(hop, blocks):
+        """The partial result over the keys that arrived on ``hop``: only the half pairs `ring_schedule` keeps."""
+        k_t, v_t, pos_t, seg_t = blocks
 
         def all_queries_first_key_half():
             return _block(q, first(k_t, 1), first(v_t, 1), pos, first(pos_t, 0), seg, first(seg_t, 1))
@@ -194,10 +194,16 @@ def _ring(axes, q, k, v, pos, seg):
             partial = _block(second(q, 1), k_t, v_t, second(pos, 0), pos_t, second(seg, 1), seg_t)
             return _pad_front(partial, q.shape[1] // 2)
 
-        partial = jax.lax.cond(first_key_half_only[t], all_queries_first_key_half, second_query_half_all_keys)
-        return _merge(result, partial), travelling
+        return jax.lax.cond(first_key_half_only[hop], all_queries_first_key_half, second_query_half_all_keys)
 
-    return jax.lax.fori_loop(1, shards, hop, (_block(q, k, v, pos, pos, seg, seg), (k, v, pos, seg)))[0]
+    def hop(t, carry):
+        result, arrived = carry
+        upcoming = send(arrived)  # independent of this hop's compute, so the transfer can overlap it
+        return _merge(result, partial_at(t, arrived)), upcoming
+
+    local = _block(q, k, v, pos, pos, seg, seg)
+    result, last = jax.lax.fori_loop(1, shards - 1, hop, (local, send((k, v, pos, seg))))
+    return _merge(result, partial_at(shards - 1, last))
 
 
 def _ulysses(axes, q, k, v, seg, *, track_max_logits: bool):

@@ -17,7 +17,7 @@ import numpy as np
 from experiments import train_lib
 from experiments.cli import UsageError
 from lm import config as model_config_lib
-from lm import hf
+from lm import context_attention, hf
 from lm import input_pipeline
 from lm import model as model_lib
 from lm import moe
@@ -138,6 +138,13 @@ def _check_replicas_named(config: ml_collections.ConfigDict, mesh: jax.sharding.
         )
 
 
+def _check_context(cfg: model_config_lib.ModelConfig, seq_len: int, mesh: jax.sharding.Mesh, rules: rules_lib.Rules) -> None:
+    """Sequence length and head counts against the ``context`` shards (`lm.context_attention.check`)."""
+    ways = lambda name: int(np.prod([mesh.shape[a] for a in dict(rules.activations).get(name, ()) if a in mesh.shape]))  # noqa: E731
+    if context_attention.CONTEXT_AXIS in dict(rules.activations).get("seq", ()):
+        context_attention.check(cfg, seq_len, mesh.shape.get(context_attention.CONTEXT_AXIS, 1), ways("heads"))
+
+
 def build_run(config: ml_collections.ConfigDict) -> RunSpec:
     """Checks ``config`` and builds its `RunSpec`; every bad-input error becomes a `UsageError`."""
     try:
@@ -162,6 +169,7 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
                 f"the micro-batch of {config.batch_size // config.grad_accum_steps} sequences cannot be split over "
                 f"{n_batch_shards} batch shards of mesh {dict(mesh.shape)}; use a batch_size divisible by {n_batch_shards * config.grad_accum_steps}"
             )
+        _check_context(cfg, config.data.seq_len, mesh, rules)
         _check_replicas_named(config, mesh)
         replica_axis = config.get("replicas") or None
         if replica_axis:

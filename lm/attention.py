@@ -3,7 +3,8 @@
 Query head ``h`` reads kv head ``h // (n_heads // n_kv_heads)`` (GQA, Ainslie et al.,
 arXiv:2305.13245). `attend` asks the attention op (`kernels_pallas.attention.api.attention`) for
 ``model.attention`` (``auto``, ``xla``, ``cudnn`` or ``pallas``; the op owns the choice, its fallbacks
-and their log lines). What it adds is the mesh: whether the sequence is sharded, and for the Pallas
+and their log lines). What it adds is the mesh: whether the sequence is sharded (over a ``context``
+axis: `lm.context_attention`'s all-gather, ring or Ulysses attention), and for the Pallas
 kernel a per-shard run (`sharding.partition.logical_shard_map`) in which batch and heads may be
 sharded, the sequence may not, and the max logits are reduced over the batch shards.
 """
@@ -16,7 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from kernels_pallas.attention import api as attention_api
-from lm import kv_cache, remat
+from lm import context_attention, kv_cache, remat
 from lm.config import ModelConfig
 from lm.layers import RMSNorm, linear, rotary_embedding, split_heads
 from sharding import partition
@@ -60,6 +61,7 @@ def attend(
     implementation: str = "xla",
     track_max_logits: bool = False,
     segment_ids: jax.Array | None = None,
+    context_parallel: str = "all_gather",
 ):
     """Causal softmax attention, logits and softmax statistics in float32 (`attention_api.attention`).
 
@@ -69,12 +71,23 @@ def attend(
       track_max_logits: also return the maximum pre-softmax logit of each query head over the
         batch and the causal (query, key) pairs, shape ``(n_heads,)``.
       segment_ids: ``(batch, seq)`` int or None; a query sees only keys of its own segment (document).
+      context_parallel: with the sequence split over a ``context`` mesh axis, how keys and values
+        reach the queries (`lm.context_attention`): ``all_gather``, ``ring`` or ``ulysses``.
 
     Returns:
       ``(out, max_logits)``: out ``(batch, seq, n_heads, head_dim)`` in q's dtype; max_logits is
       None unless tracked.
     """
     mesh = jax.sharding.get_abstract_mesh()
+    if mesh.shape.get(context_attention.CONTEXT_AXIS, 1) > 1 and context_attention.CONTEXT_AXIS in partition.logical_mesh_axes("seq"):
+        if implementation not in ("auto", "xla"):
+            raise ValueError(
+                f"model.attention={implementation!r} does not run per context shard yet; use model.attention=xla "
+                "(or auto) with a context mesh axis"
+            )
+        return context_attention.attend(
+            q, k, v, mode=context_parallel, track_max_logits=track_max_logits, segment_ids=segment_ids
+        )
     return attention_api.attention(
         q,
         k,
@@ -117,7 +130,13 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x, jnp.arange(x.shape[1]))
         q, k, v = checkpoint_name(q, remat.ATTN_Q), checkpoint_name(k, remat.ATTN_K), checkpoint_name(v, remat.ATTN_V)
         out, max_logits = attend(
-            q, k, v, implementation=cfg.attention, track_max_logits=cfg.track_attn_logits, segment_ids=segment_ids
+            q,
+            k,
+            v,
+            implementation=cfg.attention,
+            track_max_logits=cfg.track_attn_logits,
+            segment_ids=segment_ids,
+            context_parallel=cfg.context_parallel,
         )
         out = checkpoint_name(out, remat.ATTN_CONTEXT)
         b, s = x.shape[:2]

@@ -18,7 +18,8 @@ Implementations (causal self-attention, ``(batch, seq, heads, head_dim)``):
 
 Each row is one implementation x shape x mode (``fwd``, or ``fwd_bwd``: the forward pass and the pullback
 of a fixed random cotangent to q, k, v). After ``--warmup`` calls (compilation included), ``--iters``
-calls are timed one by one to completion; the median and minimum are reported. TFLOP/s count the
+samples are timed, each several calls issued back to back and waited for once (`experiments.timing`);
+the median and minimum per call are reported. TFLOP/s count the
 causal half of the matmuls (FlashAttention-2, arXiv:2307.08691, Sec. 4): forward ``2 * 2 B H T^2 D / 2``,
 backward 2.5x the forward. ``peak`` is ``--peak_tflops`` (default: H100 SXM dense bf16, 989).
 ``vs_cudnn`` is cuDNN's time over the row's (above 1: faster than cuDNN). ``max_err`` is the largest

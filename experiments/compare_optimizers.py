@@ -133,6 +133,7 @@ def _record(config: ml_collections.ConfigDict, rundir: Path, optimizer: str, set
             "tokens": r["step"] * tokens_per_step,
             "seconds": r["step"] * tokens_per_step / tps if tps else None,
             "val_loss": r["val_loss"],
+            "val_bits_per_byte": r.get("val_bits_per_byte"),
         }
         for r in metrics
         if "val_loss" in r
@@ -144,6 +145,7 @@ def _record(config: ml_collections.ConfigDict, rundir: Path, optimizer: str, set
         "seed": seed,
         "status": "diverged" if diverged else "done",
         "final_val_loss": summary.get("final_val_loss"),
+        "final_val_bits_per_byte": summary.get("final_val_bits_per_byte"),
         "tokens_per_second": tps,
         "curve": curve,
         "workdir": str(rundir),
@@ -300,12 +302,15 @@ def summarize(config: ml_collections.ConfigDict, runs: dict[str, list[dict]], be
     for name, records in runs.items():
         seeds = [r for r in records if r["setting"] == best[name]["setting"] and r["status"] == "done"]
         finals = [r["final_val_loss"] for r in seeds]
+        bits_per_byte = [r["final_val_bits_per_byte"] for r in seeds if r.get("final_val_bits_per_byte") is not None]
         row = {
             "optimizer": name,
             "best_setting": best[name]["setting"],
             "seeds": [r["seed"] for r in seeds],
             "final_val_loss_mean": statistics.fmean(finals) if finals else None,
             "final_val_loss_std": statistics.stdev(finals) if len(finals) > 1 else 0.0 if finals else None,
+            # Bits per byte compare across tokenizers (None where the data has no byte count, e.g. bare shards).
+            "final_val_bits_per_byte_mean": statistics.fmean(bits_per_byte) if bits_per_byte else None,
             "tokens_curve": speedup.mean_curve([[(p["tokens"], p["val_loss"]) for p in r["curve"]] for r in seeds]) if seeds else [],
             "seconds_curve": speedup.mean_curve([[(p["seconds"], p["val_loss"]) for p in r["curve"]] for r in seeds]) if seeds else [],
             **costs[name],
@@ -341,8 +346,8 @@ def markdown(results: dict) -> str:
     """The results table, then every grid run's final loss (seed 0; the best setting marked *)."""
     base = results["baseline"]
     header = (
-        "| optimizer | best setting | final val loss (mean ± std) | seeds | speedup (tokens) | speedup (time) "
-        f"| state bytes / param | update time (x {base}) |"
+        "| optimizer | best setting | final val loss (mean ± std) | val bits / byte | seeds | speedup (tokens) "
+        f"| speedup (time) | state bytes / param | update time (x {base}) |"
     )
     lines = [
         (
@@ -351,7 +356,7 @@ def markdown(results: dict) -> str:
         ),
         "",
         header,
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["optimizers"]:
         if row["final_val_loss_mean"] is None:
@@ -360,8 +365,10 @@ def markdown(results: dict) -> str:
             loss = f"{row['final_val_loss_mean']:.4f}" + (f" ± {row['final_val_loss_std']:.4f}" if len(row["seeds"]) > 1 else "")
         tokens = row["speedup_tokens"]["text"] if row["speedup_tokens"] else "-"
         seconds = row["speedup_seconds"]["text"] if row["speedup_seconds"] else "-"
+        bits = row.get("final_val_bits_per_byte_mean")
+        bits = "-" if bits is None else f"{bits:.4f}"
         lines.append(
-            f"| {row['optimizer']} | {_setting_text(row['best_setting'])} | {loss} | {len(row['seeds'])} | {tokens} | {seconds} "
+            f"| {row['optimizer']} | {_setting_text(row['best_setting'])} | {loss} | {bits} | {len(row['seeds'])} | {tokens} | {seconds} "
             f"| {row['state_bytes_per_param']:.2f} | {row['update_vs_baseline']:.2f} ({1e3 * row['update_seconds']:.1f} ms) |"
         )
     lines += ["", "| run (seed 0) | final val loss |", "|---|---|"]
@@ -385,7 +392,7 @@ def plot_curves(results: dict, path: str | Path) -> None:
         if base["tokens_curve"]:
             ax.axhline(base["tokens_curve"][-1][1], color="gray", linestyle=":", linewidth=1, label=f"target ({results['baseline']} final)")
         ax.set_xlabel(label)
-        ax.set_ylabel("validation loss (nats / byte)")
+        ax.set_ylabel("validation loss (nats / token)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{results['model']}, {results['steps']} steps, best setting per optimizer, mean over seeds")

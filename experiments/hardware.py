@@ -17,22 +17,27 @@ def _matmul_setup(platform: str) -> tuple[int, jnp.dtype]:
     return (1024, jnp.float32) if platform == "cpu" else (8192, jnp.bfloat16)
 
 
-def measure_matmul_flops(device: jax.Device, repeats: int = 5) -> float:
-    """Best-of-``repeats`` FLOP/s of a square matmul on ``device`` (fp32 on CPU, bf16 elsewhere).
+def measure_matmul_flops(device: jax.Device, repeats: int = 5, calls: int = 10) -> float:
+    """Best-of-``repeats`` FLOP/s of a square matmul of random inputs on ``device`` (fp32 on CPU, bf16 elsewhere).
 
-    Runs on a one-device mesh of its own, so a caller's context mesh (a training loop's) does not apply.
+    A sample is ``calls`` matmuls issued back to back and waited for once, so dispatch latency does not
+    count against the device; random inputs, because a GPU draws less power (and clocks higher) on
+    constant ones. Runs on a one-device mesh of its own, so a caller's context mesh (a training loop's)
+    does not apply.
     """
     n, dtype = _matmul_setup(device.platform)
     own_mesh = jax.make_mesh((1,), ("device",), devices=[device], axis_types=(jax.sharding.AxisType.Auto,))
     with jax.set_mesh(own_mesh):
-        a = jax.device_put(jnp.ones((n, n), dtype), device)
-        f = jax.jit(lambda x: x @ x)
-        f(a).block_until_ready()
+        a, b = (jax.device_put(jax.random.normal(key, (n, n), dtype), device) for key in jax.random.split(jax.random.key(0)))
+        f = jax.jit(jnp.matmul)
+        f(a, b).block_until_ready()
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            f(a).block_until_ready()
-            best = min(best, time.perf_counter() - start)
+            for _ in range(calls):
+                out = f(a, b)
+            out.block_until_ready()
+            best = min(best, (time.perf_counter() - start) / calls)
     return 2.0 * n**3 / best
 
 
@@ -40,7 +45,7 @@ def matmul_flops_per_device() -> float:
     """Measured once per device kind and cached under the spmdlab cache directory."""
     device = jax.local_devices()[0]
     n, dtype = _matmul_setup(device.platform)
-    key = f"{device.platform}|{device.device_kind}|{n}|{jnp.dtype(dtype).name}"
+    key = f"{device.platform}|{device.device_kind}|{n}|{jnp.dtype(dtype).name}|random, back to back"
     path = default_cache_dir() / "matmul_flops.json"
     cache = json.loads(path.read_text()) if path.exists() else {}
     if key not in cache:

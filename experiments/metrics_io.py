@@ -48,7 +48,8 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def plot_losses(metrics_path: str | Path, out_path: str | Path) -> None:
-    """Train and validation loss against step."""
+    """Train and validation loss against step; validation bits per byte on a second axis when logged
+    (the axis on which runs of different tokenizers compare)."""
     records = read_metrics(metrics_path)
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
@@ -58,9 +59,15 @@ def plot_losses(metrics_path: str | Path, out_path: str | Path) -> None:
     if val:
         ax.plot(*zip(*val), "o-", label="validation")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats / byte)")
+    ax.set_ylabel("loss (nats / token)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper right")
+    bits = [(r["step"], r["val_bits_per_byte"]) for r in records if r.get("val_bits_per_byte") is not None]
+    if bits:
+        right = ax.twinx()
+        right.plot(*zip(*bits), "s:", color="tab:green", markersize=3, label="validation bits / byte")
+        right.set_ylabel("validation bits / byte")
+        right.legend(loc="center right")
     fig.tight_layout()
     fig.savefig(out_path)
     plt.close(fig)

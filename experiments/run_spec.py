@@ -17,6 +17,7 @@ import numpy as np
 from experiments import train_lib
 from experiments.cli import UsageError
 from lm import config as model_config_lib
+from lm import context_attention, hf
 from lm import input_pipeline
 from lm import model as model_lib
 from lm import moe
@@ -34,13 +35,36 @@ _RESUMABLE_MODEL_CHANGES = ("attention", "dtype", "remat", "scan_unroll", "track
 
 def model_config(config: ml_collections.ConfigDict) -> model_config_lib.ModelConfig:
     """The `ModelConfig` for ``config.model``: the preset plus every key that is set (the vocabulary, when
-    unset, from the manifest of ``data.train_files`` if they have one; the document separator with
-    ``data.document_mask``)."""
+    unset, from the manifest of ``data.train_files`` if they have one; the document separator, when
+    unset, from ``data.document_mask``)."""
     overrides = {k: v for k, v in config.model.items() if k != "preset" and v is not None}
+    if config.get("init_from_hf"):
+        return _hf_model_config(config, overrides)
     if "vocab_size" not in overrides and (vocab_size := input_pipeline.manifest_vocab_size(config.data)) is not None:
         overrides["vocab_size"] = vocab_size
-    overrides["document_separator"] = input_pipeline.document_separator(config.data)
+    if "document_separator" not in overrides:
+        overrides["document_separator"] = input_pipeline.document_separator(config.data)
     return model_config_lib.from_preset(config.model.preset, **overrides)
+
+
+def _hf_model_config(config: ml_collections.ConfigDict, overrides: dict) -> model_config_lib.ModelConfig:
+    """The model of the transformers checkpoint ``config.init_from_hf``; ``config.model`` may set only how it
+    computes (``dtype``, ``remat``, ``scan_layers``, ...), an architecture field that differs is an error."""
+    directory = config.init_from_hf
+    try:
+        from_hf = hf.read_config(directory)
+    except FileNotFoundError as e:
+        raise ValueError(f"init_from_hf: {e}") from e
+    defaults = {f.name: f.default for f in dataclasses.fields(model_config_lib.ModelConfig)}
+    conflicts = [
+        f"model.{k}={v!r} (config.json: {getattr(from_hf, k)!r})"
+        for k, v in overrides.items()
+        if k in hf.CONFIG_FIELDS and v != defaults[k] and v != getattr(from_hf, k)
+    ]
+    if conflicts:
+        raise ValueError(f"init_from_hf={directory} fixes the architecture, but the config sets {', '.join(conflicts)}; drop those keys")
+    computes = {k: v for k, v in overrides.items() if k not in hf.CONFIG_FIELDS}
+    return hf.read_config(directory, **computes, document_separator=input_pipeline.document_separator(config.data))
 
 
 def balancing(config: ml_collections.ConfigDict) -> moe.Balancing:
@@ -114,6 +138,13 @@ def _check_replicas_named(config: ml_collections.ConfigDict, mesh: jax.sharding.
         )
 
 
+def _check_context(cfg: model_config_lib.ModelConfig, seq_len: int, mesh: jax.sharding.Mesh, rules: rules_lib.Rules) -> None:
+    """Sequence length and head counts against the ``context`` shards (`lm.context_attention.check`)."""
+    ways = lambda name: int(np.prod([mesh.shape[a] for a in dict(rules.activations).get(name, ()) if a in mesh.shape]))  # noqa: E731
+    if context_attention.CONTEXT_AXIS in dict(rules.activations).get("seq", ()):
+        context_attention.check(cfg, seq_len, mesh.shape.get(context_attention.CONTEXT_AXIS, 1), ways("heads"))
+
+
 def build_run(config: ml_collections.ConfigDict) -> RunSpec:
     """Checks ``config`` and builds its `RunSpec`; every bad-input error becomes a `UsageError`."""
     try:
@@ -138,6 +169,7 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
                 f"the micro-batch of {config.batch_size // config.grad_accum_steps} sequences cannot be split over "
                 f"{n_batch_shards} batch shards of mesh {dict(mesh.shape)}; use a batch_size divisible by {n_batch_shards * config.grad_accum_steps}"
             )
+        _check_context(cfg, config.data.seq_len, mesh, rules)
         _check_replicas_named(config, mesh)
         replica_axis = config.get("replicas") or None
         if replica_axis:

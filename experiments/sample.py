@@ -6,51 +6,23 @@ r"""Samples text from a training run's checkpoint, decoding with a KV cache.
 Reads the run's ``config.json``, rebuilds its model and optimizer (a checkpoint holds both), restores
 the newest checkpoint (or ``--step``) onto one device and prints each sample. Sampling is
 `lm.sampling`: temperature (0: greedy), then top-k, then top-p. A sample starts a new document (the
-prompt follows an end-of-document token, as every document does in training) and ends at the next one.
+prompt follows the document separator, as every document does in training) and ends at the next one.
+Text is encoded and decoded with the run's tokenizer: byte-level for the text corpus, the one the
+training shards' manifest names otherwise (``--tokenizer`` names it where the manifest's path is gone).
 """
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from absl import app, flags
 
-from experiments import checkpointing, cli, run_spec, train_lib
+from experiments import cli, restore
 from lm import model as model_lib
 from lm import sampling, tokenizer
-from sharding import partition
-
-
-def load_params(workdir: str | Path, step: int | None = None) -> tuple[model_lib.ModelDef, model_lib.Params, int]:
-    """``(model_def, params, step)`` of checkpoint ``step`` (default: the newest) of the run in ``workdir``."""
-    workdir = Path(workdir)
-    config_path = workdir / "config.json"
-    if not config_path.is_file():
-        raise cli.UsageError(f"{config_path} does not exist; pass the --workdir of a training run")
-    config = ml_collections.ConfigDict(json.loads(config_path.read_text()))
-    config.mesh, config.devices = "", 1  # checkpoints restore onto any mesh; one device serves sampling
-    spec = run_spec.build_run(config)
-    if not (workdir / "checkpoints").is_dir():
-        raise cli.UsageError(f"{workdir} holds no checkpoints; train longer than checkpoint_every steps or pick another run")
-    mgr = checkpointing.manager(workdir, keep=config.keep_checkpoints, every=config.checkpoint_every)
-    try:
-        with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
-            target = train_lib.abstract_state(spec.model_def, spec.tx, spec.shardings)
-            restored = checkpointing.restore(mgr, target, run_spec.run_meta(config, spec.cfg), step, discard_newer=False)
-    except checkpointing.CheckpointError as e:
-        raise cli.UsageError(str(e)) from e
-    finally:
-        mgr.close()
-    if restored is None:
-        raise cli.UsageError(f"{workdir} holds no finished checkpoint; train longer than checkpoint_every steps")
-    saved_step, state, _ = restored
-    return spec.model_def, state["params"], saved_step
 
 
 def sample(
@@ -64,9 +36,15 @@ def sample(
     top_k: int = 0,
     top_p: float = 0.95,
     seed: int = 0,
+    tok: tokenizer.Tokenizer | None = None,
 ) -> list[str]:
-    """``num_samples`` continuations of ``prompt`` as text, each cut at the first end-of-document token."""
-    prefix = np.concatenate([[tokenizer.EOS], tokenizer.encode(prompt)]).astype(np.int32)
+    """``num_samples`` continuations of ``prompt`` as text, each cut at the first document separator.
+
+    ``tok`` encodes the prompt and decodes the samples (default: byte-level); only its ids are sampled.
+    """
+    tok = tok or tokenizer.load("bytes")
+    separator = tok.separator_id
+    prefix = np.concatenate([[] if separator is None else [separator], tok.encode(prompt)]).astype(np.int32)
     try:
         generate = sampling.make_generate(
             model_def,
@@ -74,15 +52,15 @@ def sample(
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
-            valid_vocab=tokenizer.VOCAB_SIZE,
+            valid_vocab=tok.vocab_size,
         )
         tokens = generate(params, jnp.asarray(np.tile(prefix, (num_samples, 1))), jax.random.key(seed))
     except ValueError as e:
         raise cli.UsageError(str(e)) from e
     texts = []
     for row in np.asarray(tokens)[:, len(prefix) :]:
-        end = np.flatnonzero(row == tokenizer.EOS)
-        texts.append(prompt + tokenizer.decode(row[: end[0]] if end.size else row))
+        end = np.flatnonzero(row == separator) if separator is not None else np.array([], int)
+        texts.append(prompt + tok.decode(row[: end[0]] if end.size else row))
     return texts
 
 
@@ -92,7 +70,8 @@ def main(argv: list[str]) -> None:
     f = flags.FLAGS
     cli.quiet_logging(f.verbose)
     try:
-        model_def, params, step = load_params(f.workdir, f.step)
+        model_def, params, step = restore.load_params(f.workdir, f.step)
+        tok = restore.load_tokenizer(f.workdir, f.tokenizer)
         texts = sample(
             model_def,
             params,
@@ -103,6 +82,7 @@ def main(argv: list[str]) -> None:
             top_k=f.top_k,
             top_p=f.top_p,
             seed=f.seed,
+            tok=tok,
         )
     except cli.UsageError as e:
         cli.usage_exit(str(e))
@@ -116,7 +96,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("step", None, "Checkpoint step to sample from; default: the newest.")
     flags.DEFINE_string("prompt", "def ", "Text the samples continue.")
     flags.DEFINE_integer("num_samples", 1, "Number of samples (one batch).")
-    flags.DEFINE_integer("max_new_tokens", 200, "Tokens (bytes) generated per sample.")
+    flags.DEFINE_integer("max_new_tokens", 200, "Tokens generated per sample (bytes for a byte-level run).")
+    flags.DEFINE_string("tokenizer", None, "Tokenizer file to encode / decode with; default: the run's (bytes, or its shards' manifest's).")
     flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 is greedy decoding.")
     flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens; 0 keeps all.")
     flags.DEFINE_float("top_p", 0.95, "Keep the smallest set of most likely tokens with this much probability; 1 keeps all.")

@@ -1,11 +1,18 @@
 """Timing and tabulating benchmark rows, shared by the `bench_*` scripts.
 
 A row is a dict: the fields that name it (shape, implementation, mode, ...), then either the timing
-(``ms``: median, ``ms_min``: fastest call, in milliseconds) or ``unavailable``: why it did not run here.
+(``ms``: median, ``ms_min``: fastest sample, in milliseconds per call) or ``unavailable``: why it did
+not run here.
+
+A sample is several calls issued back to back (dispatched without waiting, as a training loop runs
+them) and waited for once at the end, divided by their number: one call between two host timers
+would add the dispatch and synchronisation latency to every kernel, which for a sub-millisecond
+kernel on a GPU is most of the figure.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -15,15 +22,26 @@ import jax
 import jax.numpy as jnp
 
 
-def time_calls(fn: Callable[[], Any], warmup: int, iters: int) -> list[float]:
-    """Seconds of each of ``iters`` calls of ``fn``, each waited to completion, after ``warmup`` untimed calls."""
+def time_calls(fn: Callable[[], Any], warmup: int, iters: int, *, min_sample_s: float = 0.02, max_calls: int = 100) -> list[float]:
+    """Seconds per call of ``fn`` in each of ``iters`` samples, after ``warmup`` untimed calls.
+
+    A sample runs ``calls`` calls back to back and waits for the last (module docstring); ``calls``
+    is what the last warm-up call's time says makes a sample last ``min_sample_s`` (at most
+    ``max_calls``; 1 without warm-up, whose first call would include compilation).
+    """
+    once = math.inf
     for _ in range(warmup):
+        start = time.perf_counter()
         jax.block_until_ready(fn())
+        once = time.perf_counter() - start
+    calls = min(max_calls, max(1, math.ceil(min_sample_s / max(once, 1e-9)))) if warmup else 1
     seconds = []
     for _ in range(iters):
         start = time.perf_counter()
-        jax.block_until_ready(fn())
-        seconds.append(time.perf_counter() - start)
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
+        seconds.append((time.perf_counter() - start) / calls)
     return seconds
 
 

@@ -118,9 +118,14 @@ def abstract_state(model_def: model_lib.ModelDef, tx: optax.GradientTransformati
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings.state)
 
 
-def init_state(model_def: model_lib.ModelDef, tx: optax.GradientTransformation, seed: int, shardings: Shardings) -> TrainState:
-    """Fresh train state, created directly in its shardings (every replica starts from the same state)."""
-    params = model_lib.init_params(model_def, seed, shardings.params)
+def init_state(
+    model_def: model_lib.ModelDef, tx: optax.GradientTransformation, seed: int, shardings: Shardings, params: Any = None
+) -> TrainState:
+    """Fresh train state, created directly in its shardings (every replica starts from the same state).
+
+    ``params``: start from these (placed in ``shardings.params``, e.g. `lm.hf.load_params`) instead of initialising.
+    """
+    params = model_lib.init_params(model_def, seed, shardings.params) if params is None else params
     if shardings.replica_axis:
         copies = lambda p: jax.tree.map(lambda x: jnp.broadcast_to(x, (shardings.replicas, *x.shape)), (p, tx.init(p)))  # noqa: E731
         out = (shardings.state["params"], shardings.state["opt_state"])

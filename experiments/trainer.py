@@ -22,7 +22,7 @@ import numpy as np
 from experiments import checkpointing, hardware, metrics_io, train_lib
 from experiments.cli import UsageError
 from experiments.run_spec import RunSpec, balancing, build_run, run_meta
-from lm import data, input_pipeline
+from lm import data, hf, input_pipeline
 from lm.loss import flops_per_token
 from lm.model import count_params
 from optim import build
@@ -144,7 +144,13 @@ def run(
             except checkpointing.CheckpointError as e:
                 raise UsageError(str(e)) from e
             if restored is None:
-                state, start = train_lib.init_state(spec.model_def, spec.tx, config.seed, shardings), 0
+                params = None
+                if config.get("init_from_hf"):
+                    try:
+                        params = hf.load_params(config.init_from_hf, spec.cfg, spec.model_def.abstract_params, shardings.params)
+                    except (hf.CheckpointMismatch, FileNotFoundError) as e:
+                        raise UsageError(f"init_from_hf: {e}") from e
+                state, start = train_lib.init_state(spec.model_def, spec.tx, config.seed, shardings, params), 0
             else:
                 start, state, data_state = restored
                 try:

@@ -1,141 +1,103 @@
-"""Causal grouped-query self-attention, and the one function that picks how attention is computed.
+"""Causal grouped-query self-attention (the nnx module) and how it runs the attention op under a mesh.
 
 Query head ``h`` reads kv head ``h // (n_heads // n_kv_heads)`` (GQA, Ainslie et al.,
-arXiv:2305.13245). `attend` runs the implementation that ``model.attention`` names:
-
-- ``xla``: `kernels_pallas.attention.reference`, the definition of correct (materialises the
-  ``(batch, heads, T, T)`` float32 logits).
-- ``cudnn``: `jax.nn.dot_product_attention(..., implementation="cudnn")` (GPU; bf16/fp16, head_dim
-  <= 128 and a multiple of 8, equal q/v head dims). cuDNN does not report row statistics, so with
-  ``track_attn_logits`` the per-head max logits come from `reference.max_logits`, a second
-  pass over query blocks (one more ``Q K^T``, no ``T x T`` buffer, no gradient).
-- ``pallas``: `kernels_pallas.attention.flash_attention` (FlashAttention-2; Triton on GPU, Mosaic on
-  TPU, interpret mode on CPU: correct but slow, for tests); max logits from the kernel's row maxima.
-  Under a mesh it runs per shard (`sharding.partition.logical_shard_map`): batch and heads may be
-  sharded, the sequence may not.
-- ``auto``: XLA on CPU, Pallas on TPU; on GPU cuDNN where it supports the call, else Pallas; XLA
-  wherever the sequence is sharded. Each reason for leaving the first choice is logged once.
+arXiv:2305.13245). `attend` asks the attention op (`kernels_pallas.attention.api.attention`) for
+``model.attention`` (``auto``, ``xla``, ``cudnn`` or ``pallas``; the op owns the choice, its fallbacks
+and their log lines). What it adds is the mesh: whether the sequence is sharded (over a ``context``
+axis: `lm.context_attention`'s all-gather, ring or Ulysses attention), and for the Pallas
+kernel a per-shard run (`sharding.partition.logical_shard_map`) in which batch and heads may be
+sharded, the sequence may not, and the max logits are reduced over the batch shards.
 """
 
 from __future__ import annotations
-
-import logging
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from kernels_pallas.attention import api as flash_api
-from kernels_pallas.attention import reference
-from lm import kv_cache, remat
+from kernels_pallas.attention import api as attention_api
+from lm import context_attention, kv_cache, remat
 from lm.config import ModelConfig
 from lm.layers import RMSNorm, linear, rotary_embedding, split_heads
 from sharding import partition
 
-_log = logging.getLogger(__name__)
-_LOGGED: set[str] = set()
-_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 _Q = ("batch", "seq", "heads", "head_dim")
 _KV = ("batch", "seq", "kv_heads", "head_dim")
 
 
-def cudnn_unsupported(q: jax.Array, k: jax.Array, v: jax.Array, *, track_max_logits: bool) -> str | None:
-    """Why cuDNN's fused attention cannot serve this call (None when it can), as `auto` sees it."""
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
-        return f"cuDNN flash attention takes bf16/fp16, not {q.dtype}"
-    if q.shape[-1] > 128 or q.shape[-1] % 8:
-        return f"cuDNN flash attention takes head_dim <= 128 and a multiple of 8, not {q.shape[-1]}"
-    if v.shape[-1] != q.shape[-1]:
-        return f"cuDNN flash attention takes equal q/v head dims, not {q.shape[-1]}/{v.shape[-1]}"
-    if track_max_logits:
-        return "cuDNN does not report the max logits that track_attn_logits needs"
-    return None
-
-
-def choose(
-    implementation: str,
-    platform: str,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    track_max_logits: bool,
-    sequence_sharded: bool = False,
-):
-    """``(implementation to run, why auto left the platform's first choice, or None)``."""
-    if implementation != "auto":
-        return implementation, None
-    if sequence_sharded and platform != "cpu":
-        return "xla", "the sequence is sharded (context parallelism) and the fused kernels need whole sequences"
-    if platform == "tpu":
-        return "pallas", None
-    if platform not in _GPU_PLATFORMS:
-        return "xla", None
-    reason = "ROCm has no cuDNN" if platform == "rocm" else cudnn_unsupported(q, k, v, track_max_logits=track_max_logits)
-    return ("cudnn", None) if reason is None else ("pallas", reason)
-
-
-def _pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, track_max_logits: bool, platform: str, segment_ids=None):
+def _per_shard(run: attention_api.AttentionFn, *, track_max_logits: bool) -> attention_api.AttentionFn:
+    """``run`` (a Pallas kernel) inside a logical `jax.shard_map`: batch and heads may be split, the sequence not."""
     if partition.logical_mesh_axes("heads") != partition.logical_mesh_axes("kv_heads"):
         raise ValueError(
             "model.attention=pallas needs heads and kv_heads sharded alike (query head h reads kv head h // group "
             "on each shard); give both logical axes the same rule"
         )
 
-    def kernel(q, k, v, *segments):
-        out = flash_api.flash_attention(
-            q, k, v, causal=True, segment_ids=segments[0] if segments else None,
-            return_max_logits=track_max_logits, interpret=platform == "cpu",
-        )  # fmt: skip
+    def attention_kernel(q, k, v, *segment_ids):
+        out, max_logits = run(q, k, v, *segment_ids)
         if not track_max_logits:
             return out
-        out, max_logits = out
         batch_axes = partition.logical_mesh_axes("batch")
         return out, jax.lax.pmax(jax.lax.stop_gradient(max_logits), batch_axes) if batch_axes else max_logits
 
     out_logical = (_Q, ("heads",)) if track_max_logits else _Q
-    args, specs = ((q, k, v), [_Q, _KV, _KV]) if segment_ids is None else ((q, k, v, segment_ids), [_Q, _KV, _KV, ("batch", "seq")])
-    result = partition.logical_shard_map(kernel, specs, out_logical, whole=("seq",))(*args)
-    return result if track_max_logits else (result, None)
+
+    def per_shard(q, k, v, segment_ids=None):
+        args, specs = (q, k, v), [_Q, _KV, _KV]
+        if segment_ids is not None:
+            args, specs = (*args, segment_ids), [*specs, ("batch", "seq")]
+        result = partition.logical_shard_map(attention_kernel, specs, out_logical, whole=("seq",))(*args)
+        return result if track_max_logits else (result, None)
+
+    return per_shard
 
 
 def attend(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "xla", track_max_logits: bool = False, segment_ids=None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    implementation: str = "xla",
+    track_max_logits: bool = False,
+    segment_ids: jax.Array | None = None,
+    context_parallel: str = "all_gather",
 ):
-    """Causal softmax attention, logits and softmax statistics in float32.
+    """Causal softmax attention, logits and softmax statistics in float32 (`attention_api.attention`).
 
     Args:
       q: ``(batch, seq, n_heads, head_dim)``; k, v: ``(batch, seq, n_kv_heads, head_dim)``.
-      implementation: ``auto``, ``xla``, ``cudnn`` or ``pallas`` (see the module docstring).
+      implementation: ``auto``, ``xla``, ``cudnn`` or ``pallas``.
       track_max_logits: also return the maximum pre-softmax logit of each query head over the
         batch and the causal (query, key) pairs, shape ``(n_heads,)``.
       segment_ids: ``(batch, seq)`` int or None; a query sees only keys of its own segment (document).
+      context_parallel: with the sequence split over a ``context`` mesh axis, how keys and values
+        reach the queries (`lm.context_attention`): ``all_gather``, ``ring`` or ``ulysses``.
 
     Returns:
       ``(out, max_logits)``: out ``(batch, seq, n_heads, head_dim)`` in q's dtype; max_logits is
       None unless tracked.
     """
-    platform = flash_api.platform()
     mesh = jax.sharding.get_abstract_mesh()
-    sequence_sharded = any(mesh.shape[a] > 1 for a in partition.logical_mesh_axes("seq"))
-    chosen, reason = choose(
-        implementation, platform, q, k, v, track_max_logits=track_max_logits, sequence_sharded=sequence_sharded
+    if mesh.shape.get(context_attention.CONTEXT_AXIS, 1) > 1 and context_attention.CONTEXT_AXIS in partition.logical_mesh_axes("seq"):
+        if implementation not in ("auto", "xla"):
+            raise ValueError(
+                f"model.attention={implementation!r} does not run per context shard yet; use model.attention=xla "
+                "(or auto) with a context mesh axis"
+            )
+        return context_attention.attend(
+            q, k, v, mode=context_parallel, track_max_logits=track_max_logits, segment_ids=segment_ids
+        )
+    return attention_api.attention(
+        q,
+        k,
+        v,
+        implementation=implementation,
+        track_max_logits=track_max_logits,
+        sequence_sharded=any(mesh.shape[a] > 1 for a in partition.logical_mesh_axes("seq")),
+        per_shard=lambda run: _per_shard(run, track_max_logits=track_max_logits),
+        segment_ids=segment_ids,
     )
-    if reason is not None and reason not in _LOGGED:
-        _LOGGED.add(reason)
-        _log.info("model.attention=auto chose %s: %s", chosen, reason)
-    if chosen == "pallas":
-        return _pallas(q, k, v, track_max_logits=track_max_logits, platform=platform, segment_ids=segment_ids)
-    if chosen == "cudnn":
-        same = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-        out = jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True, implementation="cudnn")
-        return out, reference.max_logits(q, k, causal=True, segment_ids=segment_ids) if track_max_logits else None
-    if chosen != "xla":
-        raise ValueError(f"unknown attention implementation {implementation!r}; use one of auto, xla, cudnn, pallas")
-    if track_max_logits:
-        return reference.attention(q, k, v, causal=True, segment_ids=segment_ids, return_max_logits=True)
-    return reference.attention(q, k, v, causal=True, segment_ids=segment_ids), None
 
 
 class Attention(nnx.Module):
@@ -168,7 +130,13 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x, jnp.arange(x.shape[1]))
         q, k, v = checkpoint_name(q, remat.ATTN_Q), checkpoint_name(k, remat.ATTN_K), checkpoint_name(v, remat.ATTN_V)
         out, max_logits = attend(
-            q, k, v, implementation=cfg.attention, track_max_logits=cfg.track_attn_logits, segment_ids=segment_ids
+            q,
+            k,
+            v,
+            implementation=cfg.attention,
+            track_max_logits=cfg.track_attn_logits,
+            segment_ids=segment_ids,
+            context_parallel=cfg.context_parallel,
         )
         out = checkpoint_name(out, remat.ATTN_CONTEXT)
         b, s = x.shape[:2]

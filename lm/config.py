@@ -11,6 +11,7 @@ from lm import remat as remat_lib
 from lm import tokenizer
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")  # see lm/attention.py
+CONTEXT_PARALLEL = ("all_gather", "ring", "ulysses")  # see lm/context_attention.py
 ATTENTION_TYPES = ("gqa", "mla")
 MOE_MATMULS = ("auto", "ragged_dot", "gmm")  # see lm/moe.py  # grouped-query (lm/attention.py) or multi-head latent (lm/mla.py)
 
@@ -37,6 +38,7 @@ class ModelConfig:
     remat: str = "none"  # what the backward pass recomputes, a policy in lm/remat.py (true: "full")
     track_attn_logits: bool = False  # report per-layer, per-head max pre-softmax logits
     attention: str = "auto"  # auto | xla | cudnn | pallas (lm/attention.py)
+    context_parallel: str = "all_gather"  # all_gather | ring | ulysses, over a `context` mesh axis (lm/context_attention.py)
     document_separator: int | None = None  # token opening a document: attention stays inside documents
     # Mixture of experts (lm/moe.py); n_experts = 0: every block has a dense SwiGLU.
     n_experts: int = 0
@@ -78,6 +80,8 @@ class ModelConfig:
             problems.append(f"model.dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             problems.append(f"model.attention={self.attention!r} must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+        if self.context_parallel not in CONTEXT_PARALLEL:
+            problems.append(f"model.context_parallel={self.context_parallel!r} must be one of {', '.join(CONTEXT_PARALLEL)}")
         if self.n_experts:
             problems += self._moe_problems()
         if self.attention_type not in ATTENTION_TYPES:

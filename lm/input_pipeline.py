@@ -87,15 +87,43 @@ def token_shares(config: ml_collections.ConfigDict) -> dict[str, float] | None:
     return {p: float(c / counts.sum()) for (p, _), c in zip(patterns, counts)}
 
 
+def train_manifest(data_config: ml_collections.ConfigDict) -> dict | None:
+    """The manifest of the (first source's) training shards; None for the text corpus or shards without one."""
+    patterns = train_patterns(data_config)
+    if not patterns:
+        return None
+    return read_manifest(documents.expand(patterns[0][0], what="data.mixture" if data_config.get("mixture") else "data.train_files"))
+
+
+def run_tokenizer(data_config: ml_collections.ConfigDict) -> tokenizer.Tokenizer:
+    """The tokenizer a run's data was made with: byte-level for the text corpus, else the one the training
+    shards' manifest names, checked against the manifest's sha256.
+
+    Raises:
+      ValueError: the shards have no manifest, or its tokenizer file is missing or changed.
+    """
+    if not train_patterns(data_config):
+        return tokenizer.load("bytes")
+    manifest = train_manifest(data_config)
+    if manifest is None or not manifest.get("tokenizer"):
+        raise ValueError("the run's shards have no manifest.json naming their tokenizer; name the tokenizer file yourself")
+    tok = tokenizer.load(manifest["tokenizer"])
+    if manifest.get("tokenizer_sha256") not in (None, tok.fingerprint):
+        raise ValueError(
+            f"{manifest['tokenizer']} is not the tokenizer the shards were written with (sha256 differs from the "
+            "manifest's); name the original tokenizer file"
+        )
+    return tok
+
+
 def separator_id(data_config: ml_collections.ConfigDict) -> int | None:
     """The token that opens (or closes) documents: ``data.separator_id``, else the training shards' manifest's,
     else EOS for the byte-level corpus; None for shards without a manifest."""
     if data_config.get("separator_id") is not None:
         return data_config.separator_id
-    patterns = train_patterns(data_config)
-    if not patterns:
+    if not train_patterns(data_config):
         return tokenizer.EOS
-    manifest = read_manifest(documents.expand(patterns[0][0], what="data.mixture" if data_config.get("mixture") else "data.train_files"))
+    manifest = train_manifest(data_config)
     return None if manifest is None else manifest.get("separator_id")
 
 

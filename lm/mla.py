@@ -85,7 +85,13 @@ class MultiHeadLatentAttention(nnx.Module):
         k = constrain(jnp.concatenate([k_nope, k_rope], axis=-1), _HEADS)
         q, k, v = checkpoint_name(q, remat.ATTN_Q), checkpoint_name(k, remat.ATTN_K), checkpoint_name(v, remat.ATTN_V)
         out, max_logits = attend(
-            q, k, v, implementation=cfg.attention, track_max_logits=cfg.track_attn_logits, segment_ids=segment_ids
+            q,
+            k,
+            v,
+            implementation=cfg.attention,
+            track_max_logits=cfg.track_attn_logits,
+            segment_ids=segment_ids,
+            context_parallel=cfg.context_parallel,
         )
         out = checkpoint_name(out, remat.ATTN_CONTEXT)
         return self.o_proj(out.reshape(b, s, -1)), max_logits

@@ -17,8 +17,8 @@ Dispatch (the expert weights are stacked ``(experts, embed, mlp)``):
   grouped matmuls, and the outputs are unsorted and combined with the gate weights. Nothing is
   dropped. ``model.moe_matmul`` picks the grouped matmul: ``ragged_dot`` (`jax.lax.ragged_dot`,
   partitioned by GSPMD), ``gmm`` (the Pallas kernel `kernels_pallas.gmm.gmm`, run per shard inside
-  `jax.shard_map`; on a CPU in interpret mode, slow, for tests) or ``auto`` (the Pallas kernel where
-  the platform compiles one, GPU; ``ragged_dot`` elsewhere). The Triton kernel has not yet been compiled
+  `jax.shard_map`; on a CPU in interpret mode, slow, for tests) or ``auto``; the op chooses
+  (`kernels_pallas.gmm.api.grouped_matmul`). The Triton kernel has not yet been compiled
   or timed on a GPU (docs/benchmarks.md, section 8): set ``ragged_dot`` if it fails there.
 - capacity (``capacity_factor > 0``): expert ``e`` takes at most ``C = ceil(cf T k / E)`` slots, in
   order of priority (all first choices, then all second choices, ... as in Switch/GShard), by the
@@ -39,9 +39,7 @@ so the loss can be taken over the global batch or per micro-batch.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -83,22 +81,7 @@ def route(logits: jax.Array, bias: jax.Array, k: int, score: str, normalize: boo
     return experts.astype(jnp.int32), gates, probs
 
 
-GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # (lhs, rhs, group_sizes) -> out
-
-
-def grouped_matmul(implementation: str) -> tuple[GroupedMatmul, bool]:
-    """``(matmul, is_kernel)`` for ``model.moe_matmul`` on the target platform (see the module docstring).
-
-    ``is_kernel``: the matmul is a Pallas call, which GSPMD cannot partition, so it must run per shard.
-    """
-    backend = gmm_api.PLATFORM_BACKENDS.get(gmm_api.platform())
-    if implementation == "auto":
-        implementation = "gmm" if backend else "ragged_dot"
-    if implementation == "ragged_dot":
-        return jax.lax.ragged_dot, False
-    if implementation != "gmm":
-        raise ValueError(f"unknown model.moe_matmul {implementation!r}; use one of auto, ragged_dot, gmm")
-    return functools.partial(gmm_api.gmm, backend=backend or "triton", interpret=backend is None), True
+GroupedMatmul = gmm_api.GroupedMatmul
 
 
 def grouped_swiglu(
@@ -253,7 +236,7 @@ class MoE(nnx.Module):
         flat = x.reshape(b * s, d)
         dropped = jnp.zeros((), jnp.float32)
         ep = _expert_parallel_size()
-        matmul, is_kernel = grouped_matmul(self.matmul)
+        matmul, is_kernel = gmm_api.grouped_matmul(self.matmul)
         if self.capacity_factor > 0:
             cap = capacity(b * s, self.k, n_experts, self.capacity_factor)
             y, n_dropped = with_capacity(flat, experts, gates, *weights, cap)

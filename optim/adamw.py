@@ -9,7 +9,7 @@ from typing import ClassVar
 import optax
 
 import kernels_pallas.quantized_update as qu
-from optim import labels, spec
+from optim import labels, shapes, spec
 from optim.quantize_state import Fused
 
 
@@ -32,8 +32,8 @@ class AdamW(spec.OptimizerSpec):
 
     applies_weight_decay: ClassVar[bool] = True
 
-    def transform(self) -> optax.GradientTransformation:
-        return optax.adamw(
+    def transform(self) -> optax.GradientTransformationExtraArgs:
+        adamw = optax.adamw(
             self.learning_rate,
             b1=self.b1,
             b2=self.b2,
@@ -41,6 +41,7 @@ class AdamW(spec.OptimizerSpec):
             weight_decay=self.weight_decay,
             mask=labels.decay_mask,
         )
+        return shapes.checked(adamw, "adamw")
 
     def fused_update(self) -> Fused:
         """This optimizer for `quantize_state`'s fused kernel."""

@@ -46,6 +46,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from sharding import partition
 
@@ -318,6 +319,48 @@ def annotate_block_shardings(abstract_state: Any, mesh: jax.sharding.Mesh, repli
         )
 
     return jax.tree.map(annotate, abstract_state, is_leaf=lambda x: isinstance(x, BlockStacks))
+
+
+class _Opaque:
+    """A `BlockStacks` hidden from pytree traversal (a leaf), for `map_params`."""
+
+    def __init__(self, stacks: BlockStacks):
+        self.stacks = stacks
+
+
+def map_params(
+    initable: Any,
+    f: Callable[..., Any],
+    state: Any,
+    /,
+    *rest: Any,
+    transform_non_params: Callable[..., Any] | None = None,
+    is_leaf: Callable[[Any], bool] | None = None,
+) -> Any:
+    """`optax.tree.map_params` for states that hold `BlockStacks` (Shampoo, SOAP), and any other.
+
+    optax finds the parameter-shaped parts of a state by initialising ``initable`` on a placeholder,
+    which has no shapes; a stack's group keys come from the parameters' shapes, so its placeholder
+    state has none and the trees cannot be matched. Here every `BlockStacks` is matched whole and
+    counts as non-parameter state: ``transform_non_params`` maps each of its arrays.
+    """
+    init = initable.init if hasattr(initable, "init") else initable
+    is_stack = lambda x: isinstance(x, BlockStacks)  # noqa: E731
+
+    def hide(tree: Any) -> Any:
+        return jax.tree.map(lambda x: _Opaque(x) if is_stack(x) else x, tree, is_leaf=is_stack)
+
+    def non_params(x: Any) -> Any:
+        if transform_non_params is None:
+            return x
+        if isinstance(x, _Opaque):
+            return _Opaque(BlockStacks({k: transform_non_params(v) for k, v in x.stacks.items()}))
+        return transform_non_params(x)
+
+    out = optax.tree.map_params(
+        lambda p: hide(init(p)), f, hide(state), *rest, transform_non_params=non_params, is_leaf=is_leaf
+    )
+    return jax.tree.map(lambda x: x.stacks if isinstance(x, _Opaque) else x, out, is_leaf=lambda x: isinstance(x, _Opaque))
 
 
 def stack(layout: StackLayout, mats: Sequence[Sequence[Sequence[jax.Array | None]]]) -> BlockStacks:

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optim import common, spec
+from optim import common, shapes, spec
 
 
 class ScaleByCameState(NamedTuple):
@@ -143,6 +143,7 @@ def _scale_by_came(h: CameDirection) -> optax.GradientTransformation:
 
     def update_fn(updates: optax.Updates, state: ScaleByCameState, params: optax.Params | None = None):
         del params
+        shapes.check_like(updates, state.mu, "came")
         treedef = jax.tree.structure(updates)
         flat = [treedef.flatten_up_to(x) for x in (updates, *state)]
         out = [leaf_update(*args) for args in zip(*flat, strict=True)]
@@ -155,7 +156,7 @@ def _scale_by_came(h: CameDirection) -> optax.GradientTransformation:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Came(CameDirection, common.DirectionOptimizer):
-    """CAME with decoupled weight decay on leaves of two or more axes (`optim.labels.decay_mask`).
+    """CAME with decoupled weight decay on weights, not norm scales or biases (`optim.labels.decay_mask`).
 
     ``w <- w - lr (came_direction + weight_decay w)``; ``weight_decay = 0`` as in the reference.
     Hyperparameters: `CameDirection`.

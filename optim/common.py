@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optim import labels, spec
+from optim import labels, shapes, spec
 
 
 def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
@@ -128,12 +128,13 @@ class MatrixOptimizer(AdamGroup, spec.OptimizerSpec):
     applies_weight_decay: ClassVar[bool] = True
 
     def transform(self) -> optax.GradientTransformationExtraArgs:
-        return with_adam(
+        full = with_adam(
             self.direction(),
             self.learning_rate,
             weight_decay=self.weight_decay,
             **spec.values(self, AdamGroup),
         )
+        return shapes.checked(full, type(self).__name__.lower())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,9 +149,10 @@ class DirectionOptimizer(spec.OptimizerSpec):
 
     applies_weight_decay: ClassVar[bool] = True
 
-    def transform(self) -> optax.GradientTransformation:
-        return optax.chain(
+    def transform(self) -> optax.GradientTransformationExtraArgs:
+        full = optax.chain(
             self.direction(),
             optax.add_decayed_weights(self.weight_decay, mask=labels.decay_mask),
             optax.scale_by_learning_rate(self.learning_rate),
         )
+        return shapes.checked(full, type(self).__name__.lower())

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optim import common, labels, spec
+from optim import common, labels, shapes, spec
 from sharding import partition
 
 _HI = jax.lax.Precision.HIGHEST
@@ -59,9 +59,7 @@ def chunk_size(length: int, chunk: int) -> int:
 
 def dct_axes(path: Sequence[Any], shape: tuple[int, ...]) -> int:
     """How many trailing axes of a leaf the DCT runs over: 2 for matrices, 1 for vectors and scalars."""
-    names = labels.path_names(path)
-    is_vector = names and names[-1].lower() in labels.VECTOR_NAMES
-    return 2 if len(shape) >= 2 and not is_vector else 1
+    return 1 if labels.is_vector(path, shape) else 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,6 +175,7 @@ class DeMoDirection:
 
         def update_fn(updates, state, params=None):
             del params
+            shapes.check_like(updates, state.delta, "demo")
             step_lr = lr(state.count)
             leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
             deltas = treedef.flatten_up_to(state.delta)
@@ -191,7 +190,7 @@ class DeMoDirection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DeMo(DeMoDirection, common.DirectionOptimizer):
-    """DeMo: ``theta <- theta - lr_t (sign(IDCT(A)) + weight_decay theta)``; decay on leaves of >= 2 axes.
+    """DeMo: ``theta <- theta - lr_t (sign(IDCT(A)) + weight_decay theta)``; decay on weights (`optim.labels.decay_mask`).
 
     Defaults are the reference's (``compression_decay=0.999``, ``compression_topk=32``,
     ``compression_chunk=64``, ``weight_decay=0``). Like other sign methods it wants a learning rate

@@ -39,12 +39,16 @@ codes with fp32 accumulation (`optim.cross_replica.quantized_mean`); the paper's
 
 Both are wrappers: ``inner`` sees the replica's *local* gradients, and the update returned moves the
 parameters to ``theta_w`` (after ``theta + (theta_w - theta)``, one rounding from it). Build them with
-``axis_name`` = the replica axis of the enclosing `jax.shard_map` (None: one replica).
+``axis_name`` = the replica axis of the enclosing `jax.shard_map` (None: one replica). Extra keyword
+arguments of ``update`` go to ``inner``. Under `optax.inject_hyperparams` the integer arguments that
+set the round schedule are static (``static_args`` of the specs); the outer learning rate, momentum
+and Streaming's mixing may be injected.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
@@ -53,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optim import cross_replica, labels, spec
+from optim import common, cross_replica, labels, shapes, spec
 
 
 class DiLoCoState(NamedTuple):
@@ -81,17 +85,31 @@ def outer_nesterov(theta: Any, m: Any, delta: Any, lr: float, momentum: float) -
     return jax.tree.map(lambda t, m, d: t - lr * (d + momentum * m), theta, m, delta), m
 
 
-def _check(sync_every: int, outer_learning_rate: float, outer_momentum: float, warm_start_steps: int = 0) -> None:
+def _statics(static_args: Sequence[str], **values: Any) -> list[int]:
+    """``values`` as Python ints: they set the schedule's Python control flow (or shapes), so under
+    `optax.inject_hyperparams` they must be static (`common.static_int` names them)."""
+    return [common.static_int(name, v, static_args) for name, v in values.items()]
+
+
+def _concrete(x: Any) -> bool:
+    """Whether ``x`` can be range-checked in Python (not an injected hyperparameter)."""
+    return isinstance(x, numbers.Real)
+
+
+def _check(sync_every: int, outer_learning_rate: Any, outer_momentum: Any, warm_start_steps: int = 0) -> None:
     if warm_start_steps < 0:
         raise ValueError(f"warm_start_steps={warm_start_steps} must be >= 0 (data-parallel steps before the first round)")
     if sync_every < 1:
         raise ValueError(f"sync_every={sync_every} must be >= 1 (inner steps between synchronisations)")
-    if outer_learning_rate <= 0 or not 0 <= outer_momentum < 1:
-        raise ValueError(f"outer_learning_rate={outer_learning_rate} must be > 0 and outer_momentum={outer_momentum} in [0, 1)")
+    if _concrete(outer_learning_rate) and _concrete(outer_momentum):
+        if outer_learning_rate <= 0 or not 0 <= outer_momentum < 1:
+            raise ValueError(
+                f"outer_learning_rate={outer_learning_rate} must be > 0 and outer_momentum={outer_momentum} in [0, 1)"
+            )
 
 
-def _inner_step(inner, grads, inner_state, params):
-    updates, inner_state = inner.update(grads, inner_state, params)
+def _inner_step(inner, grads, inner_state, params, extra_args):
+    updates, inner_state = inner.update(grads, inner_state, params, **extra_args)
     return optax.apply_updates(params, updates), inner_state
 
 
@@ -114,7 +132,8 @@ def _warm_start(warm_start_steps: int, axis_name: str | None):
 
 
 def _outer_init(params: optax.Params) -> tuple[optax.Params, optax.Params]:
-    as_f32 = lambda p: jnp.asarray(p, jnp.float32)  # noqa: E731
+    # A copy even of a float32 parameter: the state must never alias the parameter's buffer.
+    as_f32 = lambda p: jnp.array(p, jnp.float32, copy=True)  # noqa: E731
     return jax.tree.map(as_f32, params), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
 
@@ -141,8 +160,9 @@ class DiLoCo(spec.WrapperSpec):
     axis_name: str | None = spec.code_only()
 
     replica_local: ClassVar[bool] = True
+    static_args: ClassVar[tuple[str, ...]] = ("sync_every", "warm_start_steps")
 
-    def transform(self) -> optax.GradientTransformation:
+    def transform(self) -> optax.GradientTransformationExtraArgs:
         return _diloco(
             self.inner, self.sync_every, self.outer_learning_rate, self.outer_momentum, self.axis_name,
             self.warm_start_steps,
@@ -156,8 +176,10 @@ def _diloco(
     outer_momentum: float,
     axis_name: str | None,
     warm_start_steps: int = 0,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
+    sync_every, warm_start_steps = _statics(DiLoCo.static_args, sync_every=sync_every, warm_start_steps=warm_start_steps)
     _check(sync_every, outer_learning_rate, outer_momentum, warm_start_steps)
+    inner = optax.with_extra_args_support(inner)
     warm_gradients, warm_outer = _warm_start(warm_start_steps, axis_name)
     mean = (lambda t: t) if axis_name is None else (lambda t: jax.lax.pmean(t, axis_name))  # noqa: E731
 
@@ -165,10 +187,11 @@ def _diloco(
         theta, momentum = _outer_init(params)
         return DiLoCoState(jnp.zeros((), jnp.int32), theta, momentum, inner.init(params))
 
-    def update_fn(grads, state, params=None):
+    def update_fn(grads, state, params=None, **extra_args):
         if params is None:
             raise ValueError("diloco needs params: call update(grads, state, params)")
-        local, inner_state = _inner_step(inner, warm_gradients(grads, state.count), state.inner, params)
+        shapes.check_like(grads, state.outer_momentum, "diloco")
+        local, inner_state = _inner_step(inner, warm_gradients(grads, state.count), state.inner, params, extra_args)
         count = state.count + 1
         theta = warm_outer(state.outer_params, local, count)
         rounds = count - warm_start_steps
@@ -185,7 +208,7 @@ def _diloco(
         updates = jax.tree.map(lambda n, p: n - p, new, params)
         return updates, DiLoCoState(count, theta, momentum, inner_state)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def fragment_slices(params: Any, fragments: int, layer_key: str = "blocks") -> list[list[Any]]:
@@ -240,7 +263,9 @@ class StreamingDiLoCo(DiLoCo):
     exchange: str = "int4"
     layer_key: str = "blocks"
 
-    def transform(self) -> optax.GradientTransformation:
+    static_args: ClassVar[tuple[str, ...]] = ("sync_every", "warm_start_steps", "fragments", "overlap")
+
+    def transform(self) -> optax.GradientTransformationExtraArgs:
         fields = spec.values(self, StreamingDiLoCo)
         del fields["inner"]
         return _streaming_diloco(self.inner, **fields)
@@ -259,10 +284,15 @@ def _streaming_diloco(
     layer_key: str,
     axis_name: str | None,
     warm_start_steps: int = 0,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
+    sync_every, warm_start_steps, fragments, overlap = _statics(
+        StreamingDiLoCo.static_args,
+        sync_every=sync_every, warm_start_steps=warm_start_steps, fragments=fragments, overlap=overlap,
+    )  # fmt: skip
     _check(sync_every, outer_learning_rate, outer_momentum, warm_start_steps)
+    inner = optax.with_extra_args_support(inner)
     warm_gradients, warm_outer = _warm_start(warm_start_steps, axis_name)
-    if fragments < 1 or not 0 <= overlap < sync_every or not 0 <= mixing <= 1:
+    if fragments < 1 or not 0 <= overlap < sync_every or (_concrete(mixing) and not 0 <= mixing <= 1):
         raise ValueError(
             f"streaming_diloco needs fragments >= 1 (got {fragments}), 0 <= overlap < sync_every "
             f"(got {overlap}, {sync_every}) and 0 <= mixing <= 1 (got {mixing})"
@@ -280,10 +310,11 @@ def _streaming_diloco(
         since = count - offset - delay
         return (since >= 0) & (since % sync_every == 0) & (count - delay > 0)
 
-    def update_fn(grads, state, params=None):
+    def update_fn(grads, state, params=None, **extra_args):
         if params is None:
             raise ValueError("streaming_diloco needs params: call update(grads, state, params)")
-        local, inner_state = _inner_step(inner, warm_gradients(grads, state.count), state.inner, params)
+        shapes.check_like(grads, state.outer_momentum, "streaming_diloco")
+        local, inner_state = _inner_step(inner, warm_gradients(grads, state.count), state.inner, params, extra_args)
         count = state.count + 1
         rounds = count - warm_start_steps  # fragment schedules start after the warm start
         leaves, treedef = jax.tree.flatten(local)
@@ -326,7 +357,7 @@ def _streaming_diloco(
         state = StreamingDiLoCoState(count, *(treedef.unflatten(t) for t in (theta, momentum, pending)), inner_state)
         return updates, state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 diloco = spec.function(DiLoCo, name="diloco")

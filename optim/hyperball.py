@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optim import common, labels, spec
+from optim import common, labels, shapes, spec
 from optim import newton_schulz as ns
 from optim.muon import MuonDirection, check_matrices
 
@@ -114,10 +114,11 @@ class HyperballOptimizer(common.AdamGroup, spec.OptimizerSpec):
             adam_lr, self.adam_b1, self.adam_b2, self.adam_eps, weight_decay=self.weight_decay, mask=labels.decay_mask
         )
         matrix = hyperball(self.base(), lr, self._axes())
-        return optax.partition(
+        full = optax.partition(
             {labels.MATRIX: matrix, labels.ADAM: adam},
             labels.matrix_labels if self.param_labels is None else self.param_labels,
         )
+        return shapes.checked(full, type(self).__name__.lower())
 
     def _axes(self) -> ns.AxesSpec:
         return None

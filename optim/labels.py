@@ -3,7 +3,11 @@
 Matrix optimizers (Muon, Shampoo, SOAP, ...) only make sense for hidden weight matrices. Everything
 else -- token embeddings, the LM head, norm scales, biases, scalars -- goes to an element-wise
 optimizer (AdamW by default). The decision is made once, here, from each leaf's path and shape, and
-combined with `optax.partition` by every matrix optimizer.
+combined with `optax.partition` by every matrix optimizer, and for weight decay (`decay_mask`).
+
+Roles come from names first, ranks second: a leaf named like a vector (``scale``, ``bias``) is a
+vector whatever its rank, so a scan-stacked norm scale ``(layers, d)`` or the MoE router bias
+``(layers, experts)`` is treated exactly as the same leaf of an unscanned model, layer for layer.
 
 Layout convention shared with `lm/`: a weight matrix is stored as ``(*batch, fan_in, fan_out)``
 (JAX/Flax kernel layout, the transpose of PyTorch's ``(out, in)``). Leading axes are batch axes
@@ -20,7 +24,8 @@ import jax
 MATRIX = "matrix"
 ADAM = "adam"
 
-# Leaf names of vectors that scan stacking turns into (layers, dim) arrays: never matrices.
+# Leaf names of vectors that scan stacking turns into (layers, dim) arrays: never matrices, never
+# decayed. lm/: RMSNorm / LayerNorm ``scale``, the MoE router's ``bias``.
 VECTOR_NAMES: tuple[str, ...] = ("scale", "bias")
 
 # Path components that mark vocabulary-sized tables: token embeddings ``(vocab, width)``, untied
@@ -29,6 +34,14 @@ VECTOR_NAMES: tuple[str, ...] = ("scale", "bias")
 TOKEN_EMBEDDING_NAMES: tuple[str, ...] = ("embed", "embedding", "embeddings", "wte")
 READOUT_NAMES: tuple[str, ...] = ("lm_head", "unembed")
 EMBEDDING_NAMES: tuple[str, ...] = (*TOKEN_EMBEDDING_NAMES, *READOUT_NAMES, "wpe")
+
+# Attention projections MuonClip rescales (`optim.muon_clip`), by module name -> role: the query
+# kernel ("q"), the key kernel ("k"), and MLA's (lm/mla.py) query up-projection (after a low-rank
+# ``q_down``; "q") and no-RoPE key up-projection ("k_up"). Their leaf is ``KERNEL_NAME``.
+ATTENTION_ROLES: dict[str, str] = {"q_proj": "q", "k_proj": "k", "q_up": "q", "k_up": "k_up"}
+# Norms applied to queries / keys (QK-norm; MLA's latent norms): MuonClip leaves such layers alone.
+QK_NORM_NAMES: tuple[str, ...] = ("q_norm", "k_norm")
+KERNEL_NAME = "kernel"
 
 LabelFn = Callable[[Any], Any]
 
@@ -44,6 +57,12 @@ def path_names(path: Sequence[Any]) -> tuple[str, ...]:
         else:
             names.append(str(key))
     return tuple(names)
+
+
+def is_vector(path: Sequence[Any], shape: Sequence[int]) -> bool:
+    """Whether a leaf is a vector by role: fewer than two axes, or a vector name (`VECTOR_NAMES`)."""
+    names = path_names(path)
+    return len(shape) < 2 or bool(names) and names[-1].lower() in VECTOR_NAMES
 
 
 def is_embedding_path(path: Sequence[Any], embedding_names: Iterable[str] = EMBEDDING_NAMES) -> bool:
@@ -79,10 +98,7 @@ def matrix_labels(
         shape = getattr(leaf, "shape", ())
         if len(shape) < 2 or min(shape[-2:]) < min_matrix_dim:
             return ADAM
-        if is_embedding_path(path, embedding_names):
-            return ADAM
-        names = path_names(path)
-        if names and names[-1].lower() in VECTOR_NAMES:
+        if is_embedding_path(path, embedding_names) or is_vector(path, shape):
             return ADAM
         return MATRIX
 
@@ -95,8 +111,9 @@ def matrix_mask(params: Any, **kwargs: Any) -> Any:
 
 
 def decay_mask(params: Any) -> Any:
-    """Boolean pytree for weight decay: True for every leaf with two or more axes.
+    """Boolean pytree for weight decay: True for every leaf that is not a vector (`is_vector`).
 
-    Norm scales, biases and scalars are not decayed (the usual LM practice); embeddings are.
+    Weight matrices and embeddings are decayed; norm scales, biases and scalars never are (the
+    usual LM practice), scan-stacked or not.
     """
-    return jax.tree.map(lambda p: getattr(p, "ndim", 0) >= 2, params)
+    return jax.tree_util.tree_map_with_path(lambda path, p: not is_vector(path, getattr(p, "shape", ())), params)

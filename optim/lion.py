@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 
 import kernels_pallas.quantized_update as qu
-from optim import common, spec
+from optim import common, shapes, spec
 from optim.quantize_state import Fused
 
 
@@ -56,8 +56,9 @@ class LionDirection:
 
         def update_fn(updates: optax.Updates, state: ScaleByLionState, params: optax.Params | None = None):
             del params
+            shapes.check_like(updates, state.mu, "lion")
             direction = jax.tree.map(lambda g, m: jnp.sign(b1 * m + (1 - b1) * g).astype(g.dtype), updates, state.mu)
-            mu = jax.tree.map(lambda g, m: b2 * m + (1 - b2) * g, updates, state.mu)
+            mu = jax.tree.map(lambda g, m: (b2 * m + (1 - b2) * g).astype(m.dtype), updates, state.mu)
             return direction, ScaleByLionState(mu=mu)
 
         return optax.GradientTransformation(init_fn, update_fn)
@@ -65,7 +66,7 @@ class LionDirection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Lion(LionDirection, common.DirectionOptimizer):
-    """Lion with decoupled weight decay on leaves of two or more axes (`optim.labels.decay_mask`).
+    """Lion with decoupled weight decay on weights, not norm scales or biases (`optim.labels.decay_mask`).
 
     ``w <- w - lr (sign(b1 m + (1 - b1) g) + weight_decay w)``.
     """

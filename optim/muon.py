@@ -32,7 +32,7 @@ removes for ``nesterov=False`` but changes the mix of ``M_t`` and ``G_t`` for ``
 the matrices ``muon(momentum_form="ema", nesterov=False, shape_scale="jordan")`` equals
 ``optax.contrib.muon(nesterov=False)`` (``"moonlight"``: ``consistent_rms=0.2``) with the same
 ``eps``; the AdamW groups agree with ``adam_b2=0.95`` on the optax side and no decay of 1-D leaves
-(optax decays every Adam leaf by ``adam_weight_decay``, this module only leaves of two or more axes).
+(optax decays every Adam leaf by ``adam_weight_decay``, this module only weights, `optim.labels.decay_mask`).
 tests/optim/test_muon.py checks it; its default ``adam_b2`` (0.999) and Nesterov form differ.
 
 Newton-Schulz presets, batching and sharding: optim/newton_schulz.py. Under
@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optim import common, labels, spec
+from optim import common, labels, shapes, spec
 from optim import newton_schulz as ns
 
 MOMENTUM_FORMS = ("ema", "sum")
@@ -224,6 +224,7 @@ def scale_by_muon_core(
 
     def update_fn(updates, state, params=None):
         del params
+        shapes.check_like(updates, state.mu, "muon")
         grads, treedef = jax.tree.flatten(updates)
         axes = treedef.flatten_up_to(ns.matrix_axes_tree(updates, h.dimension_numbers))
         new_fields = {}

@@ -53,9 +53,10 @@ from optim import cautious as cautious_lib
 from optim import labels, spec
 from optim.muon import Muon
 
-Q_NAME, K_NAME = "q_proj", "k_proj"
-MLA_Q_UP, MLA_K_UP = "q_up", "k_up"  # lm/mla.py: the query (after a low-rank q_down) and no-RoPE key up-projections
-_ROLES = {Q_NAME: "q", K_NAME: "k", MLA_Q_UP: "q", MLA_K_UP: "k_up"}
+
+
+# The model's names for each attention role (`optim.labels.ATTENTION_ROLES`), for error messages.
+_Q, _K, _K_UP = (" or ".join(n for n, r in labels.ATTENTION_ROLES.items() if r == role) for role in ("q", "k", "k_up"))
 
 
 class QKClipState(NamedTuple):
@@ -83,9 +84,9 @@ def _locate(params: Any) -> dict[tuple[str, ...], dict[str, int]]:
     for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
         names = labels.path_names(path)
         for j, name in enumerate(names):
-            if name in _ROLES and names[-1] == "kernel":
-                found.setdefault(names[:j], {})[_ROLES[name]] = i
-            elif name in ("q_norm", "k_norm"):
+            if name in labels.ATTENTION_ROLES and names[-1] == labels.KERNEL_NAME:
+                found.setdefault(names[:j], {})[labels.ATTENTION_ROLES[name]] = i
+            elif name in labels.QK_NORM_NAMES:
                 found.setdefault(names[:j], {})["norm"] = i
     return found
 
@@ -115,7 +116,7 @@ def qk_clip_scales(params: Any, attn_max_logits: jax.Array, tau: jax.typing.Arra
     scales: list[Any] = [1.0] * len(leaves_with_path)
     modules = _locate(params)
     if not any("q" in m or "k" in m for m in modules.values()):
-        raise ValueError(f"QK-clip found no '{Q_NAME}/kernel' / '{K_NAME}/kernel' leaves in the parameter tree")
+        raise ValueError(f"QK-clip found no query ({_Q}) or key ({_K}) kernel in the parameter tree")
 
     for where, found in modules.items():
         name = "/".join(where)
@@ -124,11 +125,11 @@ def qk_clip_scales(params: Any, attn_max_logits: jax.Array, tau: jax.typing.Arra
             continue
         if "norm" in found:
             raise ValueError(
-                f"QK-clip rescales {name}/{Q_NAME} and {K_NAME}, which the QK-norm there undoes; "
+                f"QK-clip rescales {name}/{_Q} and {_K}, which the QK-norm there undoes; "
                 "set model.qk_norm=False or use muon instead of muon_clip"
             )
         if "q" not in found or "k" not in found:
-            raise ValueError(f"QK-clip needs both {Q_NAME}/kernel and {K_NAME}/kernel under {name}")
+            raise ValueError(f"QK-clip needs both a query ({_Q}) and a key ({_K}) kernel under {name}")
         q_path, q = leaves_with_path[found["q"]]
         k = leaves_with_path[found["k"]][1]
         g = _layer_gamma(gamma, logits.shape, q_path, q.shape, name)
@@ -161,7 +162,7 @@ def _layer_gamma(gamma: jax.Array, logits_shape: tuple[int, ...], q_path: Any, q
 def _scale_mla(scales: list[Any], leaves_with_path: list[Any], found: dict[str, int], name: str, gamma, logits_shape) -> None:
     """Kimi K2's MLA rule (module docstring) into ``scales``: query and ``k_up`` columns; the RoPE key is left alone."""
     if "q" not in found:
-        raise ValueError(f"QK-clip needs the MLA query kernel ({Q_NAME} or {MLA_Q_UP}) next to {name}/{MLA_K_UP}")
+        raise ValueError(f"QK-clip needs the MLA query kernel ({_Q}) next to {name}/{_K_UP}")
     q_path, q = leaves_with_path[found["q"]]
     k_up = leaves_with_path[found["k_up"]][1]
     n_heads = logits_shape[-1]
@@ -169,7 +170,7 @@ def _scale_mla(scales: list[Any], leaves_with_path: list[Any], found: dict[str, 
     width, rem_q = divmod(q.shape[-1], n_heads)
     if rem_k or rem_q or width <= nope:
         raise ValueError(
-            f"{name}: MLA query kernel {q.shape} and {MLA_K_UP} kernel {k_up.shape} do not split into {n_heads} heads "
+            f"{name}: MLA query kernel {q.shape} and k_up kernel {k_up.shape} do not split into {n_heads} heads "
             "of no-RoPE plus RoPE query columns and no-RoPE key columns"
         )
     g = _layer_gamma(gamma, logits_shape, q_path, q.shape, name)

@@ -30,17 +30,17 @@ piece the parameter's mesh axes (a state-sharding rule that only matches paramet
 replicate the scales and the 4-bit codes). The initial state is quantized behind an optimization
 barrier, so XLA does not constant-fold the quantization of all-zero moments (seconds of compile time).
 
-Fused kernel (``kernel=``): when ``fused`` says what ``inner`` is (`Fused`: AdamW or Lion, its
-learning rate and decay mask; `optim.build` passes it), every parameter whose moments are all
-quantized takes its step in one Pallas kernel (`kernels_pallas.quantized_update`): codes and scales
-in, update and new codes and scales out, no fp32 moment in device memory. ``inner`` still runs for
-everything else (its counters, unquantized leaves); its work on the kernel's leaves is dead code
-that XLA removes under ``jit``. The stored state is the same either way, so checkpoints move between
-the two. ``"auto"`` takes the kernel on GPUs when ``fused`` is given and either no multi-device mesh is in
-context or ``param_specs`` says how the parameters are split (`experiments.run_spec` passes the specs
-its logical rules give, so FSDP / TP runs keep the kernel: it runs per shard in `jax.shard_map`
-over the mesh axes left automatic), XLA otherwise; ``"pallas"`` forces it (``interpret=True`` on a
-CPU); ``"xla"`` never uses it.
+Layout: `QuantizedState` keeps the inner state with each quantized leaf replaced by a scalar zero
+(a placeholder of its dtype), and the quantized nodes beside it (``quantized``, nested under the
+leaf's key path), so no container of the inner state (``flax.nnx.Optimizer`` boxes every state leaf
+in a variable) ever holds a pytree where an array was; `QuantizedState.view` puts the nodes back in
+place for inspection.
+
+Fused kernel (``kernel=``, ``fused=``): AdamW and Lion take their step on the codes directly
+(`optim.quantize_state_fused`).
+
+Under `optax.inject_hyperparams`, ``bits``, ``block_size`` and ``min_size`` set the stored arrays'
+shapes and must be static (``static_args=STATIC_ARGS``).
 
 Memory per parameter of AdamW's two moments: 8 bytes in fp32; 2 + 2 * 4/256 = 2.03 in 8 bits;
 1 + 4/128 + rank-1 maxima ~ 1.04 in 4 bits (`optim.memory.state_bytes` counts it exactly).
@@ -48,7 +48,6 @@ Memory per parameter of AdamW's two moments: 8 bytes in fp32; 2 + 2 * 4/256 = 2.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -56,36 +55,41 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import kernels_pallas.quantized_update as qu
-from optim import labels
+from optim import common, labels
 from optim import quantization as qz
+from optim.quantize_state_fused import Fused, fused_steps
 
 NONNEGATIVE_FIELDS: tuple[str, ...] = ("nu", "nu_max", "v", "exp_avg_sq", "graft_nu")
 DEFAULT_BLOCK = {8: 256, 4: 128}
-KERNELS = ("auto", "xla", "pallas")
+STATIC_ARGS = ("bits", "block_size", "min_size")
 
-
-@dataclasses.dataclass(frozen=True)
-class Fused:
-    """What the fused kernel must know of an inner optimizer to take its step on quantized leaves.
-
-    Attributes:
-      rule: `kernels_pallas.quantized_update.AdamW` or ``.Lion`` with the inner optimizer's
-        hyper-parameters, ``weight_decay`` included.
-      learning_rate: the inner optimizer's learning rate or schedule (of the step count).
-      decay_mask: ``params -> pytree of bool``, where weight decay applies.
-    """
-
-    rule: qu.AdamW | qu.Lion
-    learning_rate: optax.ScalarOrSchedule
-    decay_mask: Callable[[Any], Any] = labels.decay_mask
+__all__ = ["Fused", "QuantizedState", "STATIC_ARGS", "default_mask", "quantize_state"]  # Fused: re-exported
 
 
 class QuantizedState(NamedTuple):
     """State of `quantize_state`."""
 
     count: jax.Array  # int32 steps taken; with the seed it keys stochastic rounding
-    inner: Any  # the inner state, each quantized leaf a `BlockQuantized` / `Rank1Quantized` node
+    inner: Any  # the inner state, each quantized leaf replaced by a scalar zero of its dtype
+    quantized: dict[str, Any]  # {index of the leaf among inner's leaves: {its key path: its node}}
+
+    def view(self) -> Any:
+        """The inner state with each quantized leaf's node (`BlockQuantized` / `Rank1Quantized`) in its place."""
+        leaves, treedef = jax.tree.flatten(self.inner)
+        for i, node in _nodes(self.quantized).items():
+            leaves[i] = node
+        return treedef.unflatten(leaves)
+
+
+def _nodes(quantized: dict[str, Any]) -> dict[int, qz.Quantized]:
+    return {int(i): jax.tree.leaves(tree, is_leaf=qz.is_quantized)[0] for i, tree in quantized.items()}
+
+
+def _nest(names: tuple[str, ...], node: qz.Quantized) -> Any:
+    """``node`` under nested dicts named by ``names`` (so state shardings follow the parameter's path)."""
+    for name in reversed(names):
+        node = {name: node}
+    return node
 
 
 def default_mask(params: Any, *, min_size: int = 4096) -> Any:
@@ -122,147 +126,118 @@ def quantize_state(
       nonnegative_fields: state keys that mark second moments.
       stochastic_rounding: round to a random neighbouring code with probability given by distance.
       seed: seed of the stochastic rounding.
-      kernel: ``"auto"``, ``"xla"`` or ``"pallas"``: who takes the step on quantized leaves (module
-        docstring).
+      kernel: ``"auto"``, ``"xla"`` or ``"pallas"``: who takes the step on quantized leaves
+        (`optim.quantize_state_fused`).
       fused: the description of ``inner`` the kernel needs; None (any other optimizer): XLA.
       param_specs: the parameters' `PartitionSpec` tree; under a mesh the kernel runs per shard.
       interpret: run the kernel in Pallas interpret mode (CPU tests).
     """
+    bits = common.static_int("bits", bits, STATIC_ARGS)
     if bits not in DEFAULT_BLOCK:
         raise ValueError(f"quantize_state: bits must be 8 or 4, got {bits}")
-    block = block_size or DEFAULT_BLOCK[bits]
+    block = common.static_int("block_size", block_size, STATIC_ARGS) or DEFAULT_BLOCK[bits]
     qz.check_block_size(block)
-    if kernel not in KERNELS:
-        raise ValueError(f"quantize_state: kernel={kernel!r}; use one of {', '.join(KERNELS)}")
-    if kernel == "pallas" and fused is None:
-        raise ValueError("quantize_state: kernel='pallas' needs fused= (AdamW or Lion); use kernel='auto' to fall back to XLA")
-    inner = optax.with_extra_args_support(inner)
+    min_size = common.static_int("min_size", min_size, STATIC_ARGS)
+    kernel_steps = fused_steps(
+        fused, kernel=kernel, param_specs=param_specs, interpret=interpret, stochastic_rounding=stochastic_rounding
+    )
+    return _quantized(
+        optax.with_extra_args_support(inner),
+        codec=_Codec(bits, block, nonnegative_fields),
+        mask=mask or (lambda p: default_mask(p, min_size=min_size)),
+        seed=seed if stochastic_rounding else None,
+        kernel_steps=kernel_steps,
+    )
 
-    def quantize_new(x: jax.Array, nonnegative: bool) -> qz.Quantized:
-        if bits == 4 and nonnegative and x.ndim >= 2:
+
+class _Codec(NamedTuple):
+    """How a new state leaf is stored: its bits, block size, and which fields are second moments."""
+
+    bits: int
+    block: int
+    nonnegative_fields: tuple[str, ...]
+
+    def quantize(self, x: jax.Array, names: tuple[str, ...]) -> qz.Quantized:
+        """A new node for ``x``, the state leaf at ``names`` (a second moment if a name says so)."""
+        nonnegative = any(n in self.nonnegative_fields for n in names)
+        if self.bits == 4 and nonnegative and x.ndim >= 2:
             return qz.quantize_rank1(x, bits=4, code="linear")
-        code = ("linear" if bits == 4 else "unsigned") if nonnegative else "signed"
-        return qz.quantize_blockwise(x, bits=bits, code=code, block_size=block)
+        code = ("linear" if self.bits == 4 else "unsigned") if nonnegative else "signed"
+        return qz.quantize_blockwise(x, bits=self.bits, code=code, block_size=self.block)
 
-    def requantize(node: qz.Quantized, x: jax.Array, key: jax.Array | None) -> qz.Quantized:
+    def requantize(self, node: qz.Quantized, x: jax.Array, key: jax.Array | None) -> qz.Quantized:
+        """``x`` stored like ``node`` (same code, bits and layout)."""
         x = x.astype(node.dtype)
         if isinstance(node, qz.Rank1Quantized):
             return qz.quantize_rank1(x, bits=node.bits, code=node.code, key=key)
-        return qz.quantize_blockwise(x, bits=node.bits, code=node.code, block_size=block, key=key)
+        return qz.quantize_blockwise(x, bits=node.bits, code=node.code, block_size=self.block, key=key)
+
+
+def _quantized(
+    inner: optax.GradientTransformationExtraArgs,
+    *,
+    codec: _Codec,
+    mask: Callable[[Any], Any],
+    seed: int | None,
+    kernel_steps: Callable[..., Any],
+) -> optax.GradientTransformationExtraArgs:
+    """The generic wrapper: dequantize -> ``inner`` in fp32 -> requantize, ``kernel_steps`` taking over
+    the parameters it fuses (`optim.quantize_state_fused.fused_steps`)."""
 
     def init_fn(params: optax.Params) -> QuantizedState:
-        wanted = (mask or (lambda p: default_mask(p, min_size=min_size)))(params)
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         by_path = {
             labels.path_names(path): (tuple(p.shape), bool(w))
-            for (path, p), w in zip(flat, treedef.flatten_up_to(wanted), strict=True)
+            for (path, p), w in zip(flat, treedef.flatten_up_to(mask(params)), strict=True)
         }
 
-        def convert(path, leaf):
+        def node_for(names: tuple[str, ...], leaf: jax.Array) -> qz.Quantized | None:
             if leaf.ndim == 0 or not jnp.issubdtype(leaf.dtype, jnp.floating):
-                return leaf
-            names = labels.path_names(path)
+                return None
             for start in range(len(names)):
                 hit = by_path.get(names[start:])
                 if hit is not None and hit[0] == leaf.shape:
-                    return quantize_new(leaf, any(n in nonnegative_fields for n in names[:start])) if hit[1] else leaf
-            return leaf
+                    return codec.quantize(leaf, names[:start]) if hit[1] else None
+            return None
 
-        return QuantizedState(
-            count=jnp.zeros([], jnp.int32),
-            inner=jax.tree_util.tree_map_with_path(convert, jax.lax.optimization_barrier(inner.init(params))),
-        )
-
-    def use_kernel() -> bool:
-        if fused is None or kernel == "xla":
-            return False
-        if kernel == "pallas":
-            return True
-        return qu.available() and (param_specs is not None or jax.sharding.get_abstract_mesh().size <= 1)
+        state = jax.lax.optimization_barrier(inner.init(params))
+        leaves, state_def = jax.tree_util.tree_flatten_with_path(state)
+        stored, quantized = [], {}
+        for i, (path, leaf) in enumerate(leaves):
+            names = labels.path_names(path)
+            node = node_for(names, leaf)
+            stored.append(leaf if node is None else jnp.zeros((), leaf.dtype))
+            if node is not None:
+                quantized[str(i)] = _nest(names, node)
+        return QuantizedState(jnp.zeros([], jnp.int32), state_def.unflatten(stored), quantized)
 
     def update_fn(updates, state: QuantizedState, params=None, **extra_args):
-        with_paths, treedef = jax.tree_util.tree_flatten_with_path(state.inner, is_leaf=qz.is_quantized)
-        nodes = [n for _, n in with_paths]
-        key = jax.random.fold_in(jax.random.key(seed), state.count) if stochastic_rounding else None
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(state.inner)
+        nodes = _nodes(state.quantized)
+        key = None if seed is None else jax.random.fold_in(jax.random.key(seed), state.count)
         node_key = lambda i: None if key is None else jax.random.fold_in(key, i)  # noqa: E731
-        fused_steps = {}
-        if use_kernel():
-            if params is None:
-                raise ValueError("quantize_state with a fused kernel needs params in update(grads, state, params)")
-            fused_steps = fused_kernel_steps(updates, state.count, params, with_paths, node_key)
-        fused_nodes = {i: node for _, new in fused_steps.values() for i, node in new.items()}
+        named = {i: (labels.path_names(with_paths[i][0]), node) for i, node in nodes.items()}
+        fused = kernel_steps(updates, state.count, params, named, node_key)
+        fused_nodes = {i: node for _, new in fused.values() for i, node in new.items()}
         # The kernel's leaves enter ``inner`` as zeros: their fp32 work there is dead code under jit.
         inner_state = treedef.unflatten([
-            jnp.zeros(n.shape, n.dtype) if i in fused_nodes else qz.dequantize(n) if qz.is_quantized(n) else n
-            for i, n in enumerate(nodes)
+            jnp.zeros(nodes[i].shape, nodes[i].dtype) if i in fused_nodes else qz.dequantize(nodes[i]) if i in nodes else x
+            for i, (_, x) in enumerate(with_paths)
         ])
         new_updates, new_inner = inner.update(updates, inner_state, params, **extra_args)
-        stored = [
-            fused_nodes[i] if i in fused_nodes else requantize(n, x, node_key(i)) if qz.is_quantized(n) else x
-            for i, (n, x) in enumerate(zip(nodes, treedef.flatten_up_to(new_inner), strict=True))
-        ]
-        if fused_steps:
+        new_leaves = treedef.flatten_up_to(new_inner)
+        new_nodes = {
+            i: fused_nodes[i] if i in fused_nodes else codec.requantize(node, new_leaves[i], node_key(i))
+            for i, node in nodes.items()
+        }
+        stored = [with_paths[i][1] if i in nodes else x for i, x in enumerate(new_leaves)]
+        quantized = {
+            i: jax.tree.map(lambda _, new=new_nodes[int(i)]: new, tree, is_leaf=qz.is_quantized)
+            for i, tree in state.quantized.items()
+        }
+        if fused:
             flat, update_def = jax.tree_util.tree_flatten(new_updates)
-            flat = [fused_steps[j][0] if j in fused_steps else u for j, u in enumerate(flat)]
-            new_updates = update_def.unflatten(flat)
-        return new_updates, QuantizedState(count=optax.safe_increment(state.count), inner=treedef.unflatten(stored))
-
-    def fused_kernel_steps(grads, count, params, with_paths, node_key):
-        """``{param index: (update, {node index: new node})}`` for parameters whose moments are all quantized."""
-        flat_params, param_def = jax.tree_util.tree_flatten_with_path(params)
-        by_path = {labels.path_names(path): j for j, (path, _) in enumerate(flat_params)}
-        moments: dict[int, dict[str, int]] = {}
-        for i, (path, node) in enumerate(with_paths):
-            if not qz.is_quantized(node):
-                continue
-            names = labels.path_names(path)
-            for start in range(1, len(names)):
-                j = by_path.get(names[start:])
-                if j is not None and tuple(flat_params[j][1].shape) == tuple(node.shape):
-                    moments.setdefault(j, {})[names[start - 1]] = i
-                    break
-        decay = param_def.flatten_up_to(fused.decay_mask(params))
-        grads_flat = param_def.flatten_up_to(grads)
-        specs = None if param_specs is None else param_def.flatten_up_to(param_specs)
-        lr = fused.learning_rate(count) if callable(fused.learning_rate) else fused.learning_rate
-        steps = {}
-        for j, fields in moments.items():
-            if not set(fused.rule.moments) <= set(fields):
-                continue
-            index = [fields[name] for name in fused.rule.moments]
-            node_list = [with_paths[i][1] for i in index]
-            rule = fused.rule if decay[j] else dataclasses.replace(fused.rule, weight_decay=0.0)
-            layouts = [_layout(n) for n in node_list]
-            noise = None
-            if stochastic_rounding:
-                noise = [qu.rounding_noise(node_key(i), m, n.shape) for i, m, n in zip(index, layouts, node_list)]
-            update, new = qu.quantized_update(
-                rule,
-                flat_params[j][1],
-                grads_flat[j],
-                [_arrays(n) for n in node_list],
-                layouts,
-                rule.scalars(optax.safe_increment(count), lr),
-                noise,
-                interpret=interpret,
-                spec=None if specs is None else specs[j],
-            )
-            steps[j] = (update, {i: _node_like(n, q) for i, n, q in zip(index, node_list, new)})
-        return steps
+            new_updates = update_def.unflatten([fused[j][0] if j in fused else u for j, u in enumerate(flat)])
+        return new_updates, QuantizedState(optax.safe_increment(state.count), treedef.unflatten(stored), quantized)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _layout(node: qz.Quantized) -> qu.Moment:
-    table = tuple(float(v) for v in qz.code_table(node.code, node.bits))
-    return qu.Moment(table, node.tile if isinstance(node, qz.BlockQuantized) else None)
-
-
-def _arrays(node: qz.Quantized) -> tuple[jax.Array, ...]:
-    return (node.codes, node.absmax) if isinstance(node, qz.BlockQuantized) else (node.codes, node.row, node.col)
-
-
-def _node_like(node: qz.Quantized, arrays: tuple[jax.Array, ...]) -> qz.Quantized:
-    if isinstance(node, qz.BlockQuantized):
-        return dataclasses.replace(node, codes=arrays[0], absmax=arrays[1])
-    return dataclasses.replace(node, codes=arrays[0], row=arrays[1], col=arrays[2])

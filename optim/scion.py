@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optim import labels, spec
+from optim import labels, shapes, spec
 from optim import newton_schulz as ns
 from optim.muon import NewtonSchulz, check_matrices
 
@@ -168,12 +168,13 @@ class Scion(ScionDirection, spec.OptimizerSpec):
     learning_rate: optax.ScalarOrSchedule = 0.01  # the reference's modded-nanogpt setting, unswept here
     constrained: bool = True
 
-    def transform(self) -> optax.GradientTransformation:
-        return optax.chain(
+    def transform(self) -> optax.GradientTransformationExtraArgs:
+        full = optax.chain(
             self.direction(),
             optax.add_decayed_weights(1.0 if self.constrained else 0.0),
             optax.scale_by_learning_rate(self.learning_rate),
         )
+        return shapes.checked(full, "scion")
 
 
 scale_by_scion = spec.function(ScionDirection, "direction", name="scale_by_scion", positional=("momentum",))

@@ -39,7 +39,9 @@ out_shardings=...)`` use `optim.placement.state_shardings`. Roots are computed u
 `lax.cond`, so steps that do not refresh them cost statistics + preconditioning only.
 
 Under `optax.inject_hyperparams` the integer arguments that set array shapes must be static:
-``static_args=STATIC_ARGS``.
+``static_args=STATIC_ARGS``. The stacks' group keys come from the parameters' shapes, so
+`optax.tree.map_params` (which initialises on a shapeless placeholder) cannot map this state: use
+`optim.blocking.map_params`, its equivalent (e.g. for the state's partition specs).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optim import blocking, common, matrix_roots, spec
+from optim import blocking, common, matrix_roots, shapes, spec
 
 GRAFT_TYPES = ("adam", "adagrad", "rmsprop", "sgd", "none")
 STATIC_ARGS = ("block_size", "max_precond_dim", "exponent_override")
@@ -85,9 +87,9 @@ def _graft(kind: str, g: jax.Array, nu: jax.Array | None, t: jax.Array, beta2: A
     if kind == "adagrad":
         nu = nu + g * g
         return g / (jnp.sqrt(nu) + eps), nu
-    nu = beta2 * nu + (1 - beta2) * g * g
-    if kind == "adam":
-        return g / (jnp.sqrt(nu / (1 - beta2**t)) + eps), nu
+    nu = (beta2 * nu + (1 - beta2) * g * g).astype(g.dtype)
+    if kind == "adam":  # beta2**t: float64 under x64 for an int32 t, so the result is cast back
+        return (g / (jnp.sqrt(nu / (1 - beta2**t)) + eps)).astype(g.dtype), nu
     return g / (jnp.sqrt(nu) + eps), nu
 
 
@@ -195,11 +197,13 @@ def _scale_by_shampoo(h: ShampooDirection) -> optax.GradientTransformation:
                 {key: blocking.constrain_blocks(scale * blocking.identity_fill(n, b)) for key, b, n in stack.groups}
             )
 
-        zeros = treedef.unflatten([jnp.zeros(p.shape, jnp.float32) for p in leaves])
+        def zeros():  # a fresh buffer per field: a donating jit step must never see one twice
+            return treedef.unflatten([jnp.zeros(p.shape, jnp.float32) for p in leaves])
+
         return ShampooState(
             count=jnp.zeros([], jnp.int32),
-            momentum=zeros,
-            graft_nu=zeros if has_nu else None,
+            momentum=zeros(),
+            graft_nu=zeros() if has_nu else None,
             stats=eyes(h.matrix_eps),
             preconds=eyes(1.0),
             root_failures=jnp.zeros([], jnp.int32),
@@ -223,6 +227,7 @@ def _scale_by_shampoo(h: ShampooDirection) -> optax.GradientTransformation:
 
     def update_fn(updates, state, params=None):
         del params
+        shapes.check_like(updates, state.momentum, "shampoo")
         grads, treedef, tensors, stack = layouts(updates)
         t = state.count + 1
         start = jnp.where(h.start_preconditioning_step < 0, h.precondition_every, h.start_preconditioning_step)
@@ -270,7 +275,7 @@ def _scale_by_shampoo(h: ShampooDirection) -> optax.GradientTransformation:
         momentum = []
         out = []
         for d, m, g in zip(directions, treedef.flatten_up_to(state.momentum), grads, strict=True):
-            m = h.beta1 * m + (1 - h.beta1) * d
+            m = (h.beta1 * m + (1 - h.beta1) * d).astype(m.dtype)
             momentum.append(m)
             out.append((h.beta1 * m + (1 - h.beta1) * d if h.nesterov else m).astype(g.dtype))
         new_state = ShampooState(

@@ -30,7 +30,9 @@ with an unchanged basis is skipped (it is the identity).
 Statistics and bases of all parameters are stacked per side ``b`` into ``(n, b, b)`` arrays with
 mesh-independent shapes, spread over the ambient mesh (`optim.blocking`), so eigh / QR run batched
 and distributed.
-Under `optax.inject_hyperparams` pass ``static_args=STATIC_ARGS``.
+Under `optax.inject_hyperparams` pass ``static_args=STATIC_ARGS``. `optax.tree.map_params` cannot
+map this state (the stacks' group keys come from parameter shapes, which its placeholder lacks): use
+`optim.blocking.map_params`, its equivalent.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optim import blocking, common, matrix_roots, spec
+from optim import blocking, common, matrix_roots, shapes, spec
 
 STATIC_ARGS = ("max_precond_dim",)
 
@@ -152,11 +154,13 @@ def _scale_by_soap(h: SoapDirection) -> optax.GradientTransformation:
 
     def init_fn(params):
         leaves, treedef, _, stack = layouts(params)
-        zeros = treedef.unflatten([jnp.zeros(p.shape, jnp.float32) for p in leaves])
+        def zeros():  # a fresh buffer per field: a donating jit step must never see one twice
+            return treedef.unflatten([jnp.zeros(p.shape, jnp.float32) for p in leaves])
+
         return SoapState(
             count=jnp.zeros([], jnp.int32),
-            mu=zeros,
-            nu=zeros,
+            mu=zeros(),
+            nu=zeros(),
             stats=blocking.BlockStacks(
                 {k: blocking.constrain_blocks(blocking.zeros_fill(n, b)) for k, b, n in stack.groups}
             ),
@@ -167,6 +171,7 @@ def _scale_by_soap(h: SoapDirection) -> optax.GradientTransformation:
 
     def update_fn(updates, state, params=None):
         del params
+        shapes.check_like(updates, state.mu, "soap")
         grads, treedef, tensors, stack = layouts(updates)
         g32 = [g.astype(jnp.float32) for g in grads]
         first = state.count == 0

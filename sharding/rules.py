@@ -7,7 +7,7 @@ rule set maps each logical name to zero, one or several mesh axes. Mesh axes tha
 lacks are dropped, so one rule set serves every mesh: ``fsdp`` rules on a ``data:8`` mesh are plain
 data parallelism.
 
-Presets (mesh axis names ``data``, ``fsdp``, ``tensor``, ``seq``, ``expert``):
+Presets (mesh axis names ``data``, ``fsdp``, ``tensor``, ``seq``, ``expert``, ``context``):
 
 - ``dp``: batch over ``data``; parameters replicated.
 - ``fsdp`` (default): batch over ``data``, ``fsdp`` and ``expert``; parameters, gradients and optimizer
@@ -16,6 +16,10 @@ Presets (mesh axis names ``data``, ``fsdp``, ``tensor``, ``seq``, ``expert``):
 - ``tp``: Megatron tensor parallelism: ``heads`` / ``kv_heads`` / ``mlp`` / ``vocab`` over ``tensor``,
   one all-reduce after attention and one after the MLP; combined with FSDP on ``embed``.
 - ``sp``: the ``tp`` rules plus activations sharded along ``seq`` over ``seq`` (context parallelism).
+
+Context parallelism splits activations along ``seq`` over the ``context`` axis in every preset;
+attention then runs as explicit `jax.shard_map` code (`lm.context_attention`: all-gather, ring or
+Ulysses, ``--config.model.context_parallel``) instead of GSPMD's propagation.
 
 ``expert`` parallelism maps ``experts`` onto the ``expert`` axis in every preset. The ``expert`` axis
 is a data-parallel axis for everything but the routed experts, so the sharded presets also split
@@ -65,20 +69,22 @@ _TENSOR = {"heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",), "v
 # ZeRO-3 parameter splitting: `embed` over fsdp, and over expert where the routed-expert axis leaves it free.
 _ZERO3 = {"embed": ("fsdp", "expert?"), "latent": ("fsdp?", "expert?"), "experts": ("expert",)}
 
+_CONTEXT = {"seq": ("context",)}
+
 PRESETS: dict[str, dict[str, dict[str, MeshAxes]]] = {
-    "dp": {"params": {"experts": ("expert",)}, "activations": {"batch": _BATCH, "experts": ("expert",)}},
+    "dp": {"params": {"experts": ("expert",)}, "activations": {"batch": _BATCH, "experts": ("expert",), **_CONTEXT}},
     "fsdp": {
         "params": _ZERO3,
-        "activations": {"batch": _BATCH, "experts": ("expert",)},
+        "activations": {"batch": _BATCH, "experts": ("expert",), **_CONTEXT},
     },
     "tp": {
         "params": {**_ZERO3, **_TENSOR},
-        "activations": {"batch": _BATCH, **_TENSOR, "experts": ("expert",)},
+        "activations": {"batch": _BATCH, **_TENSOR, "experts": ("expert",), **_CONTEXT},
     },
 }
 PRESETS["sp"] = {
     "params": PRESETS["tp"]["params"],
-    "activations": {**PRESETS["tp"]["activations"], "seq": ("seq",)},
+    "activations": {**PRESETS["tp"]["activations"], "seq": ("seq", "context")},
 }
 
 

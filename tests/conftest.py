@@ -6,7 +6,9 @@ same `tiny` model and would otherwise spend much of their time recompiling ident
 cache starts empty in every session, so nothing carries over between runs.
 
 On a GPU box, ``SPMDLAB_TEST_PLATFORMS=cuda,cpu python -m pytest -n 0 tests/kernels_pallas`` runs the
-kernel tests compiled on the GPU instead of in interpret mode (the other tests expect CPU devices).
+kernel tests compiled on the GPU instead of in interpret mode. A test that needs more devices than
+such a box has is marked ``@pytest.mark.devices(n)`` and skips there; ``SPMDLAB_TEST_CPU_DEVICES=1``
+gives a CPU run that one device, to check the marks without a GPU.
 """
 
 import atexit
@@ -34,8 +36,20 @@ os.environ.update(
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_num_cpu_devices", int(os.environ.get("SPMDLAB_TEST_CPU_DEVICES", "8")))  # 1: a one-GPU box's count
 jax.config.update("jax_platforms", os.environ.get("SPMDLAB_TEST_PLATFORMS", "cpu"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "devices(n): needs n devices; skips where there are fewer (a one-GPU box)")
+    # jax 0.11 deprecates Pallas Triton (Mosaic GPU replaces it); lowering our Triton kernels says so each time.
+    config.addinivalue_line("filterwarnings", "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marker = item.get_closest_marker("devices")
+    if marker is not None and jax.device_count() < marker.args[0]:
+        pytest.skip(f"needs {marker.args[0]} devices; this run has {jax.device_count()} ({jax.default_backend()})")
 
 
 def _compile_fast(node: pytest.Item | pytest.Module) -> bool:

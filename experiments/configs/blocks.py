@@ -18,7 +18,7 @@ def dataclass_block(
 
     A key takes its value in ``defaults`` (else its field's default), or is a placeholder of the
     field's type (None until set) when it is in ``placeholders``: a value another source fills,
-    e.g. a model preset.
+    e.g. a model preset. A field of type ``X | None`` defaulting to None is a placeholder of ``X``.
     """
     hints = typing.get_type_hints(cls)
     if defaults is None:
@@ -28,8 +28,18 @@ def dataclass_block(
     for key, value in defaults.items():
         if key in placeholders:
             block[key] = config_dict.placeholder(hints[key])
+        elif value is None:
+            block[key] = config_dict.placeholder(_not_none(cls, key, hints[key]))
         elif value is dataclasses.MISSING:
             raise TypeError(f"{cls.__name__}.{key} has no default; make it a placeholder")
         else:
             block[key] = value
     return block
+
+
+def _not_none(cls: type, key: str, hint: Any) -> type:
+    """``X`` of an ``X | None`` annotation (the type a None-default key takes when set)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if len(args) != 1 or not isinstance(args[0], type):
+        raise TypeError(f"{cls.__name__}.{key} defaults to None; annotate it as one type or None (X | None)")
+    return args[0]

@@ -47,6 +47,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.grad_accum_steps = 1  # micro-batches per step; batch_size must divide by it
 
     config.model = model_block()
+    # A local transformers checkpoint (Llama, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V2; lm/hf.py) to start from: its config.json
+    # sets the architecture, config.model only how it computes. Empty: a fresh initialisation.
+    config.init_from_hf = ""
 
     config.data = ml_collections.ConfigDict()
     config.data.path = ""  # empty: the Python standard-library corpus; else a text file or folder

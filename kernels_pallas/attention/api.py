@@ -1,14 +1,35 @@
-"""`flash_attention`: the public entry point, one `custom_vjp` over every backend's kernels.
+"""The attention op: `attention` picks an implementation from a table; `flash_attention` is our kernel.
 
-The backend follows the platform of the mesh in context (`jax.set_mesh`), else of
-`jax.default_backend()`: ``triton`` on GPUs, ``mosaic_tpu`` on TPUs. On a CPU either backend runs in
-interpret mode only (``interpret=True``), which is how the tests check them. The math, the recurrences and the
-masking are in `base`; the definition of correct is `reference.attention`.
+`attention` runs causal softmax attention by one of `IMPLEMENTATIONS`:
+
+- ``xla``: `reference.attention`, the definition of correct (materialises the ``(batch, heads, T, T)``
+  float32 logits).
+- ``cudnn``: `jax.nn.dot_product_attention(..., implementation="cudnn")` (NVIDIA GPUs; bf16/fp16,
+  head_dim a multiple of 8 up to 256 on Hopper and later, 128 before, as jax checks it). cuDNN reports
+  no row statistics, so tracked max logits (MuonClip) come from `reference.max_logits` (one more
+  ``Q K^T`` over query blocks, no ``T x T`` buffer, no gradient).
+- ``pallas``: `flash_attention` below (Triton on GPUs, Mosaic on TPUs, interpret mode on a CPU: correct
+  but slow, for tests); max logits from the kernel's row maxima. GSPMD cannot partition a Pallas call,
+  so the caller may pass ``per_shard`` to run it inside a `jax.shard_map`.
+
+``auto`` tries the platform's `ORDER` (platform of the mesh in context, `kernels_pallas.backends`) and
+takes the first implementation whose ``unsupported`` check gives no reason; the reasons for passing
+over the others are logged once each. On GPUs that is cuDNN wherever it serves, then our kernel for
+bf16/fp16, and XLA for float32.
+
+`flash_attention` is one `custom_vjp` over every backend's kernels. The backend follows the platform:
+``triton`` on GPUs, ``mosaic_tpu`` on TPUs. On a CPU either backend runs in interpret mode only
+(``interpret=True``), which is how the tests check them. The math, the recurrences and the masking are
+in `base`; the definition of correct is `reference.attention`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
+import re
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +41,10 @@ from kernels_pallas.backends import platform
 
 BACKENDS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
 
-__all__ = ["BACKENDS", "BlockSizes", "flash_attention", "platform"]
+__all__ = ["BACKENDS", "IMPLEMENTATIONS", "ORDER", "BlockSizes", "attention", "choose", "flash_attention", "platform"]
+
+_log = logging.getLogger(__name__)
+_LOGGED: set[str] = set()
 
 
 def _forward(q, k, v, segment_ids, backend: str, spec: base.Spec):
@@ -104,3 +128,184 @@ def flash_attention(
     if not return_max_logits:
         return out
     return out, jnp.max(row_max, axis=(0, 2))
+
+
+# ---------------------------------------------------------------------------------- the choice
+
+AttentionFn = Callable[..., tuple[jax.Array, jax.Array | None]]  # (q, k, v, segment_ids) -> (out, max_logits or None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What a choice looks at: the operands (arrays or `jax.ShapeDtypeStruct`) and the target."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    platform: str
+    track_max_logits: bool
+    sequence_sharded: bool
+    device_kind: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One way to compute attention.
+
+    Attributes:
+      run: ``run(q, k, v, segment_ids, *, track_max_logits, platform) -> (out, max_logits or None)``.
+      unsupported: why ``run`` cannot serve a `Call` (None when it can), as ``auto`` sees it.
+      per_shard: a Pallas call that GSPMD cannot partition: run it per shard under a mesh.
+    """
+
+    run: AttentionFn
+    unsupported: Callable[[Call], str | None]
+    per_shard: bool = False
+
+
+def _xla(q, k, v, segment_ids=None, *, track_max_logits: bool, platform: str):
+    del platform
+    if track_max_logits:
+        return reference.attention(q, k, v, causal=True, segment_ids=segment_ids, return_max_logits=True)
+    return reference.attention(q, k, v, causal=True, segment_ids=segment_ids), None
+
+
+def _cudnn(q, k, v, segment_ids=None, *, track_max_logits: bool, platform: str):
+    del platform
+    same_segment = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    out = jax.nn.dot_product_attention(q, k, v, mask=same_segment, is_causal=True, implementation="cudnn")
+    return out, reference.max_logits(q, k, causal=True, segment_ids=segment_ids) if track_max_logits else None
+
+
+def _pallas(q, k, v, segment_ids=None, *, track_max_logits: bool, platform: str):
+    out = flash_attention(
+        q, k, v, causal=True, segment_ids=segment_ids, return_max_logits=track_max_logits, interpret=platform == "cpu"
+    )
+    return out if track_max_logits else (out, None)
+
+
+_WHOLE_SEQUENCE = "the sequence is sharded (context parallelism) and the fused kernels need whole sequences"
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+# NVIDIA parts of compute capability 9.0 and later, on which jax lets cuDNN take head_dim up to 256.
+_HOPPER_OR_LATER = re.compile(r"\b(G?H100|G?H200|H800|H20|G?B[123]00|RTX PRO 6000)\b")
+
+
+def cudnn_max_head_dim(device_kind: str) -> int:
+    """The largest head_dim jax lets cuDNN's flash attention take on ``device_kind`` (bf16/fp16)."""
+    return 256 if _HOPPER_OR_LATER.search(device_kind) else 128
+
+
+def cudnn_unsupported(call: Call) -> str | None:
+    """Why cuDNN's fused attention cannot serve ``call`` (None when it can)."""
+    q, v = call.q, call.v
+    if call.sequence_sharded:
+        return _WHOLE_SEQUENCE
+    if call.platform == "rocm":
+        return "ROCm has no cuDNN"
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"cuDNN flash attention takes bf16/fp16, not {q.dtype}"
+    limit = cudnn_max_head_dim(call.device_kind)
+    if q.shape[-1] > limit or q.shape[-1] % 8:
+        return f"cuDNN flash attention takes head_dim <= {limit} and a multiple of 8 on {call.device_kind or 'this GPU'}, not {q.shape[-1]}"
+    if v.shape[-1] != q.shape[-1]:
+        return f"cuDNN flash attention takes equal q/v head dims here (MLA needs cuDNN >= 9.10), not {q.shape[-1]}/{v.shape[-1]}"
+    return None
+
+
+def pallas_unsupported(call: Call) -> str | None:
+    """Why `flash_attention` cannot serve ``call`` (None when it can)."""
+    if call.sequence_sharded:
+        return _WHOLE_SEQUENCE
+    if call.platform in _GPU_PLATFORMS and call.q.dtype == jnp.float32:
+        return "float32 attention on a GPU runs in XLA (the Triton kernel is tuned and measured for bf16/fp16)"
+    return None
+
+
+IMPLEMENTATIONS = {
+    "xla": Implementation(_xla, lambda call: None),
+    "cudnn": Implementation(_cudnn, cudnn_unsupported),
+    "pallas": Implementation(_pallas, pallas_unsupported, per_shard=True),
+}
+# What ``auto`` tries, in order, per platform; the last entry of each serves every call.
+ORDER = {
+    "cpu": ("xla",),
+    "tpu": ("pallas", "xla"),
+    "gpu": ("cudnn", "pallas", "xla"),
+    "cuda": ("cudnn", "pallas", "xla"),
+    "rocm": ("cudnn", "pallas", "xla"),
+}
+
+
+def choose(
+    implementation: str,
+    platform: str,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    track_max_logits: bool,
+    sequence_sharded: bool = False,
+    device_kind: str = "",
+) -> tuple[str, str | None]:
+    """``(implementation to run, why auto passed over the platform's first choices, or None)``.
+
+    A named implementation is taken as is; ``auto`` takes the first of ``ORDER[platform]`` that
+    supports the call (``xla`` on a platform not listed). ``device_kind`` (e.g. ``NVIDIA H100 80GB
+    HBM3``) sets cuDNN's head_dim limit.
+    """
+    if implementation != "auto":
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"unknown attention implementation {implementation!r}; use one of auto, {', '.join(IMPLEMENTATIONS)}"
+            )
+        return implementation, None
+    call = Call(q, k, v, platform, track_max_logits, sequence_sharded, device_kind)
+    reasons: list[str] = []
+    for name in ORDER.get(platform, ("xla",)):
+        reason = IMPLEMENTATIONS[name].unsupported(call)
+        if reason is None:
+            return name, "; ".join(reasons) or None
+        if reason not in reasons:
+            reasons.append(reason)
+    raise AssertionError(f"ORDER[{platform!r}] ends in an implementation that can refuse a call")
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    implementation: str = "auto",
+    track_max_logits: bool = False,
+    sequence_sharded: bool = False,
+    per_shard: Callable[[AttentionFn], AttentionFn] | None = None,
+    segment_ids: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Causal softmax attention by ``implementation`` (``auto``, ``xla``, ``cudnn`` or ``pallas``).
+
+    Args:
+      q: ``(batch, seq, heads, head_dim)``; k, v: ``(batch, seq, kv_heads, head_dim)``.
+      track_max_logits: also return the maximum pre-softmax logit of each query head over the
+        batch and the causal (query, key) pairs, shape ``(heads,)``.
+      sequence_sharded: the sequence is split over devices (the fused kernels then cannot serve).
+      per_shard: wraps a ``(q, k, v, segment_ids) -> (out, max_logits)`` function that GSPMD cannot
+        partition (a Pallas call) to run per shard, e.g. in a `jax.shard_map`; default: run it as is.
+      segment_ids: ``(batch, seq)`` int or None; a query sees only keys of its own segment (document).
+
+    Returns:
+      ``(out, max_logits)``: out ``(batch, seq, heads, head_dim)`` in q's dtype; max_logits is None
+      unless tracked.
+    """
+    target = platform()
+    chosen, reason = choose(
+        implementation, target, q, k, v, track_max_logits=track_max_logits, sequence_sharded=sequence_sharded,
+        device_kind=backends.device_kind() if target in _GPU_PLATFORMS else "",
+    )
+    if reason is not None and reason not in _LOGGED:
+        _LOGGED.add(reason)
+        _log.info("model.attention=auto chose %s: %s", chosen, reason)
+    impl = IMPLEMENTATIONS[chosen]
+    run = functools.partial(impl.run, track_max_logits=track_max_logits, platform=target)
+    if impl.per_shard and per_shard is not None:
+        run = per_shard(run)
+    return run(q, k, v, segment_ids)

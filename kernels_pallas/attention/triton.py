@@ -15,6 +15,12 @@ Only tiles that cross the causal diagonal or the end of the sequence build a pos
 (`base.split_loop`). Sequences are zero-padded to whole blocks and head dims to a power of two
 (>= 16, what ``tl.dot`` takes); both copies happen only when a size is off and are masked or sliced
 away. ``delta = rowsum(dO * O)`` is one fused XLA reduction.
+
+Default tiles and warps follow the bytes of one padded head row (`default_block_sizes`): wider rows
+take smaller tiles, so that every default configuration (head_dim 64, 128, 256, MLA's 192 / 128, in
+bf16 and fp32) compiles for sm_90a within the H100's 227 KiB of shared memory and without register
+spills (``experiments/check_sm90.py``). Operands of ``2**31`` or more elements are refused: the kernels
+address them with int32 offsets.
 """
 
 from __future__ import annotations
@@ -26,12 +32,29 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas import backends
 from kernels_pallas.attention import base
 
-DEFAULT_BLOCK_SIZES = base.BlockSizes(
-    block_q=128, block_kv=64, block_q_dq=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64, num_stages=2
-)
 _MIN_BLOCK = 16  # tl.dot needs every matmul dimension >= 16
+_INT32_FIX = "split the batch or the heads into smaller calls, or use model.attention=xla"
+
+
+def default_block_sizes(head_dim: int, v_head_dim: int, dtype) -> base.BlockSizes:
+    """The Triton defaults for padded head dims ``head_dim`` / ``v_head_dim`` and ``dtype`` (module docstring).
+
+    Row bytes ``r = max(head_dim, v_head_dim) * itemsize``: up to 256, query / key blocks of 128 / 64
+    (forward) and 64 / 64 (backward), 4 warps up to 128 bytes and 8 beyond; up to 512 (bf16 head_dim 256
+    or MLA, fp32 head_dim 128), 64 / 64, 64 / 32 and 32 / 32; wider (fp32 head_dim 256 or MLA), 32
+    everywhere. Two pipeline stages.
+    """
+    row = max(head_dim, v_head_dim) * jnp.dtype(dtype).itemsize
+    if row <= 256:
+        blocks = (128, 64, 64, 64, 64, 64)
+    elif row <= 512:
+        blocks = (64, 64, 64, 32, 32, 32)
+    else:
+        blocks = (32,) * 6
+    return base.BlockSizes(*blocks, num_warps=4 if row <= 128 else 8, num_stages=2)
 
 
 def _block(requested: int, seq_len: int, name: str) -> int:
@@ -48,9 +71,9 @@ def _cdiv(a, b: int):
     return jax.lax.div(a + b - 1, b)
 
 
-def _compiler_params(sizes: base.BlockSizes, head_dim: int) -> plgpu.CompilerParams:
-    warps = sizes.num_warps or (4 if head_dim <= 64 else 8)
-    return plgpu.CompilerParams(num_warps=warps, num_stages=sizes.num_stages)
+def _sizes_and_params(spec: base.Spec, dp: int, dvp: int, dtype) -> tuple[base.BlockSizes, plgpu.CompilerParams]:
+    sizes = spec.block_sizes.with_defaults(default_block_sizes(dp, dvp, dtype))
+    return sizes, plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages)
 
 
 def _query_side(
@@ -166,9 +189,11 @@ def forward(q, k, v, segment_ids, spec: base.Spec):
     """Returns ``(out, row_max or None, residuals)``; row_max ``(batch, heads, seq)`` in natural units."""
     b, t, h, d = q.shape
     kv_heads, dv = k.shape[2], v.shape[3]
-    sizes = spec.block_sizes.with_defaults(DEFAULT_BLOCK_SIZES)
+    dp, dvp = _padded_dim(d), _padded_dim(dv)
+    sizes, params = _sizes_and_params(spec, dp, dvp, q.dtype)
     bq, bk = _block(sizes.block_q, t, "block_q"), _block(sizes.block_kv, t, "block_kv")
-    tq, tk, dp, dvp = base.round_up(t, bq), base.round_up(t, bk), _padded_dim(d), _padded_dim(dv)
+    tq, tk = base.round_up(t, bq), base.round_up(t, bk)
+    backends.check_int32_offsets("flash_attention", _INT32_FIX, jax.ShapeDtypeStruct((b, max(tq, tk), h, max(dp, dvp)), q.dtype))
     group = h // kv_heads
 
     q_map = lambda i, bi, hi: (bi, i, hi, 0)  # noqa: E731
@@ -196,7 +221,7 @@ def forward(q, k, v, segment_ids, spec: base.Spec):
         ],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_compiler_params(sizes, dp),
+        compiler_params=params,
         interpret=spec.interpret,
         name="flash_attention_fwd",
     )(
@@ -216,10 +241,9 @@ def backward(residuals, d_out, spec: base.Spec):
     b, t, h, d = q.shape
     kv_heads, dv = k.shape[2], v.shape[3]
     group = h // kv_heads
-    sizes = spec.block_sizes.with_defaults(DEFAULT_BLOCK_SIZES)
     dp, dvp = _padded_dim(d), _padded_dim(dv)
+    sizes, params = _sizes_and_params(spec, dp, dvp, q.dtype)
     delta = base.row_delta(out, d_out)
-    params = _compiler_params(sizes, dp)
 
     def padded(x, seq, dim):
         return base.pad_axis(base.pad_axis(x, 1, seq), 3, dim)
@@ -227,6 +251,7 @@ def backward(residuals, d_out, spec: base.Spec):
     # dQ: grid over (query blocks, batch, query heads), like the forward pass.
     bq, bk = _block(sizes.block_q_dq, t, "block_q_dq"), _block(sizes.block_kv_dq, t, "block_kv_dq")
     tq, tk = base.round_up(t, bq), base.round_up(t, bk)
+    backends.check_int32_offsets("flash_attention", _INT32_FIX, jax.ShapeDtypeStruct((b, max(tq, tk), h, max(dp, dvp)), q.dtype))
     q_map = lambda i, bi, hi: (bi, i, hi, 0)  # noqa: E731
     kv_map = lambda i, bi, hi: (bi, 0, hi // group, 0)  # noqa: E731
     stat_map = lambda i, bi, hi: (bi, hi, i)  # noqa: E731
@@ -260,6 +285,7 @@ def backward(residuals, d_out, spec: base.Spec):
     # dK, dV: grid over (key blocks, batch, kv heads); each program reads the whole query side of its group.
     bq, bk = _block(sizes.block_q_dkv, t, "block_q_dkv"), _block(sizes.block_kv_dkv, t, "block_kv_dkv")
     tq, tk = base.round_up(t, bq), base.round_up(t, bk)
+    backends.check_int32_offsets("flash_attention", _INT32_FIX, jax.ShapeDtypeStruct((b, max(tq, tk), h, max(dp, dvp)), q.dtype))
     group_map = lambda j, bi, ki: (bi, 0, ki, 0)  # noqa: E731
     kv_map = lambda j, bi, ki: (bi, j, ki, 0)  # noqa: E731
     stat_map = lambda j, bi, ki: (bi, ki, 0)  # noqa: E731

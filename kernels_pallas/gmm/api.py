@@ -7,11 +7,17 @@ opts in (the MoE layer's ``model.moe_matmul=auto`` does, `lm.moe`). On a CPU the
 interpret mode (the default there), which is how the tests check them; ``mosaic_tpu`` then uses the
 TPU interpreter. Backward: ``dlhs`` is the forward kernel with ``rhs`` transposed in place, ``drhs``
 the ``tgmm`` kernel; no gradient flows to ``group_sizes``.
+
+`grouped_matmul` owns the MoE layer's choice (``model.moe_matmul``: ``auto``, ``ragged_dot``, ``gmm``):
+``auto`` tries the platform's `MATMUL_ORDER` (the Pallas kernel where the platform compiles one: GPU,
+TPU; ``ragged_dot`` elsewhere) and logs each reason for passing one over once.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +30,10 @@ from kernels_pallas.gmm.base import Tiling
 KERNELS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
 BACKENDS = (*KERNELS, "xla")
 
-__all__ = ["BACKENDS", "PLATFORM_BACKENDS", "Tiling", "gmm"]
+__all__ = ["BACKENDS", "MATMUL_ORDER", "PLATFORM_BACKENDS", "Tiling", "gmm", "grouped_matmul"]
+
+_log = logging.getLogger(__name__)
+_LOGGED: set[str] = set()
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -85,3 +94,46 @@ def gmm(
     if interpret:
         varying.check_interpretable("gmm", "use model.moe_matmul=ragged_dot on a CPU", lhs)
     return _pallas_gmm(lhs, rhs, group_sizes, backend, tiling or KERNELS[backend].DEFAULT_TILING, out_dtype, interpret)
+
+
+# ---------------------------------------------------------------------------------- the choice
+
+GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # (lhs, rhs, group_sizes) -> out
+
+
+def _gmm_unsupported(target: str) -> str | None:
+    if target not in PLATFORM_BACKENDS:
+        return f"the Pallas gmm kernel does not compile for {target} (interpret mode only, for tests)"
+    return None
+
+
+MATMULS: dict[str, Callable[[str], str | None]] = {"ragged_dot": lambda target: None, "gmm": _gmm_unsupported}
+# What ``auto`` tries, in order, per platform (``ragged_dot`` on one not listed); the last always serves.
+MATMUL_ORDER = {target: ("gmm", "ragged_dot") for target in PLATFORM_BACKENDS}
+
+
+def grouped_matmul(implementation: str) -> tuple[GroupedMatmul, bool]:
+    """``(matmul, is_kernel)`` for ``model.moe_matmul`` on the target platform (`kernels_pallas.backends`).
+
+    ``matmul`` has `jax.lax.ragged_dot`'s signature. ``is_kernel``: it is a Pallas call, which GSPMD
+    cannot partition, so the caller must run it per shard. Named ``gmm`` on a CPU, the kernel runs in
+    interpret mode (slow, for tests).
+    """
+    target = platform()
+    if implementation == "auto":
+        reasons = []
+        for implementation in MATMUL_ORDER.get(target, ("ragged_dot",)):
+            reason = MATMULS[implementation](target)
+            if reason is None:
+                break
+            reasons.append(reason)
+        message = "; ".join(reasons)
+        if message and message not in _LOGGED:
+            _LOGGED.add(message)
+            _log.info("model.moe_matmul=auto chose %s: %s", implementation, message)
+    if implementation == "ragged_dot":
+        return jax.lax.ragged_dot, False
+    if implementation != "gmm":
+        raise ValueError(f"unknown model.moe_matmul {implementation!r}; use one of auto, {', '.join(MATMULS)}")
+    backend = PLATFORM_BACKENDS.get(target)
+    return functools.partial(gmm, backend=backend or "triton", interpret=backend is None), True

@@ -22,14 +22,17 @@ class Tiling:
     """Tile sizes, and Triton's warps and pipeline stages per program (unused by Mosaic TPU).
 
     Triton takes powers of two >= 16; a compiled TPU kernel needs ``block_m`` a multiple of 8 and
-    ``block_k``, ``block_n`` multiples of 128 (interpret mode takes any size).
+    ``block_k``, ``block_n`` multiples of 128 (interpret mode takes any size). ``num_stages=None``
+    takes 3 for 2-byte operands and 2 for 4-byte ones, which keeps the default tiles inside an H100's
+    shared memory (`kernels_pallas.gmm.triton`; checked for sm_90a by ``experiments/check_sm90.py``).
+    8 warps: at 4, a 128 x 128 float32 accumulator spills registers.
     """
 
     block_m: int = 128
     block_k: int = 64
     block_n: int = 128
-    num_warps: int = 4
-    num_stages: int = 3
+    num_warps: int = 8
+    num_stages: int | None = None
 
 
 def cdiv(a, b: int):

@@ -10,6 +10,11 @@ which is dlhs without materialising a transposed ``rhs``.
 zeroes the rows outside the group and accumulates ``lhs_tile^T @ dout_tile``; an empty group stores
 zeros. Operands whose sizes are not multiples of the tiles are zero-padded (a copy only then), so
 partial tiles need no masked loads; ``tl.dot`` takes tiles of at least 16.
+
+Shared memory: Triton pipelines the operand tiles of the K loop (``gmm``: ``block_m x block_k`` and
+``block_k x block_n``; ``tgmm``: ``block_m x block_k`` and ``block_m x block_n``) over ``num_stages``
+buffers; `shared_bytes` bounds that from above and a tiling over an H100's 227 KiB is refused before it
+meets the GPU. Operands of ``2**31`` or more elements are refused (int32 offsets).
 """
 
 from __future__ import annotations
@@ -21,12 +26,37 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas import backends
 from kernels_pallas.attention.base import dot_nn, dot_nt, dot_tn
 from kernels_pallas.gmm.base import Tiling, cdiv, group_bounds, pad_to, work_items
 
 DEFAULT_TILING = Tiling()
+SHARED_MEMORY_LIMIT = 227 * 1024  # bytes one H100 thread block may use
+_INT32_FIX = "split the rows into calls of fewer than 2**31 elements or use model.moe_matmul=ragged_dot"
 
-__all__ = ["DEFAULT_TILING", "Tiling", "gmm", "tgmm", "work_items"]
+__all__ = ["DEFAULT_TILING", "SHARED_MEMORY_LIMIT", "Tiling", "gmm", "shared_bytes", "tgmm", "work_items"]
+
+
+def num_stages(tiling: Tiling, dtype) -> int:
+    """The tiling's pipeline stages, by operand item size where it names none (`Tiling`)."""
+    return tiling.num_stages or (3 if jnp.dtype(dtype).itemsize <= 2 else 2)
+
+
+def shared_bytes(kernel: str, tiling: Tiling, dtype) -> int:
+    """Upper bound on the shared memory of ``kernel`` (``gmm`` or ``tgmm``): its pipelined operand tiles."""
+    bm, bk, bn = tiling.block_m, tiling.block_k, tiling.block_n
+    tiles = bm * bk + (bk * bn if kernel == "gmm" else bm * bn)
+    return num_stages(tiling, dtype) * tiles * jnp.dtype(dtype).itemsize
+
+
+def _compiler_params(kernel: str, tiling: Tiling, dtype, interpret) -> plgpu.CompilerParams:
+    need = shared_bytes(kernel, tiling, dtype)
+    if not interpret and need > SHARED_MEMORY_LIMIT:
+        raise ValueError(
+            f"{kernel}: {tiling} with {jnp.dtype(dtype).name} operands needs up to {need // 1024} KiB of shared memory, over "
+            f"the {SHARED_MEMORY_LIMIT // 1024} KiB of an H100 block; lower num_stages, block_k or block_n"
+        )
+    return plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=num_stages(tiling, dtype))
 
 
 def _gmm_kernel(group_ref, tile_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, tiling: Tiling, num_k: int, transpose_rhs: bool):
@@ -69,14 +99,15 @@ def gmm(
     rhs_p = pad_to(pad_to(rhs, 2 if transpose_rhs else 1, tiling.block_k), 1 if transpose_rhs else 2, tiling.block_n)
     items = work_items(group_sizes, m, tiling.block_m)
     n_padded = n + (-n % tiling.block_n)
+    backends.check_int32_offsets("gmm", _INT32_FIX, lhs_p, rhs_p, jax.ShapeDtypeStruct((lhs_p.shape[0], n_padded), out_dtype))
     kernel = functools.partial(_gmm_kernel, tiling=tiling, num_k=lhs_p.shape[1] // tiling.block_k, transpose_rhs=transpose_rhs)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((lhs_p.shape[0], n_padded), out_dtype),
         grid=(items[0].shape[0], n_padded // tiling.block_n),
-        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+        compiler_params=_compiler_params("gmm", tiling, lhs.dtype, interpret),
         interpret=interpret,
-        name="gmm",
+        name="gmm_dlhs" if transpose_rhs else "gmm",
     )(*items, lhs_p, rhs_p)
     written = jnp.arange(m)[:, None] < jnp.sum(group_sizes)  # rows past the groups are never stored
     return jnp.where(written, out[:m, :n], 0).astype(out_dtype)
@@ -105,14 +136,16 @@ def tgmm(
     (m, k), n, num_groups = lhs.shape, dout.shape[1], group_sizes.shape[0]
     lhs_p = pad_to(pad_to(lhs, 0, tiling.block_m), 1, tiling.block_k)
     dout_p = pad_to(pad_to(dout, 0, tiling.block_m), 1, tiling.block_n)
+    out_shape = jax.ShapeDtypeStruct((num_groups, lhs_p.shape[1], dout_p.shape[1]), out_dtype)
+    backends.check_int32_offsets("tgmm", _INT32_FIX, lhs_p, dout_p, out_shape)
     starts, ends = group_bounds(group_sizes, m)
     k_tiles, n_tiles = lhs_p.shape[1] // tiling.block_k, dout_p.shape[1] // tiling.block_n
     out = pl.pallas_call(
         functools.partial(_tgmm_kernel, tiling=tiling),
-        out_shape=jax.ShapeDtypeStruct((num_groups, lhs_p.shape[1], dout_p.shape[1]), out_dtype),
+        out_shape=out_shape,
         grid=(num_groups, k_tiles, n_tiles),
         out_specs=pl.BlockSpec((None, tiling.block_k, tiling.block_n), lambda g, i, j: (g, i, j)),
-        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+        compiler_params=_compiler_params("tgmm", tiling, lhs.dtype, interpret),
         interpret=interpret,
         name="tgmm",
     )(starts, ends, lhs_p, dout_p)

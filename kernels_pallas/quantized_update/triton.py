@@ -11,7 +11,7 @@ each, strided loads), so the packed codes are never interleaved in registers.
 
 Rank-1 moments (4-bit second moments) take their new row and column maxima as inputs: `api` computes
 them first with an XLA reduction over the same fused decode-and-update, which does not store the
-moment either.
+moment either. Parameters of ``2**31`` or more elements are refused (the kernel's offsets are int32).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas import backends
 from kernels_pallas.quantized_update import base
 
 
@@ -170,6 +171,9 @@ def fused_update(
     Codes ``(B, R, ceil(C / parts))``, absmax ``(B, nR, nC)``, rows ``(B, R, 1)``, columns ``(B, 1, C)``.
     Returns the update ``(B, R, C)`` and, per moment, its new codes and (block-wise) absmax.
     """
+    backends.check_int32_offsets(
+        "quantized_update", "split the parameter into smaller arrays or use optimizer.state_kernel=xla", param, grad, *(noise or ())
+    )
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     ops = base.operands(spec, scalars, param, grad, moments, noise, small=full)
     outs = pl.pallas_call(

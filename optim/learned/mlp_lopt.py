@@ -17,6 +17,10 @@ on hidden matrices and on the readout (the LM head, or the tied embedding, which
 meta-parameters also hold offsets of the accumulator decays, ``decay = 1 - (1 - decay_0) exp(10 o)``
 (``decay_0`` = `INITIAL_DECAYS`, the reference's ``param_to_decay(decay_to_param(decay_0) + o)``).
 
+Only μLO's *optimizer* half is here: μLO also changes the model (a zero-initialised readout with a
+``1 / width`` output multiplier), which `lm/` does not implement, so the shipped ``mulo`` weights
+were meta-trained and are evaluated on standard-parametrised models (docs/benchmarks.md §10).
+
 This is ``AdafacMLPLOpt`` of google/learned_optimization (``learned_optimizers/adafac_mlp_lopt.py``),
 the reference this follows, with hidden size 32 (the reference defaults to 4) and a time embedding
 relative to ``num_steps``. Its ``update`` takes ``loss`` as the reference does and, as there, leaves it
@@ -43,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optim import labels, spec
+from optim import labels, shapes, spec
 from optim.learned import features as feat
 
 INITIAL_DECAYS = feat.Decays(momentum=(0.9, 0.99, 0.999), rms=(0.999,), adafactor=(0.9, 0.99, 0.999))
@@ -162,8 +166,14 @@ def scale_by_mlp_lopt(
             "use weights made for this version (init_meta_params, or meta-train again)"
         )
 
+    def tensor_axes(tree):
+        return [feat.tensor_axes(path, tuple(x.shape)) for path, x in jax.tree_util.tree_leaves_with_path(tree)]
+
     def init_fn(params):
-        accs = [feat.init_accumulators(p, num_momenta, num_adafactor) for p in jax.tree.leaves(params)]
+        accs = [
+            feat.init_accumulators(p, num_momenta, num_adafactor, axes)
+            for p, axes in zip(jax.tree.leaves(params), tensor_axes(params), strict=True)
+        ]
         treedef = jax.tree.structure(params)
         tree = lambda leaves: jax.tree.unflatten(treedef, list(leaves))  # noqa: E731
         return MLPLOptState(
@@ -178,6 +188,7 @@ def scale_by_mlp_lopt(
         del loss, extra_args  # per-element features only, as in the reference
         if params is None:
             raise ValueError("the learned optimizer reads the parameters: call update(grads, state, params)")
+        shapes.check_like(updates, state.nu, "lopt")
         treedef = jax.tree.structure(updates)
         grads, ps = treedef.flatten_up_to(updates), treedef.flatten_up_to(params)
         mus = [treedef.flatten_up_to(m) for m in state.mu]
@@ -187,12 +198,12 @@ def scale_by_mlp_lopt(
         rates = decays(meta_params)
         time = feat.time_features(state.count, num_steps)
         steps, accs = [], []
-        for i, (g, p) in enumerate(zip(grads, ps, strict=True)):
+        for i, (g, p, axes) in enumerate(zip(grads, ps, tensor_axes(updates), strict=True)):
             acc = feat.TensorAccumulators(
                 tuple(m[i] for m in mus), nus[i], tuple(r[i] for r in rows), tuple(c[i] for c in cols)
             )
-            acc = feat.update_accumulators(acc, g.astype(jnp.float32), rates)
-            out = apply_mlp(meta_params["mlp"], feat.features(p, g, acc, time))
+            acc = feat.update_accumulators(acc, g.astype(jnp.float32), rates, axes)
+            out = apply_mlp(meta_params["mlp"], feat.features(p, g, acc, time, axes))
             direction, magnitude = out[..., 0], out[..., 1]
             step = direction * jnp.exp(magnitude * exp_mult) * step_mult * scales[i]
             steps.append((-step).astype(g.dtype))

@@ -7,6 +7,7 @@ import pytest
 from experiments import bench_comm
 
 
+@pytest.mark.devices(4)
 def test_counts_collectives_in_loops_and_branches_of_a_compiled_program():
     mesh = jax.make_mesh((4,), ("r",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
 

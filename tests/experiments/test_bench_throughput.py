@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}  # fake CPU devices, also on a GPU box
     command = [sys.executable, "-m", "experiments.bench_throughput", *args]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
 

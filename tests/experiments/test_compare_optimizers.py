@@ -22,6 +22,7 @@ CURVES = {
     ("sgd", 0.1): [3.5, 3.0, 2.8, 2.6],
 }
 THROUGHPUT = {"adamw": 1000.0, "lion": 500.0, "sgd": 2000.0}
+BITS_PER_NAT_AND_BYTE = {"adamw": 0.5, "lion": 0.5}  # runs with a byte count report bits per byte; SGD's has none
 
 
 class FakeTrain:
@@ -46,6 +47,8 @@ class FakeTrain:
         records = [{"step": s, "loss": v, "val_loss": v} for s, v in zip(steps, vals, strict=True)]
         (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         summary = {"final_val_loss": vals[-1], "tokens_per_second": THROUGHPUT[name]}
+        if name in BITS_PER_NAT_AND_BYTE:
+            summary["final_val_bits_per_byte"] = vals[-1] * BITS_PER_NAT_AND_BYTE[name]
         (workdir / "summary.json").write_text(json.dumps(summary))
         return summary
 
@@ -83,6 +86,8 @@ def test_protocol_picks_by_final_loss_adds_seeds_and_measures_speedups(tmp_path,
     assert rows["adamw"]["seeds"] == [0, 1]
     assert rows["adamw"]["final_val_loss_mean"] == pytest.approx(2.005)
     assert rows["adamw"]["final_val_loss_std"] == pytest.approx(0.01 / 2**0.5)
+    assert rows["adamw"]["final_val_bits_per_byte_mean"] == pytest.approx(2.005 * 0.5)
+    assert rows["sgd"]["final_val_bits_per_byte_mean"] is None
     assert rows["adamw"]["speedup_tokens"]["text"] == "1.00x"
     assert rows["lion"]["speedup_tokens"]["value"] == pytest.approx(2.0)
     assert rows["lion"]["speedup_seconds"]["value"] == pytest.approx(1.0)  # twice as fast per token, half the throughput
@@ -96,7 +101,8 @@ def test_protocol_picks_by_final_loss_adds_seeds_and_measures_speedups(tmp_path,
     statuses = {run["name"]: run["status"] for run in on_disk["runs"]}
     assert len(statuses) == 8 and statuses["sgd-lr10-seed0"] == "diverged"
     table = (tmp_path / "results.md").read_text()
-    assert "| lion | lr 0.0001 | 1.8050 ± 0.0071 | 2 | 2.00x | 1.00x | 4.00 |" in table
+    assert "| lion | lr 0.0001 | 1.8050 ± 0.0071 | 0.9025 | 2 | 2.00x | 1.00x | 4.00 |" in table
+    assert "| sgd | lr 0.1 | 2.6050 ± 0.0071 | - | 2 |" in table
     assert "| sgd-lr10-seed0 | diverged |" in table and "| adamw-lr0.001-seed0 * | 2.0000 |" in table
     assert (tmp_path / "curves.png").stat().st_size > 10_000
 

@@ -19,11 +19,12 @@ def parsed(*overrides: str):
 
 
 def test_every_model_field_is_reachable_from_the_command_line():
-    defaults = model_config.ModelConfig()
+    unset = {f.name: 1 for f in dataclasses.fields(model_config.ModelConfig) if f.default is None}  # X | None keys
+    expected = dataclasses.replace(model_config.ModelConfig(), **unset)
     fields = dataclasses.fields(model_config.ModelConfig)
-    config = parsed(*(f"--config.model.{f.name}={getattr(defaults, f.name)}" for f in fields))
-    assert {f.name: config.model[f.name] for f in fields} == dataclasses.asdict(defaults)
-    assert run_spec.model_config(config) == defaults  # each key reaches the model, over the preset
+    config = parsed(*(f"--config.model.{f.name}={getattr(expected, f.name)}" for f in fields))
+    assert {f.name: config.model[f.name] for f in fields} == dataclasses.asdict(expected)
+    assert run_spec.model_config(config) == expected  # each key reaches the model, over the preset
 
 
 def test_unset_model_keys_keep_the_preset():

@@ -36,13 +36,23 @@ def test_unknown_devices_fall_back_to_the_measured_matmul_rate_and_say_so(monkey
     peak = hardware.peak_flops_per_device("bfloat16", FakeDevice("gpu", "NVIDIA GeForce RTX 9999"))
     assert peak.flops_per_second == 1.5e12
     assert "measured matmul rate" in peak.source and "'NVIDIA GeForce RTX 9999' has no datasheet peak" in peak.source
-    assert jax.local_devices()[0].platform == "cpu"
-    cpu = hardware.peak_flops_per_device("float32")
+    cpu = hardware.peak_flops_per_device("float32", FakeDevice("cpu", "cpu"))
     assert cpu.flops_per_second == 1.5e12 and "measured matmul rate (cpu device" in cpu.source
 
 
 def test_matmul_rate_is_measured_inside_a_training_loops_mesh():
-    """A fresh machine has no cached rate: the first run measures it under its own 8-device mesh."""
-    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    """A fresh machine has no cached rate: the first run measures it under its own one-device mesh."""
+    mesh = jax.make_mesh((jax.device_count(),), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
     with jax.set_mesh(mesh):
-        assert hardware.measure_matmul_flops(jax.local_devices()[0], repeats=1) > 0
+        assert hardware.measure_matmul_flops(jax.local_devices()[0], repeats=1, calls=1) > 0
+
+
+def test_matmul_rate_times_back_to_back_calls_of_random_inputs(monkeypatch):
+    """Two timer reads per sample of several calls (not per call), on inputs that are not constant."""
+    reads, placed = [], []
+    real_clock, real_put = hardware.time.perf_counter, hardware.jax.device_put
+    monkeypatch.setattr(hardware.time, "perf_counter", lambda: reads.append(1) or real_clock())
+    monkeypatch.setattr(hardware.jax, "device_put", lambda x, d: placed.append(x) or real_put(x, d))
+    assert hardware.measure_matmul_flops(jax.local_devices()[0], repeats=2, calls=3) > 0
+    assert len(reads) == 2 * 2
+    assert len(placed) == 2 and all(float(jax.numpy.std(x)) > 0.5 for x in placed)

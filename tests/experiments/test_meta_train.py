@@ -112,6 +112,7 @@ def test_meta_training_lowers_the_meta_loss_on_a_toy_family(toy_task):
     assert after < before - 0.01, (before, after)
 
 
+@pytest.mark.devices(8)
 def test_population_is_sharded_over_the_devices():
     mesh = jax.make_mesh((8,), ("population",), axis_types=(jax.sharding.AxisType.Auto,))
 

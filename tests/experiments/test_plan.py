@@ -21,6 +21,7 @@ def _config(mesh, **model):
     return config
 
 
+@pytest.mark.devices(8)
 def test_fsdp_plan_has_an_eighth_of_the_state_per_device():
     report = plan.plan(_config("fsdp:8"), 16 * plan.GiB)
     total_param_bytes = model_lib.param_counts(config_lib.from_preset("tiny")).total * 4
@@ -32,6 +33,7 @@ def test_fsdp_plan_has_an_eighth_of_the_state_per_device():
     assert replicated["params_bytes"] == total_param_bytes
 
 
+@pytest.mark.devices(8)
 def test_remat_lowers_the_activation_estimate():
     plain = plan.plan(_config("fsdp:8", n_layers=8), 16 * plan.GiB)
     remat = plan.plan(_config("fsdp:8", n_layers=8, remat="full"), 16 * plan.GiB)
@@ -47,6 +49,7 @@ def test_cli_says_when_it_does_not_fit(tmp_path):
     assert (tmp_path / "p.json").is_file()
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize(
     "preset, total, active",
     [

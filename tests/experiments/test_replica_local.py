@@ -26,6 +26,9 @@ from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib
 
+# Replicas are devices: every test here builds meshes of up to 8 (skipped on a one-GPU box).
+pytestmark = pytest.mark.devices(8)
+
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 SMALL_MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "head_dim": 16, "mlp_dim": 64}
 CROSS_REPLICA = {

@@ -7,9 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments import cli, sample, trainer
+from experiments import cli, restore, sample, trainer
 from experiments.configs import default
 from experiments.metrics_io import read_metrics
+from lm import tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def test_tiny_mla_trains(mla_run):
 
 
 def test_samples_from_the_newest_checkpoint(mla_run):
-    model_def, params, step = sample.load_params(mla_run)
+    model_def, params, step = restore.load_params(mla_run)
     assert step == 8 and model_def.config.attention_type == "mla"
     texts = sample.sample(model_def, params, "def ", num_samples=3, max_new_tokens=12, temperature=1.0, top_p=0.9)
     assert len(texts) == 3 and all(t.startswith("def ") and len(t.encode()) <= 4 + 12 * 3 for t in texts)
@@ -39,18 +40,18 @@ def test_samples_from_the_newest_checkpoint(mla_run):
 
 
 def test_loads_an_earlier_step_on_request_and_keeps_the_newer_ones(mla_run):
-    _, early, step = sample.load_params(mla_run, step=4)
-    _, late, newest = sample.load_params(mla_run)
+    _, early, step = restore.load_params(mla_run, step=4)
+    _, late, newest = restore.load_params(mla_run)
     assert (step, newest) == (4, 8)  # unlike a resumed run, the sampler deletes no checkpoint
     assert not np.allclose(early["blocks"]["attn"]["kv_down"]["kernel"], late["blocks"]["attn"]["kv_down"]["kernel"])
 
 
 def test_bad_workdir_and_settings_name_the_fix(mla_run, tmp_path):
     with pytest.raises(cli.UsageError, match="pass the --workdir of a training run"):
-        sample.load_params(tmp_path)
+        restore.load_params(tmp_path)
     with pytest.raises(cli.UsageError, match="no checkpoint at step 5"):
-        sample.load_params(mla_run, step=5)
-    model_def, params, _ = sample.load_params(mla_run)
+        restore.load_params(mla_run, step=5)
+    model_def, params, _ = restore.load_params(mla_run)
     with pytest.raises(cli.UsageError, match="exceeds model.max_seq_len"):
         sample.sample(model_def, params, "x", max_new_tokens=5000)
 
@@ -61,3 +62,16 @@ def test_the_command_line_prints_the_sample_without_library_logs(mla_run):
     assert result.returncode == 0, result.stderr
     assert result.stderr.splitlines() == [f"# {mla_run}, checkpoint step 8"]
     assert result.stdout.startswith("----- sample 0 -----\ndef ")
+
+
+def test_samples_decode_with_the_given_tokenizer(mla_run):
+    """A tokenizer other than bytes encodes the prompt and decodes the sample (here a byte-level one whose
+    vocabulary stops short of the specials, so the sample is plain UTF-8 bytes and has no separator to end at)."""
+    model_def, params, _ = restore.load_params(mla_run)
+    plain = tokenizer.Tokenizer(
+        name="plain-bytes", vocab_size=256, bos_id=None, eos_id=None, fingerprint="",
+        _encode=lambda text: list(text.encode()), _decode=lambda ids: bytes(ids).decode(errors="replace"),
+    )  # fmt: skip
+    texts = sample.sample(model_def, params, "def ", num_samples=2, max_new_tokens=8, temperature=1.0, tok=plain)
+    assert all(t.startswith("def ") for t in texts)
+    assert all(len(t.encode()) == 4 + 8 for t in texts if "\ufffd" not in t)  # no early stop without a separator

@@ -128,6 +128,7 @@ def test_loop_reads_step_metrics_one_step_late_except_where_it_evaluates_or_save
     assert late == 5, events  # steps 2, 5, 7, 10, 11 neither evaluate (3, 6, 9, 12) nor save (1: the first, 4, 8, 12)
 
 
+@pytest.mark.devices(8)
 def test_non_finite_steps_are_skipped_and_counted():
     """A corrupt batch (token ids past the vocabulary gather NaN embeddings) must not touch the state."""
     model_def = model_lib.define(config_lib.from_preset("tiny", n_layers=1))
@@ -173,6 +174,10 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     assert accumulated["final_val_loss"] == pytest.approx(one["final_val_loss"], rel=1e-5)
 
 
+# Messages that name this host's 8 fake CPU devices (a one-GPU box has one device).
+EIGHT_DEVICES = pytest.mark.devices(8)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -180,13 +185,14 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
         ({"model.preset": "huge"}, "unknown model preset 'huge'"),
         ({"model.n_heads": 3}, "multiple of model.n_kv_heads"),
         ({"data.path": "/no/such/corpus"}, "does not exist"),
-        ({"mesh": "data:3", "devices": 0}, "divisors of 8"),
-        ({"batch_size": 12, "devices": 0}, "batch_size divisible by 8"),
+        pytest.param({"mesh": "data:3", "devices": 0}, "divisors of 8", marks=EIGHT_DEVICES),
+        pytest.param({"batch_size": 12, "devices": 0}, "batch_size divisible by 8", marks=EIGHT_DEVICES),
         ({"optimizer.schedule": "step"}, "one of constant, cosine"),
-        ({"mesh": "tensor:8", "devices": 0, "rules": "tp", "model.mlp_dim": 100}, "does not split over mesh axes \\('tensor',\\)"),
-        ({"devices": 9}, "only 8 devices"),
-        ({"mesh": "data:2", "devices": 2, "replicas": "data", "optimizer.name": "diloco", "model.attention": "pallas"},
-         "model.attention=pallas runs in Pallas interpret mode .* use model.attention=xla"),
+        pytest.param({"mesh": "tensor:8", "devices": 0, "rules": "tp", "model.mlp_dim": 100},
+                     "does not split over mesh axes \\('tensor',\\)", marks=EIGHT_DEVICES),
+        pytest.param({"devices": 9}, "only 8 devices", marks=EIGHT_DEVICES),
+        pytest.param({"mesh": "data:2", "devices": 2, "replicas": "data", "optimizer.name": "diloco", "model.attention": "pallas"},
+                     "model.attention=pallas runs in Pallas interpret mode .* use model.attention=xla", marks=EIGHT_DEVICES),
     ],
 )
 def test_bad_input_is_a_usage_error_naming_the_fix(tmp_path, overrides, message):

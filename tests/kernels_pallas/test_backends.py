@@ -31,6 +31,24 @@ def test_nothing_to_run_is_an_error_naming_the_fix():
 
 
 def test_the_platform_is_the_meshs_and_only_accelerators_compile():
-    with jax.set_mesh(jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])):
+    with jax.set_mesh(jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])):
         assert backends.platform() == jax.devices()[0].platform
+        assert backends.device_kind() == jax.devices()[0].device_kind
     assert backends.compiles("gpu") and backends.compiles("tpu") and not backends.compiles("cpu")
+
+
+def test_a_host_targets_an_abstract_h100():
+    with backends.gpu_target((2,), ("data",)) as mesh:
+        assert backends.platform() == "gpu" and backends.device_kind() == "NVIDIA H100 80GB HBM3"
+        assert dict(mesh.shape) == {"data": 2}
+    assert backends.platform() == jax.default_backend()
+
+
+@pytest.mark.parametrize("shape, refused", [((2**16, 2**15), True), ((2**16, 2**15 - 1), False)])
+def test_operands_of_2_to_the_31_elements_are_refused(shape, refused):
+    x = jax.ShapeDtypeStruct(shape, "bfloat16")
+    if refused:
+        with pytest.raises(ValueError, match=r"op: an operand of shape \(65536, 32768\) has 2,147,483,648 >= 2\*\*31 elements.*; fix it"):
+            backends.check_int32_offsets("op", "fix it", x)
+    else:
+        backends.check_int32_offsets("op", "fix it", x, None)

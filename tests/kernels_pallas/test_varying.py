@@ -11,22 +11,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import varying
+from kernels_pallas import backends, varying
 from kernels_pallas.attention import flash_attention
 from kernels_pallas.gmm import api as gmm_api
 
 REPLICAS = 2
 
 
-def _per_replica(fn):
+def _per_replica(fn, mesh=None):
     """``fn`` per replica inside a type-checked `jax.shard_map` over axis ``data`` (arguments split on axis 0)."""
-    mesh = jax.make_mesh((REPLICAS,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = mesh or jax.make_mesh((REPLICAS,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=jax.P("data"), out_specs=jax.P("data"), check_vma=True)), mesh
 
 
 def _lowers_for_cuda(fn, *abstract):
-    step, mesh = _per_replica(fn)
-    with jax.set_mesh(mesh):
+    with backends.gpu_target((REPLICAS,), ("data",)) as h100s:
+        step, _ = _per_replica(fn, h100s)
         return step.trace(*abstract).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -52,6 +52,7 @@ def test_gmm_gradients_are_typed_like_their_inputs():
     assert _lowers_for_cuda(grads, *args).count("__gpu$xla.gpu.triton") == 2  # dlhs, drhs (a sum's gradient needs no forward)
 
 
+@pytest.mark.devices(REPLICAS)
 def test_interpret_mode_inside_the_replica_step_names_the_xla_path():
     q = jnp.zeros((REPLICAS, 8, 2, 16), jnp.float32)
     attention, mesh = _per_replica(lambda q: flash_attention(q, q, q, interpret=True))

@@ -1,6 +1,4 @@
-"""model.attention: every implementation trains like `xla`; auto's choice and its fallback log."""
-
-import logging
+"""model.attention: every implementation trains like `xla` (auto's choice: tests/kernels_pallas/attention/test_attention_choice.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +6,6 @@ import numpy as np
 import pytest
 
 from experiments import train_lib
-from kernels_pallas.attention import api as flash_api
 from lm import attention as attention_lib
 from lm import config as config_lib
 from lm import corpus
@@ -28,46 +25,6 @@ def _qkv(dtype=jnp.bfloat16, head_dim=64, v_head_dim=None):
     q = jnp.zeros((2, 16, 4, head_dim), dtype)
     k = jnp.zeros((2, 16, 2, head_dim), dtype)
     return q, k, jnp.zeros((2, 16, 2, v_head_dim or head_dim), dtype)
-
-
-@pytest.mark.parametrize(
-    "platform, dtype, head_dim, v_head_dim, track, chosen, reason",
-    [
-        ("cpu", jnp.bfloat16, 64, None, False, "xla", None),
-        ("tpu", jnp.float32, 64, None, True, "pallas", None),
-        ("gpu", jnp.bfloat16, 64, None, False, "cudnn", None),
-        ("gpu", jnp.float32, 64, None, False, "pallas", "bf16/fp16, not float32"),
-        ("gpu", jnp.bfloat16, 192, None, False, "pallas", "head_dim <= 128"),
-        ("gpu", jnp.bfloat16, 64, 32, False, "pallas", "equal q/v head dims"),
-        ("gpu", jnp.bfloat16, 64, None, True, "pallas", "max logits"),
-        ("rocm", jnp.bfloat16, 64, None, False, "pallas", "ROCm"),
-    ],
-)
-def test_auto_picks_per_platform_and_says_why_it_leaves_cudnn(platform, dtype, head_dim, v_head_dim, track, chosen, reason):
-    got, why = attention_lib.choose("auto", platform, *_qkv(dtype, head_dim, v_head_dim), track_max_logits=track)
-    assert got == chosen
-    assert (why is None) if reason is None else (reason in why)
-    assert attention_lib.choose("xla", platform, *_qkv(dtype, head_dim, v_head_dim), track_max_logits=track) == ("xla", None)
-
-
-@pytest.mark.parametrize("platform", ["gpu", "tpu"])
-def test_auto_keeps_xla_for_a_sharded_sequence(platform):
-    chosen, why = attention_lib.choose("auto", platform, *_qkv(), track_max_logits=False, sequence_sharded=True)
-    assert chosen == "xla" and "sequence is sharded" in why
-
-
-def test_auto_logs_each_fallback_once(monkeypatch, caplog):
-    """A GPU seen from CPU: the fp32 call falls back to Pallas (traced, not run) and says so once."""
-    monkeypatch.setattr(flash_api, "platform", lambda: "gpu")
-    monkeypatch.setattr(attention_lib, "_LOGGED", set())
-    q, k, v = _qkv(jnp.float32)
-    with caplog.at_level(logging.INFO, logger=attention_lib.__name__):
-        for _ in range(2):
-            out, _ = jax.eval_shape(lambda q, k, v: attention_lib.attend(q, k, v, implementation="auto"), q, k, v)
-    assert out.shape == q.shape
-    assert [r.getMessage() for r in caplog.records] == [
-        "model.attention=auto chose pallas: cuDNN flash attention takes bf16/fp16, not float32"
-    ]
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
@@ -100,6 +57,7 @@ def _train_losses(attention, mesh_spec, *, steps=3, batch=8, seq_len=32):
     return np.array(losses)
 
 
+@pytest.mark.devices(8)
 def test_pallas_trains_like_xla_on_a_sharded_mesh():
     """Pallas on a data x fsdp x tensor mesh under tp rules (batch and heads sharded inside the attention,
     max logits reduced over the batch shards) against XLA on one device; interpret-mode kernels on CPU.
@@ -109,6 +67,7 @@ def test_pallas_trains_like_xla_on_a_sharded_mesh():
     np.testing.assert_allclose(pallas, xla, rtol=1e-5)
 
 
+@pytest.mark.devices(8)
 def test_pallas_refuses_a_sharded_sequence():
     cfg = config_lib.from_preset("tiny", attention="pallas")
     model_def = model_lib.define(cfg)

@@ -99,3 +99,28 @@ def test_train_tokenizer_cli_on_given_text_and_bad_flags(tmp_path):
     assert empty.returncode == 2 and empty.stderr.count("\n") == 1 and "matches no files" in empty.stderr
     with pytest.raises(ValueError, match="--vocab_size=100 must be at least 257"):
         train_tokenizer.train_bpe(["text"], 100, tmp_path / "small")
+
+
+def test_a_run_finds_the_tokenizer_its_shards_were_written_with(files, tmp_path):
+    """`input_pipeline.run_tokenizer` (what `experiments.sample` decodes with): bytes for the text corpus, the
+    manifest's tokenizer for shards, refused when the file changed since the shards were written."""
+    from experiments import tokenize
+    from experiments.configs import default
+    from lm import documents, input_pipeline
+
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text(TEXT)
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    (tok_dir / "tokenizer.json").write_bytes(Path(files["hf"]).read_bytes())
+    spec = str(tok_dir / "tokenizer.json")
+    tokenize.tokenize(spec, documents.expand(str(tmp_path / "text")), tmp_path / "shards", val_fraction=0.0, shard_tokens=10_000, workers=1)
+    data = default.get_config().data
+    assert input_pipeline.run_tokenizer(data).name == "bytes"
+    data.train_files = str(tmp_path / "shards" / "train_*.bin")
+    tok = input_pipeline.run_tokenizer(data)
+    assert tok.fingerprint == tokenizer.load(files["hf"]).fingerprint and tok.decode(tok.encode(SAMPLE)) == SAMPLE
+    other = train_tokenizer.train_bpe([TEXT], 300, tmp_path / "other")  # a different, valid tokenizer at that path
+    (tok_dir / "tokenizer.json").write_bytes(Path(other).read_bytes())
+    with pytest.raises(ValueError, match="tokenizer.json is not the tokenizer the shards were written with"):
+        input_pipeline.run_tokenizer(data)

@@ -141,6 +141,7 @@ def test_mla_with_the_pallas_kernel_equals_xla():
     np.testing.assert_allclose(pallas, xla, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.devices(8)
 def test_mla_shards_under_fsdp_and_tensor_parallelism():
     cfg = _tiny(attention_type="mla", q_lora_rank=32)
     model_def = model_lib.define(cfg)

@@ -106,8 +106,13 @@ def is_matrix(path, leaf):
     return leaf.ndim >= 2 and names[-1] not in ("scale", "bias") and not set(names) & {"embed", "embedding", "lm_head"}
 
 
+def is_decayed(path, leaf):
+    """Weight decay by role: leaves of two or more axes that are not (stacked) norm scales or biases."""
+    return leaf.ndim >= 2 and str(getattr(path[-1], "key", path[-1])) not in ("scale", "bias")
+
+
 class AdamW:
-    """Loshchilov & Hutter's AdamW with bias correction; decay only on leaves of two or more axes."""
+    """Loshchilov & Hutter's AdamW with bias correction; ``update(..., wd)`` decays by ``wd``."""
 
     def __init__(self, b1=0.9, b2=0.95, eps=1e-8):
         self.b1, self.b2, self.eps = b1, b2, eps
@@ -119,7 +124,7 @@ class AdamW:
         t = self.t.get(key, 0) + 1
         self.m[key], self.v[key], self.t[key] = m, v, t
         step = (m / (1 - self.b1**t)) / (np.sqrt(v / (1 - self.b2**t)) + self.eps)
-        return -lr * (step + (wd * p if p.ndim >= 2 else 0.0))
+        return -lr * (step + wd * p)
 
 
 def model_tree(seed, *, layers=2, d=8, heads=2, kv_heads=1, head_dim=4, mlp=12, vocab=11, untied=False, scale=1.0):
@@ -173,7 +178,7 @@ def run_matrix_family(params, grads_seq, direction_fn, *, lr, adam_lr, wd, adam=
             if is_matrix(path, p):
                 new.append(p - lr * (direction_fn(i, g, p) + wd * p))
             else:
-                new.append(p + adam.update(i, g, p, adam_lr, wd))
+                new.append(p + adam.update(i, g, p, adam_lr, wd if is_decayed(path, p) else 0.0))
         tree = treedef.unflatten(new)
         if post_step is not None:
             tree = post_step(len(history), tree)

@@ -32,6 +32,7 @@ def test_stack_spec_puts_each_axis_on_the_first_dim_it_divides(shape, mesh_shape
     assert blocking.stack_spec(shape, mesh_shape) == spec
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize(
     "make", [lambda: scale_by_shampoo(block_size=8), lambda: scale_by_soap()], ids=["shampoo", "soap"]
 )
@@ -51,6 +52,7 @@ def test_state_shapes_do_not_depend_on_the_mesh_and_stacks_are_spread(make):
             assert partition.per_device_bytes([v]) * mesh.size == v.nbytes, (v.shape, v.sharding)
 
 
+@pytest.mark.devices(8)
 def test_spread_blocks_pads_to_the_device_count_and_cuts_back():
     x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 4, 4)), jnp.float32)
     seen = []
@@ -83,3 +85,28 @@ def test_matmul_precision_reaches_the_statistics_and_preconditioning_matmuls(mak
     assert "HIGH, HIGH" in block_dot_precisions("high")
     with pytest.raises(ValueError, match="matmul_precision must be one of auto, highest, high"):
         make(matmul_precision="fast")
+
+
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_map_params_maps_a_state_with_block_stacks(name):
+    """issue 34 item 10: optax.tree.map_params fails on these states; blocking.map_params is its equivalent."""
+    import optax
+
+    from optim import shampoo, soap
+
+    tx = (shampoo.shampoo if name == "shampoo" else soap.soap)(1e-3)
+    params = {"w": jnp.ones((2, 8, 12)), "scale": jnp.ones((8,))}
+    state = tx.init(params)
+    with pytest.raises(ValueError):
+        optax.tree.map_params(tx, lambda p: "param", state, transform_non_params=lambda x: "other")
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731  # the other group's leaves (optax.partition)
+    tag = lambda p, t: p if masked(p) else t  # noqa: E731
+    mapped = blocking.map_params(
+        tx, tag, state, {"w": "W", "scale": "S"}, transform_non_params=lambda x: "other", is_leaf=masked
+    )
+    leaves = jax.tree.leaves(mapped)
+    assert leaves.count("W") >= 2 and "S" in leaves and set(leaves) == {"W", "S", "other"}
+    stacks = [n for n in jax.tree.leaves(mapped, is_leaf=lambda x: isinstance(x, blocking.BlockStacks)) if isinstance(n, blocking.BlockStacks)]
+    assert stacks and all(set(s.values()) == {"other"} for s in stacks)
+    unchanged = blocking.map_params(tx, lambda p: p, state)
+    assert jax.tree.structure(unchanged) == jax.tree.structure(state)

@@ -134,6 +134,7 @@ def test_converges_on_least_squares():
     assert float(loss(params)) < 1e-4 * first
 
 
+@pytest.mark.devices(8)
 def test_sharded_state_follows_params_and_matches_unsharded():
     rng = np.random.default_rng(4)
     params = {"w": rng.normal(size=(2, 16, 8)).astype(np.float32), "b": rng.normal(size=(16,)).astype(np.float32)}

@@ -154,6 +154,7 @@ def test_registry_option_wraps_every_optimizer_inside_the_clip():
         np.testing.assert_array_equal(got[k], want[k])
 
 
+@pytest.mark.devices(8)
 def test_sharded_matches_unsharded():
     params = {"w": np.random.default_rng(5).normal(size=(4, 16, 8)).astype(np.float32), "b": np.ones(16, np.float32)}
     grads = _grads(1, params)

@@ -34,6 +34,7 @@ from experiments import train_lib
 from experiments.configs import default
 from optim import blocking, build, registry, spec
 from optim import quantization as qz
+from optim.quantize_state import QuantizedState
 from sharding import partition
 
 # Optimizers built for replicas (DeMo, DiLoCo, PowerSGD) are checked where replicas exist: their
@@ -205,6 +206,7 @@ def test_jitted_steps_are_finite_and_keep_the_state_types(name):
         assert float(jnp.max(jnp.abs(u))) > 0, jax.tree_util.keystr(path)
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("name", NAMES)
 def test_injected_on_8_fsdp_devices_matches_plain_on_1_device(name):
     """Two equivalences in one compiled program (programs are what cost): the public function under
@@ -248,6 +250,9 @@ def test_injected_on_8_fsdp_devices_matches_plain_on_1_device(name):
 
 
 def dequantized(state):
+    """``state`` with each `QuantizedState` as its inner state, quantized leaves decoded in place."""
+    is_wrapped = lambda x: isinstance(x, QuantizedState)  # noqa: E731
+    state = jax.tree.map(lambda x: x.view() if is_wrapped(x) else x, state, is_leaf=is_wrapped)
     return jax.tree.map(lambda x: qz.dequantize(x) if qz.is_quantized(x) else x, state, is_leaf=qz.is_quantized)
 
 

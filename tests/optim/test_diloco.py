@@ -15,6 +15,7 @@ def _quadratic_grad(params, target):
     return {"w": params["w"] - target}
 
 
+@pytest.mark.devices(2)
 def test_two_replica_linear_model_matches_hand_computation():
     """Inner SGD lr 0.5, H = 2, the paper's outer Nesterov (0.7, 0.9); targets a = 1 and a = 3, w0 = 0.
 
@@ -39,6 +40,7 @@ def test_two_replica_linear_model_matches_hand_computation():
     np.testing.assert_array_equal(state.count, [4, 4])
 
 
+@pytest.mark.devices(2)
 @pytest.mark.parametrize("streaming", [False, True], ids=["diloco", "streaming_p1"])
 def test_warm_start_is_data_parallel_then_rounds_from_its_end(streaming):
     """W = 2 data-parallel steps, then H = 2 (inner SGD lr 0.5, outer Nesterov 0.7 / 0.9, a = 1 and 3, w0 = 0).
@@ -85,6 +87,7 @@ def test_one_replica_h1_outer_lr1_momentum0_is_the_inner_optimizer():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.devices(2)
 def test_outer_lr1_momentum0_is_parameter_averaging_every_h_steps():
     params, grads = _random_problem()
     h, inner = 3, optax.adam(0.05)
@@ -103,6 +106,7 @@ def test_outer_lr1_momentum0_is_parameter_averaging_every_h_steps():
                 np.testing.assert_allclose(trajectory[name][w, k], ps[w][name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.devices(2)
 def test_streaming_with_one_fragment_no_overlap_no_mixing_is_diloco():
     params, grads = _random_problem(steps=4)
     kwargs = dict(sync_every=2, outer_learning_rate=0.7, outer_momentum=0.9, axis_name=AXIS)
@@ -134,6 +138,7 @@ def _streaming_reference(w0, grads, lr, h, fragments, overlap, mixing, eta, mu):
     return np.stack(out, axis=1)
 
 
+@pytest.mark.devices(2)
 def test_streaming_fragments_overlap_and_mixing_match_numpy_algorithm():
     rng = np.random.default_rng(3)
     w0 = rng.normal(size=(4, 3)).astype(np.float32)
@@ -154,6 +159,7 @@ def test_streaming_fragments_overlap_and_mixing_match_numpy_algorithm():
     np.testing.assert_allclose(gap[2, 0::2], gap[1, 0::2] + drift[0::2], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.devices(4)
 @pytest.mark.parametrize("exchange, tol", [("float32", 1e-6), ("bfloat16", 1e-2), ("int8", 3e-2), ("int4", 0.3)])
 def test_quantized_mean_is_the_fp32_mean_up_to_its_precision(exchange, tol):
     x = np.random.default_rng(0).normal(size=(4, 1, 700)).astype(np.float32)  # not a multiple of the chunking

@@ -39,7 +39,7 @@ def np_hyperball(params, grads_seq, base, *, lr, adam_lr, wd):
                     out[j] = np_project(p[j], u[j], lr)
                 new.append(out)
             else:
-                new.append(p + adam.update(i, g, p, adam_lr, wd))
+                new.append(p + adam.update(i, g, p, adam_lr, wd if ref.is_decayed(path, p) else 0.0))
         values = new
         history.append(treedef.unflatten(values))
     return history

@@ -21,6 +21,31 @@ def test_model_parameters_are_routed_by_role():
         assert len(matrices) == 7 * (1 if scan else 4)
 
 
+def test_weight_decay_follows_the_role_layer_for_layer():
+    """Scanned and unscanned MoE models get the same decay mask: kernels and embeddings decayed,
+    norm scales (stacked ``(layers, d)`` when scanned) and the router bias never."""
+    masks = {}
+    for scan in (True, False):
+        cfg = config_lib.from_preset("moe-tiny", n_layers=2, qk_norm=True, scan_layers=scan)
+        params = model_lib.define(cfg).abstract_params
+        if not scan:
+            params = dict(params, blocks=jax.tree.map(lambda *x: x[0], *params["blocks"].values()))
+        masks[scan] = _flat(labels.decay_mask(params))
+    assert masks[True] == masks[False]
+    assert masks[True]["blocks/attn_norm/scale"] is masks[True]["blocks/mlp/router/bias"] is False
+    assert masks[True]["blocks/mlp/router/kernel"] is masks[True]["embed/embedding"] is True
+
+
+def test_adamw_never_decays_a_stacked_norm_scale():
+    """issue 34 item 1's reproduction: zero gradients, so any update is weight decay."""
+    from optim import registry
+
+    tx = registry.spec_class("adamw")(learning_rate=1e-2, weight_decay=0.1).transform()
+    params = {"blocks": {"attn_norm": {"scale": jnp.ones((2, 8))}}, "final_norm": {"scale": jnp.ones((8,))}}
+    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    assert all(float(jnp.max(jnp.abs(u))) == 0.0 for u in jax.tree.leaves(updates))
+
+
 def test_shapes_alone_decide_for_anonymous_trees():
     tree = {"w": jnp.zeros((3, 4)), "v": jnp.zeros((4,)), "thin": jnp.zeros((1, 9)), "stack": jnp.zeros((2, 3, 4))}
     assert labels.matrix_labels(tree) == {"w": "matrix", "v": "adam", "thin": "adam", "stack": "matrix"}

@@ -30,7 +30,15 @@ def meta():
 
 def _params(seed=0):
     rng = np.random.default_rng(seed)
-    return {"w": rng.normal(size=(2, 6, 8)).astype(np.float32), "b": rng.normal(size=(8,)).astype(np.float32)}
+    return {
+        "w": rng.normal(size=(2, 6, 8)).astype(np.float32),  # stacked layers of wide matrices
+        "tall": rng.normal(size=(7, 5)).astype(np.float32),  # rows > cols: the factors swap sides
+        "b": rng.normal(size=(8,)).astype(np.float32),
+        "scale": rng.normal(size=(2, 8)).astype(np.float32),  # stacked norm scales: vectors by role
+    }
+
+
+VECTOR_LEAVES = ("b", "scale")
 
 
 def _grads(seed, params):
@@ -38,41 +46,54 @@ def _grads(seed, params):
     return {k: (0.1 * rng.normal(size=v.shape)).astype(np.float32) for k, v in params.items()}
 
 
+def _units(params):
+    """Each leaf's tensors, as the reference sees an unscanned model: ``(leaf, index)`` per layer slice."""
+    return [(k, idx) for k, v in params.items() for idx in np.ndindex(*v.shape[: -1 if k in VECTOR_LEAVES else -2])]
+
+
 def _reference(meta, params, grads_seq, num_steps, base_fan_in=0):
-    """The rule of arXiv:2203.11860's AdafacMLPLOpt as stated in optim/learned, in float64 NumPy."""
+    """arXiv:2203.11860's AdafacMLPLOpt (learned_optimization's ``adafac_mlp_lopt.py``) as stated in
+    optim/learned, in float64 NumPy, on every tensor separately: the layers of a stacked leaf are
+    separate tensors, and a matrix's factors average over its two axes, the row factor over the
+    longer one (the reference's ``factored_dims``: its two largest axes)."""
     m = jax.tree.map(lambda x: np.asarray(x, np.float64), meta)
     decay = {n: 1 - (1 - np.asarray(d)) * np.exp(10 * m[f"{n}_decays"]) for n, d in DECAYS._asdict().items()}
     w = {k: v.astype(np.float64) for k, v in params.items()}
-    mom = {k: [np.zeros_like(v) for _ in range(3)] for k, v in w.items()}
-    nu = {k: np.zeros_like(v) for k, v in w.items()}
-    fac = {k: [[0.0, 0.0] for _ in range(3)] for k in w}
+    units = _units(params)
+    mom = {u: [0.0] * 3 for u in units}
+    nu = dict.fromkeys(units, 0.0)
+    fac = {u: [[0.0, 0.0] for _ in range(3)] for u in units}
     for t, grads in enumerate(grads_seq):
         time = np.tanh(t / num_steps / np.asarray(feat.TIME_SCALES) - 1)
-        for k in w:
-            g, p = grads[k].astype(np.float64), w[k]
+        new = {k: v.copy() for k, v in w.items()}
+        for u in units:
+            k, idx = u
+            g, p = grads[k][idx].astype(np.float64), w[k][idx]
             for i in range(3):
-                mom[k][i] = decay["momentum"][i] * mom[k][i] + (1 - decay["momentum"][i]) * g
-            nu[k] = decay["rms"][0] * nu[k] + (1 - decay["rms"][0]) * g**2
-            f = [g, p, *mom[k], nu[k], *(mi / np.sqrt(nu[k] + 1e-6) for mi in mom[k]), 1 / np.sqrt(nu[k] + 1e-6)]
+                mom[u][i] = decay["momentum"][i] * mom[u][i] + (1 - decay["momentum"][i]) * g
+            nu[u] = decay["rms"][0] * nu[u] + (1 - decay["rms"][0]) * g**2
+            f = [g, p, *mom[u], nu[u], *(mi / np.sqrt(nu[u] + 1e-6) for mi in mom[u]), 1 / np.sqrt(nu[u] + 1e-6)]
             for j in range(3):
                 a = decay["adafactor"][j]
-                if g.ndim >= 2:
-                    r = a * fac[k][j][0] + (1 - a) * np.mean(g**2 + 1e-30, axis=-1, keepdims=True)
-                    c = a * fac[k][j][1] + (1 - a) * np.mean(g**2 + 1e-30, axis=-2, keepdims=True)
-                    fac[k][j] = [r, c]
-                    v = r * c / np.mean(r, axis=-2, keepdims=True)
+                if g.ndim == 2:
+                    d1, d0 = np.argsort(g.shape, kind="stable")  # second largest, largest
+                    r = a * fac[u][j][0] + (1 - a) * np.mean(g**2 + 1e-30, axis=d0, keepdims=True)
+                    c = a * fac[u][j][1] + (1 - a) * np.mean(g**2 + 1e-30, axis=d1, keepdims=True)
+                    fac[u][j] = [r, c]
+                    v = r * c / np.mean(r)
                     r, c = np.broadcast_to(r, g.shape), np.broadcast_to(c, g.shape)
                 else:
-                    r = c = v = a * fac[k][j][0] + (1 - a) * (g**2 + 1e-30)
-                    fac[k][j][0] = v
-                f += [g / np.sqrt(v + 1e-30), r, c, 1 / np.sqrt(r + 1e-8), 1 / np.sqrt(c + 1e-8), mom[k][j] / np.sqrt(v + 1e-30)]
+                    r = c = v = a * fac[u][j][0] + (1 - a) * (g**2 + 1e-30)
+                    fac[u][j][0] = v
+                f += [g / np.sqrt(v + 1e-30), r, c, 1 / np.sqrt(r + 1e-8), 1 / np.sqrt(c + 1e-8), mom[u][j] / np.sqrt(v + 1e-30)]
             x = np.stack([fi / np.sqrt(np.mean(fi**2) + 1e-5) for fi in f], axis=-1)
             x = np.concatenate([x, np.broadcast_to(time, (*g.shape, len(time)))], axis=-1)
             for i in range(3):
                 x = x @ m["mlp"][f"w{i}"] + m["mlp"][f"b{i}"]
                 x = np.maximum(x, 0) if i < 2 else x
-            scale = base_fan_in / p.shape[-2] if base_fan_in and k == "w" else 1.0
-            w[k] = p - x[..., 0] * np.exp(1e-3 * x[..., 1]) * 1e-3 * scale
+            scale = base_fan_in / p.shape[-2] if base_fan_in and k not in VECTOR_LEAVES else 1.0
+            new[k][idx] = p - x[..., 0] * np.exp(1e-3 * x[..., 1]) * 1e-3 * scale
+        w = new
     return w
 
 
@@ -90,6 +111,18 @@ def test_matches_the_numpy_reference(meta, base_fan_in):
     for k in want:
         np.testing.assert_allclose(p[k], want[k], rtol=0, atol=2e-6 * np.max(np.abs(want[k])))
     assert int(state.count) == 3
+
+
+def test_a_scanned_stack_steps_like_its_layers_as_separate_leaves(meta):
+    """issue 34 item 4: features normalised per layer slice, so scanned = unscanned (1-11% apart before)."""
+    params, grads = _params(), _grads(0, _params())
+    unstack = lambda t: {**{f"w{i}": t["w"][i] for i in range(2)}, **{f"s{i}": {"scale": t["scale"][i]} for i in range(2)}}  # noqa: E731
+    tx = mlp_lopt.scale_by_mlp_lopt(meta, 10)
+    stacked, _ = tx.update(grads, tx.init(params), params)
+    split, _ = tx.update(unstack(grads), tx.init(unstack(params)), unstack(params))
+    for i in range(2):
+        np.testing.assert_allclose(stacked["w"][i], split[f"w{i}"], rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(stacked["scale"][i], split[f"s{i}"]["scale"], rtol=1e-6, atol=1e-9)
 
 
 def test_weights_meta_trained_as_mulo_take_its_scaling_through_lopt(meta, tmp_path):
@@ -135,9 +168,9 @@ def test_feature_count_and_per_tensor_normalisation():
     @jax.jit
     def run(p, g1, g2):
         rates = mlp_lopt.decays(mlp_lopt.init_meta_params(jax.random.key(1)))
-        acc = feat.init_accumulators(p, 3, 3)
-        acc = feat.update_accumulators(feat.update_accumulators(acc, g1, rates), g2, rates)
-        return feat.features(p, g2, acc, feat.time_features(jnp.int32(3), 12)), acc
+        acc = feat.init_accumulators(p, 3, 3, 2)
+        acc = feat.update_accumulators(feat.update_accumulators(acc, g1, rates, 2), g2, rates, 2)
+        return feat.features(p, g2, acc, feat.time_features(jnp.int32(3), 12), 2), acc
 
     x, acc = run(p, g1, g2)
     assert x.shape == (5, 7, feat.num_features()) == (5, 7, 33)
@@ -146,7 +179,7 @@ def test_feature_count_and_per_tensor_normalisation():
     assert np.all(second_moments <= 1.0 + 1e-6) and np.all(second_moments > 0.97)  # m / (m + 1e-5), m >~ 1e-3 here
     y = rng.normal(size=(4, 3, 5)) * np.asarray([1e-4, 1e-3, 1e-2, 1.0, 1e3])  # one scale per feature
     m = np.mean(y**2, axis=(0, 1))
-    np.testing.assert_allclose(np.mean(np.square(feat.normalize(jnp.asarray(y, jnp.float32))), axis=(0, 1)), m / (m + 1e-5), rtol=1e-5)
+    np.testing.assert_allclose(np.mean(np.square(feat.normalize(jnp.asarray(y, jnp.float32), 2)), axis=(0, 1)), m / (m + 1e-5), rtol=1e-5)
     np.testing.assert_allclose(x[2, 3, n_norm:], np.tanh(3 / 12 / np.asarray(feat.TIME_SCALES) - 1), rtol=1e-6)
     # the Adafactor factors keep the tensor's rank: (rows, 1) and (1, cols)
     assert acc.row[0].shape == (5, 1) and acc.col[0].shape == (1, 7)
@@ -167,6 +200,7 @@ def test_clear_errors(meta):
         mlp_lopt.mulo(1.0, num_steps=5, weights=str(mlp_lopt.weights_path("lopt")))
 
 
+@pytest.mark.devices(8)
 def test_sharding_preserved_on_8_devices(meta):
     """FSDP x tensor: updates and parameter-shaped state keep the parameters' shardings; steps match the reference."""
     params = {"w": _params()["w"].reshape(4, 24)[:, :16], "b": _params()["b"]}

@@ -264,6 +264,7 @@ def test_works_under_inject_hyperparams_with_traced_ns_steps():
     assert set(state.hyperparams) >= {"learning_rate", "beta", "ns_steps", "weight_decay"}
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("ns_sharding", ["replicated", "owner"])  # "as_is", the default: test_common.py
 def test_sharded_on_8_devices_matches_single_device(ns_sharding):
     params = jax.tree.map(jnp.float32, ref.model_tree(4, d=16, heads=2, head_dim=8, mlp=24, scale=0.1))
@@ -272,6 +273,7 @@ def test_sharded_on_8_devices_matches_single_device(ns_sharding):
     ref.check_sharded_matches_single_device(tx, params, grads)
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize(
     "layout,ns_sharding,expected",
     [
@@ -316,6 +318,7 @@ def test_errors_name_the_fix():
         ns.newton_schulz(jnp.ones((4, 4)), steps=-1)
 
 
+@pytest.mark.devices(8)
 def test_state_of_every_family_is_sharded_like_the_tiny_model():
     """On the real `tiny` model with the fsdp rules on 8 devices, the momentum-like state of each Muon
     family optimizer takes its parameter's sharding (abstract: no compilation)."""

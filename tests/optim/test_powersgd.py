@@ -58,6 +58,7 @@ def _reference(grads, q0, rank_leaves):
     return out
 
 
+@pytest.mark.devices(2)
 def test_matches_numpy_algorithm_on_two_replicas(setup):
     """Rank 2, where the embedding (8 x 4) is compressed and the norm scales are all-reduced whole."""
     params, grads = setup
@@ -74,6 +75,7 @@ def test_matches_numpy_algorithm_on_two_replicas(setup):
             np.testing.assert_allclose(state.error[name], err, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.devices(2)
 def test_full_rank_equals_all_reduce(setup):
     """r = min(n, m): every step's estimate is the replica mean of that step's gradients."""
     params, grads = setup
@@ -98,3 +100,30 @@ def test_compressed_leaves_follow_the_byte_saving_rule():
 def test_rank_must_be_positive():
     with pytest.raises(ValueError, match="rank=0 must be >= 1"):
         powersgd.scale_by_powersgd(0)
+
+
+@pytest.mark.parametrize("shape, rank", [((3, 8), 4), ((64, 4), 8)])
+def test_rank_is_capped_at_the_smaller_side(shape, rank):
+    """issue 34 item 3: a rank above min(n, m) gives the gradient itself (full rank), not a worse estimate."""
+    g = {"w": jnp.asarray(np.random.default_rng(0).normal(size=shape), jnp.float32)}
+    tx = powersgd.scale_by_powersgd(rank, min_compression_rate=0.0)
+    state = tx.init(g)
+    assert state.q["w"].shape == (shape[1], min(shape))
+    estimate, _ = tx.update(g, state)
+    np.testing.assert_allclose(estimate["w"], g["w"], atol=1e-5)
+
+
+def test_start_iter_all_reduces_uncompressed_first(setup):
+    """PyTorch's start_powerSGD_iter: the first steps are the plain replica mean, errors stay zero,
+    and compression (rank 1: not the mean) starts after them."""
+    params, grads = setup
+    params, grads = {"w": params["w"]}, {"w": grads["w"]}
+    tx = powersgd.scale_by_powersgd(1, start_iter=2, axis_name=AXIS)
+    _, updates, state = run_replicas(tx, params, grads)
+    mean = grads["w"].mean(0)
+    np.testing.assert_allclose(updates["w"][:, :2], np.broadcast_to(mean[:2], (W, *mean[:2].shape)), rtol=1e-5, atol=1e-6)
+    assert np.abs(updates["w"][0, 2] - mean[2]).max() > 0.1
+    assert int(state.count[0]) == T
+    # the compressed step started from zero errors: it equals a fresh compressor's first step
+    _, fresh, _ = run_replicas(powersgd.scale_by_powersgd(1, axis_name=AXIS), params, {"w": grads["w"][:, 2:]})
+    np.testing.assert_allclose(updates["w"][:, 2], fresh["w"][:, 0], rtol=1e-5, atol=1e-6)

@@ -26,7 +26,7 @@ def _tree():
 def test_which_leaves_are_quantized_and_how():
     params = _tree()
     s8 = jax.eval_shape(quantize_state(optax.adamw(1e-3), 8).init, params)
-    adam = s8.inner[0]
+    adam = s8.view()[0]
     assert isinstance(s8, QuantizedState) and adam.count.dtype == jnp.int32
     for k in ("w", "norm"):
         mu, nu = adam.mu["blocks"][k], adam.nu["blocks"][k]
@@ -34,7 +34,7 @@ def test_which_leaves_are_quantized_and_how():
         assert (type(nu), nu.code, nu.codes.dtype) == (qz.BlockQuantized, "unsigned", jnp.uint8)
     assert adam.mu["embed"]["embedding"].dtype == jnp.float32 and adam.nu["small"].dtype == jnp.float32
 
-    adam4 = jax.eval_shape(quantize_state(optax.adamw(1e-3), 4).init, params).inner[0]
+    adam4 = jax.eval_shape(quantize_state(optax.adamw(1e-3), 4).init, params).view()[0]
     w_mu, w_nu, b_nu = adam4.mu["blocks"]["w"], adam4.nu["blocks"]["w"], adam4.nu["bias"]
     assert (type(w_mu), w_mu.code, w_mu.tile, w_mu.codes.shape) == (qz.BlockQuantized, "signed", (8, 16), (2, 64, 32))
     assert (type(w_nu), w_nu.code) == (qz.Rank1Quantized, "linear")
@@ -42,7 +42,7 @@ def test_which_leaves_are_quantized_and_how():
     assert (type(b_nu), b_nu.code, b_nu.absmax.shape) == (qz.BlockQuantized, "linear", (40,))  # 1-D: blocks of 128
 
     everything = quantize_state(optax.adam(1e-3), 8, mask=lambda p: jax.tree.map(lambda _: True, p))
-    forced = jax.eval_shape(everything.init, params).inner[0]
+    forced = jax.eval_shape(everything.init, params).view()[0]
     assert qz.is_quantized(forced.mu["embed"]["embedding"]) and qz.is_quantized(forced.mu["small"])
 
 
@@ -57,12 +57,12 @@ def test_step_is_dequantize_update_requantize():
         for t in range(3):
             grads = {"w": jnp.asarray(rng.normal(size=(64, 96)), jnp.float32)}
             fp32 = jax.tree.map(
-                lambda x: qz.dequantize(x) if qz.is_quantized(x) else x, state.inner, is_leaf=qz.is_quantized
+                lambda x: qz.dequantize(x) if qz.is_quantized(x) else x, state.view(), is_leaf=qz.is_quantized
             )
             want_updates, want_inner = inner.update(grads, fp32, params)
             updates, state = step(grads, state, params)
             np.testing.assert_allclose(updates["w"], want_updates["w"], rtol=1e-6, atol=1e-9)
-            mu, nu = state.inner[0].mu["w"], state.inner[0].nu["w"]
+            mu, nu = state.view()[0].mu["w"], state.view()[0].nu["w"]
             want_mu = qz.quantize_blockwise(want_inner[0].mu["w"], bits=bits, block_size=mu.tile[0] * mu.tile[1])
             if bits == 8:
                 want_nu = qz.quantize_blockwise(want_inner[0].nu["w"], bits=8, code="unsigned")
@@ -163,6 +163,7 @@ def test_state_bytes_is_exact():
     assert memory.state_bytes(q) == 40 * 35 + 5 * 5 * 4
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("bits", [8, 4])
 def test_sharded_state_is_one_eighth_per_device_and_matches_unsharded(bits):
     rng = np.random.default_rng(2)
@@ -185,7 +186,7 @@ def test_sharded_state_is_one_eighth_per_device_and_matches_unsharded(bits):
         state = jax.jit(tx.init, out_shardings=state_sh)(sp)
         updates, new_state = jax.jit(tx.update, out_shardings=(shard, state_sh))(sg, state, sp)
 
-    quantized = [x for x in jax.tree.leaves(new_state.inner, is_leaf=qz.is_quantized) if qz.is_quantized(x)]
+    quantized = [x for x in jax.tree.leaves(new_state.view(), is_leaf=qz.is_quantized) if qz.is_quantized(x)]
     assert len(quantized) == 4
     arrays = jax.tree.leaves(quantized)  # codes, absmax, rank-1 row and column maxima
     total = sum(a.nbytes for a in arrays)
@@ -200,8 +201,8 @@ def test_wraps_injected_hyperparams_and_rejects_bad_bits():
     params = {"w": jnp.ones((64, 64))}
     tx = quantize_state(optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), 8)
     updates, state = jax.jit(tx.update)({"w": jnp.ones((64, 64))}, tx.init(params), params)
-    assert float(state.inner.hyperparams["learning_rate"]) == pytest.approx(1e-3)
-    assert qz.is_quantized(state.inner.inner_state[0].mu["w"])
+    assert float(state.view().hyperparams["learning_rate"]) == pytest.approx(1e-3)
+    assert qz.is_quantized(state.view().inner_state[0].mu["w"])
     with pytest.raises(ValueError, match="bits must be 8 or 4"):
         quantize_state(optax.adam(1e-3), 3)
     config = default.get_config().optimizer
@@ -220,9 +221,9 @@ def test_kronecker_factors_stay_fp32_while_moments_are_quantized(name):
     tx = quantize_state(inner, 8)
     state = tx.init(params)
     is_stack = lambda x: isinstance(x, blocking.BlockStacks)  # noqa: E731
-    stacks = [n for n in jax.tree.leaves(state.inner, is_leaf=is_stack) if is_stack(n)]
+    stacks = [n for n in jax.tree.leaves(state.view(), is_leaf=is_stack) if is_stack(n)]
     assert stacks and all(v.dtype == jnp.float32 and v.ndim == 3 for s in stacks for v in s.values())
-    moments = [n for n in jax.tree.leaves(state.inner, is_leaf=qz.is_quantized) if qz.is_quantized(n)]
+    moments = [n for n in jax.tree.leaves(state.view(), is_leaf=qz.is_quantized) if qz.is_quantized(n)]
     assert len(moments) == 4  # momentum + graft second moment (shampoo) / mu + nu (soap), per parameter
     updates, state = jax.jit(tx.update)(jax.tree.map(lambda p: 0.1 * p, params), state, params)
     assert all(np.isfinite(u).all() for u in jax.tree.leaves(updates))

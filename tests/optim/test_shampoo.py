@@ -220,6 +220,7 @@ def test_unconverged_newton_roots_are_rejected_and_counted():
     assert all(np.all(np.isfinite(np.asarray(u))) for u in outs)
 
 
+@pytest.mark.devices(8)
 def test_sharded_statistics_are_distributed_and_results_match():
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
     params = {"a": jnp.zeros((16, 12)), "b": jnp.zeros((2, 8, 24)), "scale": jnp.zeros((8,))}

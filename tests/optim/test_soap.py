@@ -125,6 +125,7 @@ def test_stacked_layers_are_independent_matrices():
             np.testing.assert_allclose(np.asarray(got)[i], want[str(i)], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.devices(8)
 def test_sharded_statistics_are_distributed_and_results_match():
     """Square blocks, so the first gradient alone gives full-rank statistics: SOAP's initial eigenbasis
     is then unique up to signs (which cancel). With a 16x8 gradient the 16x16 statistic has rank 8,

@@ -118,6 +118,7 @@ class Trainer:
         return state, losses
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("name, keys", VARIANTS, ids=[n + "".join(f"-{k}={v}" for k, v in kw.items()) for n, kw in VARIANTS])
 def test_checkpoint_saved_on_fsdp_resumes_on_other_meshes_like_an_uninterrupted_run(tmp_path, name, keys):
     batches = np.random.default_rng(0).integers(0, 256, (STEPS, 8, 17))

@@ -12,6 +12,7 @@ from lm import model as model_lib
 from sharding import mesh as mesh_lib
 from sharding import rules as rules_lib
 
+pytestmark = pytest.mark.devices(8)
 STEPS = 2
 
 

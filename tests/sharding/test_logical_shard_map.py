@@ -31,6 +31,7 @@ def test_without_a_mesh_the_function_runs_as_is():
     np.testing.assert_array_equal(out, _per_head_sum(x)[0])
 
 
+@pytest.mark.devices(8)
 def test_each_shard_sees_its_batch_and_heads_and_whole_sequences():
     seen = []
 
@@ -50,6 +51,7 @@ def test_each_shard_sees_its_batch_and_heads_and_whole_sequences():
     assert out.sharding.spec == jax.P(("data", "fsdp"), None, "tensor")
 
 
+@pytest.mark.devices(8)
 def test_a_sharded_sequence_is_an_error_that_names_the_fix():
     x = jnp.zeros((4, 8, 4, 8))
     mesh, rules = mesh_lib.make_mesh("data:2,seq:2,tensor:2"), rules_lib.make_rules("sp")
@@ -57,6 +59,7 @@ def test_a_sharded_sequence_is_an_error_that_names_the_fix():
         jax.jit(_sharded())(x)
 
 
+@pytest.mark.devices(8)
 def test_a_dimension_that_does_not_split_is_an_error():
     x = jnp.zeros((4, 8, 4, 8))
     mesh, rules = mesh_lib.make_mesh("data:1,tensor:8"), rules_lib.make_rules("tp")

@@ -8,16 +8,19 @@ from sharding import partition
 from sharding import rules as rules_lib
 
 
+@pytest.mark.devices(8)
 def test_mesh_spec_with_fill_axis():
     mesh = mesh_lib.make_mesh("data:2,fsdp:-1")
     assert dict(mesh.shape) == {"data": 2, "fsdp": 4}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
 
+@pytest.mark.devices(8)
 def test_empty_spec_is_data_parallel_over_all_devices():
     assert dict(mesh_lib.make_mesh("").shape) == {"data": 8}
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize(
     "spec, message",
     [
@@ -89,6 +92,7 @@ def test_overrides_parse_and_validate():
         rules_lib.make_rules("zero")
 
 
+@pytest.mark.devices(8)
 def test_constrain_is_a_no_op_without_mesh_and_shards_with_one():
     x = jnp.ones((8, 4, 16))
     assert partition.constrain(x, ("batch", "seq", "embed")) is x
@@ -99,6 +103,7 @@ def test_constrain_is_a_no_op_without_mesh_and_shards_with_one():
     np.testing.assert_array_equal(y, 2 * x)
 
 
+@pytest.mark.devices(8)
 def test_state_shardings_follow_parameters():
     import optax
 

@@ -34,6 +34,7 @@ def _losses(workdir):
     return [r["loss"] for r in read_metrics(Path(workdir) / "metrics.jsonl")]
 
 
+@pytest.mark.devices(8)
 def test_checkpoint_saved_on_fsdp_restores_on_other_meshes(tmp_path):
     reference = trainer.run(_config("fsdp:8"), tmp_path / "straight")
     assert reference["steps"] == 10
@@ -84,6 +85,7 @@ def _shards(root):
     return {"data.train_files": str(root / "shards" / "train_*.bin"), "data.val_files": str(root / "shards" / "val_*.bin"), "data.bos_aligned": True}
 
 
+@pytest.mark.devices(2)
 def test_two_process_run_checkpoints_resumes_and_matches_one_process(tmp_path):
     """Stopped after step 3 and resumed by a second launch: equal to the same job on two devices of this process
     (reading llm.c shards through the Grain loader, each process its rows)."""
@@ -119,6 +121,7 @@ def _assert_same_run(multi_dir, single_dir):
 WORKER = Path(__file__).with_name("cross_replica_worker.py")
 
 
+@pytest.mark.devices(2)
 def test_two_processes_train_every_cross_replica_optimizer_like_one_process(tmp_path):
     """One replica per process, each cross-replica optimizer in turn (one launch for all of them; DiLoCo
     preempted after step 3 where replicas differ, and resumed): equal to two replicas in this process."""

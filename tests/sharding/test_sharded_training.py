@@ -16,7 +16,7 @@ from sharding import partition
 from sharding import rules as rules_lib
 
 # Runs of many steps (the `small` model, 10-step runs on 8 devices): all of XLA's passes pay for themselves.
-pytestmark = pytest.mark.xla_optimized
+pytestmark = [pytest.mark.xla_optimized, pytest.mark.devices(8)]
 
 MESHES = [
     ("data:8", "fsdp"),

@@ -9,6 +9,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.test_util import check_grads
 
+from kernels_pallas import backends
 from kernels_pallas.attention import BlockSizes, flash_attention
 
 TINY = BlockSizes(16, 16, 16, 16, 16, 16)
@@ -50,8 +51,9 @@ def _lowered_custom_calls(backend, platform, **kwargs):
 
 
 def test_triton_kernels_lower_for_cuda():
-    """Pallas -> Triton IR runs on the host; compiling that IR needs a GPU (not here)."""
-    calls = _lowered_custom_calls("triton", "cuda")
+    """Pallas -> Triton IR runs on the host for an abstract H100 (experiments/check_sm90.py compiles it)."""
+    with backends.gpu_target():
+        calls = _lowered_custom_calls(None, "cuda")  # the Triton backend chosen from the mesh's platform
     assert len([c for c in calls if "triton" in c]) == 3, calls  # forward, dQ, dK/dV
 
 
@@ -76,7 +78,7 @@ def test_tpu_block_sizes_must_fit_the_vector_tiles():
         ({"interpret": True, "block_sizes": BlockSizes(block_q=48)}, "block_q=48 must be a power of two"),
         ({"interpret": True, "segment_ids": jnp.zeros((2, 8))}, "segment_ids must be integers"),
         ({"interpret": True, "segment_ids": jnp.zeros((2, 9), jnp.int32)}, r"expected \(batch, seq\) = \(2, 8\)"),
-        ({"interpret": True, "backend": "cuda"}, "flash_attention: no backend 'cuda' for platform 'cpu'; pass backend= one of triton"),
+        ({"interpret": True, "backend": "cuda"}, f"flash_attention: no backend 'cuda' for platform '{backends.platform()}'; pass backend= one of triton"),
     ],
 )
 def test_bad_calls_say_what_to_do(kwargs, message):
@@ -96,3 +98,21 @@ def test_mixed_dtypes_are_refused():
     q = jnp.zeros((2, 8, 4, 16), jnp.bfloat16)
     with pytest.raises(ValueError, match="one dtype among float32, bfloat16, float16"):
         flash_attention(q, q.astype(jnp.float32), q, interpret=True)
+
+
+def test_triton_defaults_shrink_blocks_for_wide_rows():
+    """Rows of more than 256 bytes (bf16 head_dim 256 or MLA, fp32 head_dim 128+) spilled or overflowed
+    shared memory at the old 128 / 64 blocks when compiled for sm_90a (experiments/check_sm90.py)."""
+    from kernels_pallas.attention import triton
+
+    narrow, mla, wide = (triton.default_block_sizes(d, dv, dtype) for d, dv, dtype in [(64, 64, jnp.bfloat16), (256, 128, jnp.bfloat16), (256, 256, jnp.float32)])
+    assert (narrow.block_q, narrow.block_kv, narrow.num_warps) == (128, 64, 4)
+    assert (mla.block_q, mla.block_kv_dq, mla.block_q_dkv, mla.num_warps) == (64, 32, 32, 8)
+    assert wide.block_q == wide.block_kv_dkv == 32
+    assert triton.default_block_sizes(64, 64, jnp.float32).num_warps == 8  # 4 warps spilled in fp32
+
+
+def test_operands_past_int32_offsets_are_refused():
+    q = jax.ShapeDtypeStruct((2**13, 2048, 16, 8), jnp.bfloat16)
+    with backends.gpu_target(), pytest.raises(ValueError, match=r"flash_attention: an operand of shape .* >= 2\*\*31 elements.*model.attention=xla"):
+        jax.eval_shape(lambda q: flash_attention(q, q, q, backend="triton"), q)

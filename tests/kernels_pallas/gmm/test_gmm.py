@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels_pallas import backends
 from kernels_pallas.gmm import api, base, mosaic_tpu, reference
 
 TILING = base.Tiling(block_m=16, block_k=16, block_n=16)
@@ -21,6 +22,8 @@ INTERPRET = {
     "triton": jax.default_backend() == "cpu",
     "mosaic_tpu": jax.default_backend() != "tpu" and pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise"),
 }
+# Compiled, float32 tiles meet in TF32 (10-bit mantissa) dots; the reference runs at full precision.
+TF32_TOLERANCE = 5e-3
 
 # (m, k, n, group sizes): partial row / k / n tiles, empty groups (first, middle, last), a group inside
 # one tile, groups spanning tiles, rows past the groups; then groups aligned with whole tiles.
@@ -68,11 +71,13 @@ def test_kernels_match_ragged_dot_forward_and_backward(m, k, n, sizes, backend):
 
     kernel = lambda a, b, g: api.gmm(a, b, g, backend=backend, interpret=INTERPRET[backend], tiling=TILING)
     out, (dlhs, drhs) = jax.jit(lambda a, b: (kernel(a, b, group_sizes), jax.grad(loss(kernel), argnums=(0, 1))(a, b)))(lhs, rhs)
-    want_out = reference.gmm(lhs, rhs, group_sizes)
-    want_dlhs, want_drhs = jax.grad(loss(reference.gmm), argnums=(0, 1))(lhs, rhs)
-    np.testing.assert_allclose(out, want_out, atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(dlhs, want_dlhs, atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(drhs, want_drhs, atol=1e-4, rtol=1e-4)
+    with jax.default_matmul_precision("highest"):
+        want_out = reference.gmm(lhs, rhs, group_sizes)
+        want_dlhs, want_drhs = jax.grad(loss(reference.gmm), argnums=(0, 1))(lhs, rhs)
+    tol = 1e-4 if INTERPRET[backend] else TF32_TOLERANCE
+    np.testing.assert_allclose(out, want_out, atol=tol, rtol=tol)
+    np.testing.assert_allclose(dlhs, want_dlhs, atol=tol, rtol=tol)
+    np.testing.assert_allclose(drhs, want_drhs, atol=tol, rtol=tol)
     np.testing.assert_allclose(reference.tgmm(lhs, dout, group_sizes), want_drhs, atol=1e-4, rtol=1e-4)
     assert not np.any(np.asarray(drhs)[np.asarray(sizes) == 0])  # an empty group gets a zero gradient
 
@@ -96,7 +101,7 @@ def test_default_backend_on_cpu_is_ragged_dot_and_bad_input_names_the_fix():
 
 
 def test_forward_and_backward_lower_to_triton_for_a_gpu_on_any_host():
-    """Lowering checks what Triton-specific code may use (compiling needs a GPU, which CI lacks)."""
+    """Lowering for an abstract H100 checks what Triton-specific code may use (experiments/check_sm90.py compiles it)."""
     lhs, rhs = jax.ShapeDtypeStruct((100, 64), jnp.bfloat16), jax.ShapeDtypeStruct((4, 64, 128), jnp.bfloat16)
     group_sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
 
@@ -104,7 +109,8 @@ def test_forward_and_backward_lower_to_triton_for_a_gpu_on_any_host():
         out, pullback = jax.vjp(lambda a, b: api.gmm(a, b, g, backend="triton", interpret=False), a, b)
         return out, pullback(out)
 
-    text = jax.jit(forward_and_pullback).trace(lhs, rhs, group_sizes).lower(lowering_platforms=("cuda",)).as_text()
+    with backends.gpu_target():
+        text = jax.jit(forward_and_pullback).trace(lhs, rhs, group_sizes).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 3  # gmm, gmm with rhs transposed (dlhs), tgmm (drhs)
 
 
@@ -121,3 +127,25 @@ def test_tpu_kernels_lower_to_mosaic_on_any_host():
     text = jax.jit(forward_and_pullback).trace(lhs, rhs, group_sizes).lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") == 3  # gmm, gmm with rhs transposed (dlhs), tgmm (drhs)
     assert mosaic_tpu.DEFAULT_TILING.block_k % 128 == 0 and mosaic_tpu.DEFAULT_TILING.block_n % 128 == 0
+
+
+def test_triton_tiling_over_the_h100_shared_memory_is_refused_before_the_gpu():
+    """The old default (3 stages of 128 x 64 and 128 x 128 fp32 tiles) needed 288 KiB in tgmm; the default
+    now takes 2 stages for 4-byte operands (192 KiB), and a tiling that does not fit names the fix."""
+    from kernels_pallas.gmm import triton
+
+    assert triton.shared_bytes("tgmm", base.Tiling(num_stages=3), jnp.float32) == 288 * 1024
+    assert triton.shared_bytes("tgmm", base.Tiling(), jnp.float32) == 192 * 1024
+    assert triton.shared_bytes("tgmm", base.Tiling(), jnp.bfloat16) == 144 * 1024
+    lhs, dout = jax.ShapeDtypeStruct((256, 128), jnp.float32), jax.ShapeDtypeStruct((256, 128), jnp.float32)
+    sizes = jax.ShapeDtypeStruct((2,), jnp.int32)
+    with pytest.raises(ValueError, match="tgmm: .* needs up to 288 KiB of shared memory, .* lower num_stages, block_k or block_n"):
+        jax.eval_shape(lambda a, b, g: triton.tgmm(a, b, g, tiling=base.Tiling(num_stages=3)), lhs, dout, sizes)
+    jax.eval_shape(lambda a, b, g: triton.tgmm(a, b, g, tiling=base.Tiling(num_stages=3), interpret=True), lhs, dout, sizes)
+
+
+def test_operands_past_int32_offsets_are_refused():
+    lhs, rhs = jax.ShapeDtypeStruct((2**21, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((4, 1024, 128), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+    with pytest.raises(ValueError, match=r"gmm: an operand of shape \(2097152, 1024\) .* >= 2\*\*31 elements.*moe_matmul=ragged_dot"):
+        jax.eval_shape(lambda a, b, g: api.gmm(a, b, g, backend="triton", interpret=False), lhs, rhs, sizes)

@@ -32,7 +32,7 @@ def test_reference_is_quantize_state_bit_for_bit(name, bits, shape, stochastic):
     # in the other, which moves fp32 values by an ulp (the kernel tests allow for that).
     for _ in range(2):
         grads = {"w": jnp.asarray(rng.normal(size=shape), jnp.float32)}
-        nodes = jax.tree.leaves(state.inner, is_leaf=qz.is_quantized)
+        nodes = jax.tree.leaves(state.view(), is_leaf=qz.is_quantized)
         index = [i for i, n in enumerate(nodes) if qz.is_quantized(n)]
         layouts = [qcheck.layout(nodes[i]) for i in index]
         noise = None
@@ -44,7 +44,7 @@ def test_reference_is_quantize_state_bit_for_bit(name, bits, shape, stochastic):
             rule, params["w"], grads["w"], [qcheck.arrays(nodes[i]) for i in index], layouts, scalars, noise
         )
         updates, state = tx.update(grads, state, params)
-        nodes = jax.tree.leaves(state.inner, is_leaf=qz.is_quantized)
+        nodes = jax.tree.leaves(state.view(), is_leaf=qz.is_quantized)
         for got, node in zip(want[1], [nodes[i] for i in index], strict=True):
             for a, b in zip(got, qcheck.arrays(node), strict=True):
                 assert a.shape == b.shape and a.dtype == b.dtype

@@ -1,0 +1,333 @@
+r"""Evaluates a training run's checkpoint or a transformers checkpoint: bits per byte and multiple choice.
+
+    python -m experiments.evaluate --workdir=runs/tiny                       # the run's validation set
+    python -m experiments.evaluate --workdir=runs/tiny --text=notes.txt --tasks=hellaswag.jsonl,arc.jsonl
+    python -m experiments.evaluate --hf=exports/tiny --tasks=tests/data/eval/synthetic_choice.jsonl
+    python -m experiments.evaluate --hf=exports/bpe --val_files='data/stdlib-bpe8k/val_*.bin'
+
+Bits per byte: of the run's fixed validation set (`lm.input_pipeline`, as training reports it), of
+held-out token shards (``--val_files``; tokens per byte from their ``manifest.json``), or of a text
+file (``--text``): the file is one document, tokenized after a separator so every token is predicted
+once, in windows of ``--seq_len``:  ``bpb = sum_t -log2 p(x_t | x_<t) / utf8_bytes``.
+
+Multiple choice (``--tasks``): JSONL files, one question per line, ``{"context": str, "choices":
+[str, ...], "label": int}`` (HellaSwag / ARC converted to this shape; see the README). Each choice
+is scored by its log-likelihood after the context, ``sum_t log p(choice_t | context, choice_<t)``;
+``acc`` picks the largest sum, ``acc_norm`` the largest sum per UTF-8 byte of the choice (the
+length-normalised score). Accuracies come with their standard error ``sqrt(a (1 - a) / n)``.
+
+Sequences are scored in batches of ``--batch_size`` rows sharded over the mesh's batch axes; the
+parameters keep the run's shardings (``--mesh``, default every device data-parallel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import app, flags
+
+from experiments import cli, restore, trainer
+from lm import documents, hf, input_pipeline, shards, tokenizer
+from lm import model as model_lib
+from sharding import mesh as mesh_lib
+from sharding import partition
+from sharding import rules as rules_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Scorer:
+    """A model ready to score token rows: parameters placed on ``mesh`` by ``rules``."""
+
+    model_def: model_lib.ModelDef
+    params: model_lib.Params
+    mesh: jax.sharding.Mesh
+    rules: rules_lib.Rules
+    tokenizer: tokenizer.Tokenizer
+
+    @property
+    def batch_shards(self) -> int:
+        spec = rules_lib.logical_to_mesh_spec(("batch",), self.rules.activations, self.mesh.axis_names)
+        axes = spec[0] if spec and spec[0] else ()
+        return math.prod(self.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+    def log_likelihoods(self, rows: np.ndarray, mask: np.ndarray, batch_size: int) -> np.ndarray:
+        """``sum_t mask[r, t] log p(rows[r, t] | rows[r, :t])`` per row, for ``rows`` ``(n, T)``, in batches."""
+        n = rows.shape[0]
+        batch_size = -(-batch_size // self.batch_shards) * self.batch_shards
+        padded = -(-n // batch_size) * batch_size
+        rows = np.pad(rows, ((0, padded - n), (0, 0)))
+        mask = np.pad(mask, ((0, padded - n), (0, 0)))
+        batch = jax.NamedSharding(self.mesh, rules_lib.logical_to_mesh_spec(("batch", None), self.rules.activations, self.mesh.axis_names))
+        score = _score_fn(self.model_def, batch)
+        out = []
+        with jax.set_mesh(self.mesh), partition.use_rules(self.rules):
+            for start in range(0, padded, batch_size):
+                chunk = [jax.device_put(a[start : start + batch_size], batch) for a in (rows, mask)]
+                out.append(np.asarray(score(self.params, *chunk)))
+        return np.concatenate(out)[:n]
+
+
+def _score_fn(model_def: model_lib.ModelDef, batch: jax.NamedSharding) -> Callable:
+    def score(params, rows, mask):
+        logits = model_lib.apply(model_def, params, rows[:, :-1]).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        picked = jnp.take_along_axis(logp, rows[:, 1:, None], axis=-1)[..., 0]
+        return jnp.sum(picked * mask[:, 1:], axis=-1)
+
+    return jax.jit(score, in_shardings=(None, batch, batch))
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+def from_run(workdir: str | Path, step: int | None = None, mesh: str = "", tokenizer_spec: str = "") -> tuple[Scorer, ml_collections.ConfigDict]:
+    """A `Scorer` of the run in ``workdir`` (its tokenizer from its shards' manifest), and the run's config."""
+    spec, params, _ = restore.restore_run(workdir, step, mesh=mesh, devices=0)
+    manifest = restore.run_manifest(workdir)
+    tok = tokenizer.load(tokenizer_spec or (manifest or {}).get("tokenizer", "bytes"))
+    config = ml_collections.ConfigDict(json.loads((Path(workdir) / "config.json").read_text()))
+    return Scorer(spec.model_def, params, spec.mesh, spec.rules, tok), config
+
+
+def from_hf(directory: str | Path, mesh: str = "", tokenizer_spec: str = "") -> Scorer:
+    """A `Scorer` of a transformers checkpoint; its ``tokenizer.json`` unless ``tokenizer_spec`` names one (else bytes)."""
+    directory = Path(directory)
+    device_mesh = mesh_lib.make_mesh(mesh)
+    rules = rules_lib.make_rules("fsdp")
+    try:
+        model_def, params = model_lib.from_hf(directory, device_mesh, rules)
+    except (hf.UnsupportedArchitecture, hf.CheckpointMismatch, FileNotFoundError) as e:
+        raise cli.UsageError(str(e)) from e
+    default = str(directory / "tokenizer.json") if (directory / "tokenizer.json").is_file() else "bytes"
+    return Scorer(model_def, params, device_mesh, rules, tokenizer.load(tokenizer_spec or default))
+
+
+# ------------------------------------------------------------------------------------ bits per byte
+
+
+def text_bits_per_byte(scorer: Scorer, text: str, *, seq_len: int, batch_size: int) -> float:
+    """Bits per UTF-8 byte of ``text``, one document after a separator, scored in windows of ``seq_len``."""
+    tok = scorer.tokenizer
+    if tok.separator_id is None:
+        raise cli.UsageError(f"tokenizer {tok.name} has no separator (EOS or BOS) to open the text with")
+    stream = np.concatenate([[tok.separator_id], tok.encode(text)]).astype(np.int32)
+    n_windows = max(1, -(-(len(stream) - 1) // seq_len))
+    rows = np.zeros((n_windows, seq_len + 1), np.int32)
+    mask = np.zeros_like(rows, dtype=np.float32)
+    for w in range(n_windows):
+        piece = stream[w * seq_len : w * seq_len + seq_len + 1]
+        rows[w, : len(piece)] = piece
+        mask[w, 1 : len(piece)] = 1.0  # each window predicts its tokens after the first
+    nats = -float(np.sum(scorer.log_likelihoods(rows, mask, batch_size)))
+    return nats / math.log(2) / max(1, len(text.encode("utf-8")))
+
+
+def shards_bits_per_byte(scorer: Scorer, pattern: str, *, seq_len: int, batch_size: int, max_tokens: int = 0) -> dict:
+    """Loss and bits per byte of held-out token shards (``.bin`` / ``.npy``, `lm.shards`), in disjoint windows
+    of ``seq_len + 1`` tokens (the first ``max_tokens`` of them; 0: all). Bits per byte need the shards'
+    ``manifest.json`` (its ``val`` split's tokens per byte, as training uses; None without one)."""
+    try:
+        files = documents.expand(pattern, what="--val_files")
+        streams = [shards.read(f) for f in files]
+        for f, tokens in zip(files, streams, strict=True):
+            shards.check_vocab(tokens, f"shard {f}", scorer.model_def.config.vocab_size)
+        manifest = input_pipeline.read_manifest(files)
+    except (ValueError, FileNotFoundError) as e:
+        raise cli.UsageError(str(e)) from e
+    width = seq_len + 1
+    rows = np.concatenate([s[: len(s) // width * width].reshape(-1, width) for s in streams]).astype(np.int32)
+    if max_tokens:
+        rows = rows[: max(1, max_tokens // width)]
+    if not len(rows):
+        raise cli.UsageError(f"--val_files={pattern} holds fewer than seq_len + 1 = {width} tokens per file")
+    sums = scorer.log_likelihoods(rows, np.ones(rows.shape, np.float32), batch_size)
+    loss = -float(np.sum(sums)) / (rows.shape[0] * seq_len)
+    split = (manifest or {}).get("splits", {}).get("val")
+    bpb = loss / math.log(2) * split["tokens"] / split["bytes"] if split and split.get("bytes") else None
+    return {"shards_loss": loss, "shards_bits_per_byte": bpb, "shards_tokens": int(rows.shape[0] * seq_len)}
+
+
+def validation_bits_per_byte(scorer: Scorer, config: ml_collections.ConfigDict, batch_size: int) -> dict:
+    """Loss and bits per byte of the run's fixed validation set (as training computes them)."""
+    _, val_batches = trainer.load_data(config, scorer.model_def.config.vocab_size)
+    rows = np.concatenate(list(val_batches)).astype(np.int32)
+    sums = scorer.log_likelihoods(rows, np.ones(rows.shape, np.float32), batch_size)
+    loss = -float(np.sum(sums)) / (rows.shape[0] * (rows.shape[1] - 1))
+    return {"val_loss": loss, "val_bits_per_byte": val_batches.bits_per_byte(loss)}
+
+
+# ------------------------------------------------------------------------------------ multiple choice
+
+
+@dataclasses.dataclass(frozen=True)
+class Question:
+    context: str
+    choices: tuple[str, ...]
+    label: int
+
+
+def read_questions(path: str | Path) -> list[Question]:
+    """The questions of a JSONL task file; a malformed line is an error naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise cli.UsageError(f"task file {path} does not exist; give JSONL lines of {{context, choices, label}}")
+    questions = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            question = Question(str(record["context"]), tuple(map(str, record["choices"])), int(record["label"]))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise cli.UsageError(f"{path} line {number} is not a {{context, choices, label}} JSON object ({e})") from e
+        if len(question.choices) < 2 or not 0 <= question.label < len(question.choices):
+            raise cli.UsageError(f"{path} line {number}: needs >= 2 choices and a label in [0, {len(question.choices)})")
+        questions.append(question)
+    if not questions:
+        raise cli.UsageError(f"task file {path} holds no questions")
+    return questions
+
+
+def _standard_error(accuracy: float, n: int) -> float:
+    return math.sqrt(accuracy * (1 - accuracy) / n)
+
+
+def multiple_choice(scorer: Scorer, questions: Sequence[Question], *, batch_size: int) -> dict:
+    """``acc``, ``acc_norm`` (per UTF-8 byte of the choice), their standard errors, and ``n``.
+
+    Each (context, choice) pair is one row: separator, context tokens, choice tokens, cut from the
+    left to the model's ``max_seq_len``; only the choice's tokens are scored.
+    """
+    tok = scorer.tokenizer
+    start = [] if tok.separator_id is None else [tok.separator_id]
+    limit = scorer.model_def.config.max_seq_len + 1
+    encoded, owners = [], []
+    for q, question in enumerate(questions):
+        context = tok.encode(question.context).tolist()
+        for choice in question.choices:
+            answer = tok.encode(choice).tolist()
+            if not answer:
+                raise cli.UsageError(f"question {q} has an empty choice")
+            encoded.append(((start + context + answer)[-limit:], min(len(answer), limit - 1)))
+            owners.append(q)
+    length = max(len(row) for row, _ in encoded)
+    length = min(limit, -(-length // 16) * 16)  # few distinct shapes, few compilations
+    rows = np.zeros((len(encoded), length), np.int32)
+    mask = np.zeros(rows.shape, np.float32)
+    for r, (row, n_answer) in enumerate(encoded):
+        rows[r, : len(row)] = row
+        mask[r, len(row) - n_answer : len(row)] = 1.0
+    sums = scorer.log_likelihoods(rows, mask, batch_size)
+    owners = np.asarray(owners)
+    correct = correct_norm = 0
+    for q, question in enumerate(questions):
+        scores = sums[owners == q]
+        lengths = np.array([len(c.encode("utf-8")) for c in question.choices])
+        correct += int(np.argmax(scores) == question.label)
+        correct_norm += int(np.argmax(scores / lengths) == question.label)
+    n = len(questions)
+    acc, acc_norm = correct / n, correct_norm / n
+    return {
+        "n": n,
+        "acc": acc,
+        "acc_stderr": _standard_error(acc, n),
+        "acc_norm": acc_norm,
+        "acc_norm_stderr": _standard_error(acc_norm, n),
+    }
+
+
+# ------------------------------------------------------------------------------------ command line
+
+
+def evaluate(
+    *,
+    workdir: str = "",
+    hf_dir: str = "",
+    step: int | None = None,
+    text: str = "",
+    val_files: str = "",
+    max_tokens: int = 0,
+    tasks: Sequence[str] = (),
+    mesh: str = "",
+    tokenizer_spec: str = "",
+    seq_len: int = 0,
+    batch_size: int = 16,
+) -> dict:
+    """The results (a JSON-able dict) of every evaluation asked for; see the module docstring."""
+    if bool(workdir) == bool(hf_dir):
+        raise cli.UsageError("give exactly one of --workdir (a training run) and --hf (a transformers checkpoint)")
+    if batch_size < 1:
+        raise cli.UsageError(f"--batch_size={batch_size} must be >= 1")
+    config = None
+    if workdir:
+        scorer, config = from_run(workdir, step, mesh, tokenizer_spec)
+    else:
+        scorer = from_hf(hf_dir, mesh, tokenizer_spec)
+    seq_len = seq_len or (config.data.seq_len if config is not None else min(1024, scorer.model_def.config.max_seq_len))
+    if not 1 <= seq_len <= scorer.model_def.config.max_seq_len:
+        raise cli.UsageError(f"--seq_len={seq_len} must be in [1, the model's max_seq_len={scorer.model_def.config.max_seq_len}]")
+    results: dict = {"model": workdir or hf_dir, "tokenizer": scorer.tokenizer.name}
+    if config is not None and not text and not tasks and not val_files:
+        results |= validation_bits_per_byte(scorer, config, batch_size)
+    if text:
+        path = Path(text)
+        if not path.is_file():
+            raise cli.UsageError(f"--text={text} does not exist")
+        results["text_bits_per_byte"] = text_bits_per_byte(scorer, path.read_text(encoding="utf-8"), seq_len=seq_len, batch_size=batch_size)
+    if val_files:
+        results |= shards_bits_per_byte(scorer, val_files, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens)
+    for task in tasks:
+        results[Path(task).stem] = multiple_choice(scorer, read_questions(task), batch_size=batch_size)
+    return results
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        cli.usage_exit(f"unexpected arguments {argv[1:]}")
+    f = flags.FLAGS
+    cli.quiet_logging(f.verbose)
+    try:
+        results = evaluate(
+            workdir=f.workdir or "", hf_dir=f.hf or "", step=f.step, text=f.text or "", val_files=f.val_files or "",
+            max_tokens=f.max_tokens, tasks=[t for t in f.tasks if t],
+            mesh=f.mesh, tokenizer_spec=f.tokenizer or "", seq_len=f.seq_len, batch_size=f.batch_size,
+        )  # fmt: skip
+    except (cli.UsageError, tokenizer.TokenizerError) as e:
+        if f.verbose:
+            raise
+        cli.usage_exit(str(e))
+    text = json.dumps(results, indent=2)
+    if f.out:
+        Path(f.out).write_text(text + "\n")
+    print(text)
+    print(f"# evaluated {results['model']}", file=sys.stderr)
+
+
+def define_flags() -> None:
+    flags.DEFINE_string("workdir", None, "A training run's workdir (its config.json and checkpoints).")
+    flags.DEFINE_string("hf", None, "A transformers checkpoint folder (config.json, *.safetensors) instead of --workdir.")
+    flags.DEFINE_integer("step", None, "Checkpoint step of --workdir; default: the newest.")
+    flags.DEFINE_string("text", None, "A UTF-8 text file to report bits per byte on.")
+    flags.DEFINE_string("val_files", None, "Held-out token shards (glob, comma-separated) to report bits per byte on.")
+    flags.DEFINE_integer("max_tokens", 1 << 20, "Score at most this many tokens of --val_files; 0: all.")
+    flags.DEFINE_list("tasks", [], "Multiple-choice JSONL files ({context, choices, label} per line).")
+    flags.DEFINE_string("tokenizer", None, "Tokenizer spec (lm.tokenizer.load); default: the run's, or --hf's tokenizer.json, else bytes.")
+    flags.DEFINE_string("mesh", "", "Mesh to evaluate on (sharding.mesh.make_mesh); empty: every device data-parallel.")
+    flags.DEFINE_integer("seq_len", 0, "Window of --text scoring; 0: the run's data.seq_len (--hf: min(1024, max_seq_len)).")
+    flags.DEFINE_integer("batch_size", 16, "Rows per scoring batch (rounded up to a multiple of the batch shards).")
+    flags.DEFINE_string("out", None, "Also write the results JSON here.")
+    cli.define_verbose_flag()
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

@@ -1,0 +1,74 @@
+"""A finished run, read back from its workdir: its model and params from a checkpoint, its tokenizer.
+
+The library behind the entry points that use a trained run (`experiments.sample`, `experiments.evaluate`,
+`experiments.export_hf`): the run's ``config.json`` rebuilt by `experiments.run_spec`, its params restored
+from an orbax checkpoint onto any mesh (`experiments.checkpointing`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import ml_collections
+
+from experiments import checkpointing, cli, run_spec, train_lib
+from lm import input_pipeline, tokenizer
+from lm import model as model_lib
+from sharding import partition
+
+
+def load_params(workdir: str | Path, step: int | None = None) -> tuple[model_lib.ModelDef, model_lib.Params, int]:
+    """``(model_def, params, step)`` of checkpoint ``step`` (default: the newest) of the run in ``workdir``, on one device."""
+    spec, params, saved_step = restore_run(workdir, step)
+    return spec.model_def, params, saved_step
+
+
+def restore_run(workdir: str | Path, step: int | None = None, *, mesh: str = "", devices: int = 1):
+    """``(run_spec.RunSpec, params, step)``: the run in ``workdir`` rebuilt on ``mesh`` over ``devices``
+    (0: all), its params restored from checkpoint ``step`` (default: the newest) into the run's shardings."""
+    workdir = Path(workdir)
+    config = run_config(workdir)
+    config.mesh, config.devices = mesh, devices  # checkpoints restore onto any mesh
+    spec = run_spec.build_run(config)
+    if not (workdir / "checkpoints").is_dir():
+        raise cli.UsageError(f"{workdir} holds no checkpoints; train longer than checkpoint_every steps or pick another run")
+    mgr = checkpointing.manager(workdir, keep=config.keep_checkpoints, every=config.checkpoint_every)
+    try:
+        with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
+            target = train_lib.abstract_state(spec.model_def, spec.tx, spec.shardings)
+            restored = checkpointing.restore(mgr, target, run_spec.run_meta(config, spec.cfg), step, discard_newer=False)
+    except checkpointing.CheckpointError as e:
+        raise cli.UsageError(str(e)) from e
+    finally:
+        mgr.close()
+    if restored is None:
+        raise cli.UsageError(f"{workdir} holds no finished checkpoint; train longer than checkpoint_every steps")
+    saved_step, state, _ = restored
+    return spec, state["params"], saved_step
+
+
+def load_tokenizer(workdir: str | Path, spec: str | None = None) -> tokenizer.Tokenizer:
+    """The tokenizer ``spec`` names, else the one the run in ``workdir`` trained with (`input_pipeline.run_tokenizer`)."""
+    try:
+        if spec:
+            return tokenizer.load(spec)
+        return input_pipeline.run_tokenizer(run_config(workdir).data)
+    except ValueError as e:
+        raise cli.UsageError(f"{e} (--tokenizer=FILE)") from e
+
+
+
+
+def run_config(workdir: str | Path) -> ml_collections.ConfigDict:
+    """The resolved config the run in ``workdir`` wrote (its ``config.json``)."""
+    path = Path(workdir) / "config.json"
+    if not path.is_file():
+        raise cli.UsageError(f"{path} does not exist; pass the --workdir of a training run")
+    return ml_collections.ConfigDict(json.loads(path.read_text()))
+
+
+def run_manifest(workdir: str | Path) -> dict | None:
+    """The training shards' manifest of the run in ``workdir`` (None for the text corpus or shards without one)."""
+    return input_pipeline.train_manifest(run_config(workdir).data)

@@ -1,0 +1,285 @@
+"""Context parallelism: causal attention with the sequence split over the ``context`` mesh axis.
+
+The activation rules map logical ``seq`` onto ``context``, so each of the ``C`` context shards holds
+``S / C`` positions of every activation. Attention needs keys and values of the whole sequence; each
+mode below is a `jax.shard_map` (`sharding.partition.logical_shard_map`) over the mesh that moves them:
+
+- ``all_gather``: each device keeps its queries and all-gathers keys, values (and their positions and
+  segment ids), then attends over the whole sequence.
+- ``ring``: keys and values travel ``C - 1`` hops around the ring (`jax.lax.ppermute`). Each hop gives
+  a partial result ``(o_b, lse_b)`` over one key block, merged in float32 by the log-sum-exp rule::
+
+      lse = log(exp(lse_a) + exp(lse_b)),   o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b
+
+  Inside the call the shards are re-laid out zig-zag by two ppermutes of half a shard each way
+  (`zigzag_pairs`; device ``i`` then holds chunks ``i`` and ``2C-1-i`` of ``2C``), so every hop from
+  another device costs each device half a block (`ring_schedule`): the causal work is equal on every
+  device. The backward pass is `jax.grad` of the hop loop (the transposed ppermutes carry
+  dK/dV back around the ring); a hand-written ring backward is not here yet.
+- ``ulysses`` (DeepSpeed-Ulysses, arXiv:2309.14509): an all-to-all turns sequence-split q, k, v into
+  head-split ones over the whole sequence, `reference.attention` runs per device, and a second
+  all-to-all turns the output back. Needs the per-device head counts to divide by ``C``.
+
+Keys and values travel with their ``n_kv_heads`` (grouped-query attention is never repeated before the
+wire). Masks use global positions, and segment ids (packed documents) travel with the keys. Per shard
+the attention is the XLA math (float32 logits and statistics); the Pallas kernel per shard is not here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas.attention import reference
+from lm.config import ModelConfig
+from sharding import partition
+
+CONTEXT_AXIS = "context"
+MODES = ("all_gather", "ring", "ulysses")
+
+_Q = ("batch", "seq", "heads", "head_dim")
+_KV = ("batch", "seq", "kv_heads", "head_dim")
+
+
+def check(cfg: ModelConfig, seq_len: int, shards: int, head_shards: int) -> None:
+    """Raises a one-line ValueError naming the sizes when ``cfg`` cannot run over ``shards`` context shards.
+
+    ``head_shards``: how many ways the rules split the ``heads`` (and ``kv_heads``) axis (tensor parallelism).
+    """
+    if shards <= 1:
+        return
+    if cfg.attention not in ("auto", "xla"):
+        raise ValueError(f"model.attention={cfg.attention!r} does not run per context shard yet; use model.attention=xla or auto")
+    chunks = 2 * shards if cfg.context_parallel == "ring" else shards
+    if seq_len % chunks:
+        raise ValueError(
+            f"context_parallel={cfg.context_parallel} splits data.seq_len={seq_len} into {chunks} chunks over {shards} "
+            f"context shards; use a seq_len divisible by {chunks}"
+        )
+    kv_heads = cfg.n_heads if cfg.attention_type == "mla" else cfg.n_kv_heads
+    if cfg.context_parallel == "ulysses" and (cfg.n_heads % (shards * head_shards) or kv_heads % (shards * head_shards)):
+        raise ValueError(
+            f"context_parallel=ulysses splits {cfg.n_heads} query and {kv_heads} key/value heads over {head_shards} head "
+            f"shard(s) x {shards} context shards; use head counts divisible by {shards * head_shards} or context_parallel=ring"
+        )
+
+
+def zigzag_order(seq_len: int, shards: int) -> np.ndarray:
+    """Global positions in zig-zag layout: with ``2C`` equal chunks, shard ``i`` holds chunks ``i`` and ``2C-1-i``."""
+    if seq_len % (2 * shards):
+        raise ValueError(
+            f"context_parallel=ring lays the sequence out in 2 x {shards} chunks; seq_len={seq_len} must be a multiple of {2 * shards}"
+        )
+    chunks = np.arange(seq_len).reshape(2 * shards, -1)
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * shards - 1 - i]]) for i in range(shards)])
+
+
+def ring_schedule(shards: int) -> np.ndarray:
+    """Which (query half, key half) pairs each device computes on each ring hop, ``(C, C, 2, 2)`` bool.
+
+    On hop ``t`` device ``i`` holds the keys of device ``j = (i - t) mod C``. Hop 0 is the local causal
+    block (all four half pairs). For ``j < i`` all local queries see only the first key half (chunk
+    ``j``); for ``j > i`` only the second query half (chunk ``2C-1-i``) sees keys, and sees both halves.
+    Every other pair is entirely masked and skipped.
+    """
+    work = np.zeros((shards, shards, 2, 2), bool)
+    for i in range(shards):
+        work[i, 0] = True
+        for t in range(1, shards):
+            if (i - t) % shards < i:
+                work[i, t, :, 0] = True
+            else:
+                work[i, t, 1, :] = True
+    return work
+
+
+def zigzag_pairs(shards: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The two ppermutes (source, destination) that turn contiguous shards into the zig-zag layout.
+
+    Shard ``d`` holds half-chunks ``2d`` (slot 0) and ``2d+1`` (slot 1); zig-zag shard ``i`` needs
+    half-chunks ``i`` and ``2C-1-i``. The first list moves every slot 0 (to an even ``i`` as its first
+    half, to an odd ``i`` as its second), the second list every slot 1 (the other way round).
+    """
+    mirror = lambda i: (2 * shards - 1 - i) // 2  # noqa: E731
+    slot_0 = [(i // 2 if i % 2 == 0 else mirror(i), i) for i in range(shards)]
+    slot_1 = [(mirror(i) if i % 2 == 0 else i // 2, i) for i in range(shards)]
+    return slot_0, slot_1
+
+
+def _to_zigzag(x, axes, axis: int):
+    slot_0, slot_1 = zigzag_pairs(jax.lax.axis_size(axes))
+    first, second = _halves(x, axis)
+    a, b = jax.lax.ppermute(first, axes, slot_0), jax.lax.ppermute(second, axes, slot_1)
+    even = jax.lax.axis_index(axes) % 2 == 0
+    return jnp.where(even, jnp.concatenate([a, b], axis), jnp.concatenate([b, a], axis))
+
+
+def _from_zigzag(x, axes, axis: int):
+    slot_0, slot_1 = zigzag_pairs(jax.lax.axis_size(axes))
+    first, second = _halves(x, axis)
+    even = jax.lax.axis_index(axes) % 2 == 0
+    back = lambda y, pairs: jax.lax.ppermute(y, axes, [(d, s) for s, d in pairs])  # noqa: E731
+    return jnp.concatenate([back(jnp.where(even, first, second), slot_0), back(jnp.where(even, second, first), slot_1)], axis)
+
+
+def _block(q, k, v, q_pos, k_pos, q_seg, k_seg):
+    """Attention of ``q`` over one key block: ``(out, lse, row_max)``, out normalised, all float32.
+
+    out ``(batch, kv_heads, group, s, v_dim)``; lse and row_max ``(batch, kv_heads, group, s)``, -inf
+    for rows that see no key of the block.
+    """
+    b, s, h, d = q.shape
+    kv = k.shape[2]
+    grouped = q.reshape(b, s, kv, h // kv, d)
+    logits = jnp.einsum("bskgd,btkd->bkgst", grouped, k, preferred_element_type=jnp.float32) * d**-0.5
+    allowed = (k_pos[None, :] <= q_pos[:, None])[None]
+    if q_seg is not None:
+        allowed = allowed & (q_seg[:, :, None] == k_seg[:, None, :])
+    logits = jnp.where(allowed[:, None, None], logits, -jnp.inf)
+    row_max = jnp.max(logits, axis=-1)
+    shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    weights = jnp.exp(logits - shift[..., None])
+    total = jnp.sum(weights, axis=-1)
+    seen = total > 0
+    safe_total = jnp.where(seen, total, 1.0)
+    lse = jnp.where(seen, shift + jnp.log(safe_total), -jnp.inf)
+    out = jnp.einsum("bkgst,btkd->bkgsd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out / safe_total[..., None], lse, row_max
+
+
+def _merge(a, b):
+    """The log-sum-exp combination of two partial results ``(out, lse, row_max)``; ``a``'s lse is finite."""
+    (out_a, lse_a, max_a), (out_b, lse_b, max_b) = a, b
+    top = jax.lax.stop_gradient(jnp.maximum(lse_a, lse_b))
+    lse = top + jnp.log(jnp.exp(lse_a - top) + jnp.exp(lse_b - top))
+    out = out_a * jnp.exp(lse_a - lse)[..., None] + out_b * jnp.exp(lse_b - lse)[..., None]
+    return out, lse, jnp.maximum(max_a, max_b)
+
+
+def _halves(x, axis: int):
+    half = x.shape[axis] // 2
+    return jax.lax.slice_in_dim(x, 0, half, axis=axis), jax.lax.slice_in_dim(x, half, None, axis=axis)
+
+
+def _pad_front(result, rows: int):
+    """A partial result for the second query half, extended with 'sees nothing' rows for the first."""
+    out, lse, row_max = result
+    pad = lambda x, value: jnp.concatenate([jnp.full((*x.shape[:3], rows, *x.shape[4:]), value, x.dtype), x], axis=3)  # noqa: E731
+    return pad(out, 0.0), pad(lse, -jnp.inf), pad(row_max, -jnp.inf)
+
+
+def _all_gather(axes, q, k, v, pos, seg):
+    gather = lambda x, axis: jax.lax.all_gather(x, axes, axis=axis, tiled=True)  # noqa: E731
+    k_seg = None if seg is None else gather(seg, 1)
+    return _block(q, gather(k, 1), gather(v, 1), pos, gather(pos, 0), seg, k_seg)
+
+
+def _ring(axes, q, k, v, pos, seg):
+    shards = jax.lax.axis_size(axes)
+    first_key_half_only = jnp.asarray(ring_schedule(shards)[:, :, 0, 0])[jax.lax.axis_index(axes)]
+    first = lambda x, axis: None if x is None else _halves(x, axis)[0]  # noqa: E731
+    second = lambda x, axis: None if x is None else _halves(x, axis)[1]  # noqa: E731
+    step = [(i, (i + 1) % shards) for i in range(shards)]
+    send = lambda blocks: jax.tree.map(lambda x: jax.lax.ppermute(x, axes, step), blocks)  # noqa: E731
+
+    def partial_at(hop, blocks):
+        """The partial result over the keys that arrived on ``hop``: only the half pairs `ring_schedule` keeps."""
+        k_t, v_t, pos_t, seg_t = blocks
+
+        def all_queries_first_key_half():
+            return _block(q, first(k_t, 1), first(v_t, 1), pos, first(pos_t, 0), seg, first(seg_t, 1))
+
+        def second_query_half_all_keys():
+            partial = _block(second(q, 1), k_t, v_t, second(pos, 0), pos_t, second(seg, 1), seg_t)
+            return _pad_front(partial, q.shape[1] // 2)
+
+        return jax.lax.cond(first_key_half_only[hop], all_queries_first_key_half, second_query_half_all_keys)
+
+    def hop(t, carry):
+        result, arrived = carry
+        upcoming = send(arrived)  # independent of this hop's compute, so the transfer can overlap it
+        return _merge(result, partial_at(t, arrived)), upcoming
+
+    local = _block(q, k, v, pos, pos, seg, seg)
+    result, last = jax.lax.fori_loop(1, shards - 1, hop, (local, send((k, v, pos, seg))))
+    return _merge(result, partial_at(shards - 1, last))
+
+
+def _ulysses(axes, q, k, v, seg, *, track_max_logits: bool):
+    shards = jax.lax.axis_size(axes)
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if heads % shards or kv_heads % shards:
+        raise ValueError(
+            f"context_parallel=ulysses splits each device's {heads} query and {kv_heads} key/value heads over {shards} "
+            f"context shards; use head counts divisible by {shards} or --config.model.context_parallel=ring"
+        )
+    to_heads = lambda x: jax.lax.all_to_all(x, axes, split_axis=2, concat_axis=1, tiled=True)  # noqa: E731
+    seg = None if seg is None else jax.lax.all_gather(seg, axes, axis=1, tiled=True)
+    result = reference.attention(to_heads(q), to_heads(k), to_heads(v), segment_ids=seg, return_max_logits=track_max_logits)
+    out, max_logits = result if track_max_logits else (result, None)
+    out = jax.lax.all_to_all(out, axes, split_axis=1, concat_axis=2, tiled=True)
+    if max_logits is not None:
+        max_logits = jax.lax.all_gather(max_logits, axes, tiled=True)
+    return out, max_logits
+
+
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mode: str,
+    track_max_logits: bool = False,
+    segment_ids: jax.Array | None = None,
+):
+    """Causal attention (`reference.attention`'s contract) with the sequence split over the ``context`` axis.
+
+    Args:
+      q: ``(batch, seq, heads, head_dim)``; k, v: ``(batch, seq, kv_heads, head_dim)``, at global
+        positions ``0 .. seq-1`` (rotary embeddings already applied).
+      mode: ``all_gather``, ``ring`` or ``ulysses``.
+      track_max_logits: also return the per-head maximum unmasked logit, ``(heads,)``.
+      segment_ids: ``(batch, seq)`` int or None (packed documents).
+
+    Returns:
+      ``(out, max_logits or None)``, out ``(batch, seq, heads, v_head_dim)`` in q's dtype.
+    """
+    if mode not in MODES:
+        raise ValueError(f"model.context_parallel={mode!r} must be one of {', '.join(MODES)}")
+    reference.check_shapes(q, k, v, segment_ids)
+    seq_axes = partition.logical_mesh_axes("seq")
+    shards = int(np.prod([jax.sharding.get_abstract_mesh().shape[a] for a in seq_axes]))
+    if q.shape[1] % shards:
+        raise ValueError(f"seq_len={q.shape[1]} does not split over {shards} context shards; use a multiple of {shards}")
+    order = zigzag_order(q.shape[1], shards) if mode == "ring" else np.arange(q.shape[1])
+    reduce_axes = (*partition.logical_mesh_axes("batch"), *seq_axes)
+
+    def per_shard(q, k, v, pos, *seg):
+        seg = seg[0] if seg else None
+        if mode == "ulysses":
+            out, max_logits = _ulysses(seq_axes, q, k, v, seg, track_max_logits=track_max_logits)
+            batch_axes = partition.logical_mesh_axes("batch")
+            if max_logits is not None and batch_axes:
+                max_logits = jax.lax.pmax(max_logits, batch_axes)
+        else:
+            if mode == "ring":
+                q, k, v = (_to_zigzag(x, seq_axes, 1) for x in (q, k, v))
+                seg = None if seg is None else _to_zigzag(seg, seq_axes, 1)
+            run = _ring if mode == "ring" else _all_gather
+            out, _, row_max = run(seq_axes, q, k, v, pos, seg)
+            b, kv, group, s, dv = out.shape
+            out = out.transpose(0, 3, 1, 2, 4).reshape(b, s, kv * group, dv).astype(q.dtype)
+            if mode == "ring":
+                out = _from_zigzag(out, seq_axes, 1)
+            max_logits = None
+            if track_max_logits:
+                max_logits = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(row_max, axis=(0, 3)).reshape(-1)), reduce_axes)
+        return (out, max_logits) if track_max_logits else out
+
+    args, specs = [q, k, v, jnp.asarray(order, jnp.int32)], [_Q, _KV, _KV, ("seq",)]
+    if segment_ids is not None:
+        args, specs = [*args, segment_ids], [*specs, ("batch", "seq")]
+    out_logical = (_Q, ("heads",)) if track_max_logits else _Q
+    result = partition.logical_shard_map(per_shard, specs, out_logical)(*args)
+    return result if track_max_logits else (result, None)

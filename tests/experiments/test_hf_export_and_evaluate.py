@@ -1,0 +1,187 @@
+"""A training run exported as a transformers checkpoint, trained on from it, and evaluated.
+
+One small Qwen3-shaped run (QK-norm) on 8 CPU devices; the export, the import into a new run and
+the evaluations all read it.
+"""
+
+import functools
+import hashlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import cli, evaluate, export_hf, restore, trainer
+from experiments.configs import default
+from lm import hf, shards
+from lm import model as model_lib
+
+REPO = Path(evaluate.__file__).parents[1]
+TASK = REPO / "tests" / "data" / "eval" / "synthetic_choice.jsonl"
+MODEL = {"model.n_layers": 2, "model.d_model": 64, "model.mlp_dim": 128, "model.head_dim": 16, "model.qk_norm": True}
+
+
+def _config(**overrides):
+    config = default.get_config()
+    config.update_from_flattened_dict(
+        {"steps": 4, "batch_size": 8, "data.seq_len": 32, "eval_every": 4, "eval_batches": 2, "log_every": 1,
+         "checkpoint_every": 4, "optimizer.warmup_steps": 1, **overrides}
+    )  # fmt: skip
+    return config
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("run")
+    trainer.run(_config(**MODEL), workdir)
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def exported(run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export")
+    export_hf.export(run, out, max_shard_bytes=100_000)
+    return out
+
+
+def test_the_export_is_the_runs_model(run, exported):
+    assert json.loads((exported / hf.CONFIG).read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert (exported / hf.INDEX_FILE).is_file()
+    model_def, params, step = restore.load_params(run)
+    hf_def, hf_params = model_lib.from_hf(exported)
+    assert step == 4 and hf_def.config == model_def.config
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(hf_params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_run_starts_from_the_export(run, exported, tmp_path):
+    config = _config(**{"init_from_hf": str(exported), "optimizer.learning_rate": 0.0, "steps": 2, "checkpoint_every": 2})
+    trainer.run(config, tmp_path)
+    _, start, _ = restore.load_params(tmp_path)
+    _, trained, _ = restore.load_params(run)
+    for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(trained), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_run_that_contradicts_the_checkpoint_is_refused(exported, tmp_path):
+    with pytest.raises(cli.UsageError, match=r"model.d_model=96 \(config.json: 64\)"):
+        trainer.run(_config(**{"init_from_hf": str(exported), "model.d_model": 96}), tmp_path)
+
+
+def test_validation_bits_per_byte_match_training(run):
+    summary = json.loads((run / "summary.json").read_text())
+    results = evaluate.evaluate(workdir=str(run), batch_size=8)
+    assert math.isclose(results["val_loss"], summary["final_val_loss"], rel_tol=1e-5)
+    assert math.isclose(results["val_bits_per_byte"], summary["final_val_loss"] / math.log(2), rel_tol=1e-5)
+
+
+def _forward(model_def):
+    return jax.jit(functools.partial(model_lib.apply, model_def))
+
+
+def _one_device_log_likelihood(forward, params, tokens, n_scored, width=128):
+    """Log-likelihood of the last ``n_scored`` tokens of ``tokens``, one row on one device (right-padded to
+    ``width``, which causal attention keeps from the scored positions, so one program serves every row)."""
+    params = jax.device_put(params, jax.devices()[0])
+    padded = np.zeros(width, np.int32)
+    padded[: len(tokens)] = tokens
+    logits = forward(params, jnp.asarray(padded[None, :-1]))[0]
+    logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+    return sum(logp[t - 1, tokens[t]] for t in range(len(tokens) - n_scored, len(tokens)))
+
+
+def test_multiple_choice_equals_unbatched_scoring_of_each_choice(exported):
+    scorer = evaluate.from_hf(exported)
+    assert scorer.batch_shards == 8
+    questions = evaluate.read_questions(TASK)
+    results = evaluate.multiple_choice(scorer, questions, batch_size=5)
+    tok, sep = scorer.tokenizer, scorer.tokenizer.separator_id
+    forward = _forward(scorer.model_def)
+    correct = correct_norm = 0
+    for q in questions:
+        scores = []
+        for choice in q.choices:
+            answer = tok.encode(choice)
+            tokens = np.concatenate([[sep], tok.encode(q.context), answer]).astype(np.int32)
+            scores.append(_one_device_log_likelihood(forward, scorer.params, tokens, len(answer)))
+        scores = np.array(scores)
+        correct += int(np.argmax(scores) == q.label)
+        correct_norm += int(np.argmax(scores / [len(c.encode()) for c in q.choices]) == q.label)
+    n = len(questions)
+    assert results["n"] == n and results["acc"] == correct / n and results["acc_norm"] == correct_norm / n
+    assert results["acc_stderr"] == pytest.approx(math.sqrt(correct / n * (1 - correct / n) / n))
+
+
+def test_text_bits_per_byte_of_the_run_and_its_export_agree(run, exported, tmp_path):
+    text = tmp_path / "text.py"
+    text.write_text("def f(x):\n    return x * 2  # ünï\n" * 6)
+    ours = evaluate.evaluate(workdir=str(run), text=str(text), seq_len=24, batch_size=4)["text_bits_per_byte"]
+    theirs = evaluate.evaluate(hf_dir=str(exported), text=str(text), seq_len=24, batch_size=4)["text_bits_per_byte"]
+    scorer = evaluate.from_hf(exported)
+    stream = np.concatenate([[scorer.tokenizer.separator_id], scorer.tokenizer.encode(text.read_text())]).astype(np.int32)
+    assert len(stream) > 3 * 24  # several windows, the last one short
+    windows = [stream[start : start + 25] for start in range(0, len(stream) - 1, 24)]
+    forward = _forward(scorer.model_def)
+    nats = -sum(_one_device_log_likelihood(forward, scorer.params, w, len(w) - 1) for w in windows)
+    assert ours == pytest.approx(theirs, rel=1e-5)
+    assert ours == pytest.approx(nats / math.log(2) / len(text.read_bytes()), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [('{"context": "a", "choices": ["b"], "label": 0}', "needs >= 2 choices"), ("not json", "line 1 is not")],
+)
+def test_a_malformed_task_line_is_named(tmp_path, line, message):
+    path = tmp_path / "task.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(cli.UsageError, match=message):
+        evaluate.read_questions(path)
+
+
+def test_the_command_lines_export_and_evaluate(run, tmp_path):
+    out = tmp_path / "hf"
+    args = [sys.executable, "-m", "experiments.export_hf", f"--workdir={run}", f"--out={out}"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(out / hf.CONFIG), str(out / hf.SINGLE_FILE)]
+    args = [sys.executable, "-m", "experiments.evaluate", f"--hf={out}", f"--tasks={TASK}", "--batch_size=8"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["synthetic_choice"]["n"] == 12
+
+
+def test_the_runs_subword_tokenizer_is_copied_only_while_it_is_the_one_the_shards_were_made_with(tmp_path):
+    source = tmp_path / "bpe" / "tokenizer.json"
+    source.parent.mkdir()
+    source.write_text('{"model": "stand-in"}')
+    manifest = {"tokenizer": str(source.parent), "tokenizer_sha256": hashlib.sha256(source.read_bytes()).hexdigest()}
+    out = tmp_path / "out"
+    out.mkdir()
+    assert export_hf.copy_tokenizer(manifest, out) == out / "tokenizer.json"
+    assert (out / "tokenizer.json").read_bytes() == source.read_bytes()
+    assert export_hf.copy_tokenizer({"tokenizer": "bytes"}, out) is None
+    source.write_text('{"model": "changed since"}')
+    (out / "tokenizer.json").unlink()
+    assert export_hf.copy_tokenizer(manifest, out) is None and not (out / "tokenizer.json").exists()
+
+
+def test_bits_per_byte_of_held_out_shards(exported, tmp_path):
+    scorer = evaluate.from_hf(exported)
+    streams = [np.asarray(scorer.tokenizer.encode(f"def f{i}(x):\n    return x + {i}  # ünï\n" * 3), np.int32) for i in range(2)]
+    for i, stream in enumerate(streams):
+        shards.write(tmp_path / f"val_{i}.bin", stream)
+    manifest = {"splits": {"val": {"tokens": 300, "bytes": 200}}}  # 1.5 tokens per byte
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    results = evaluate.evaluate(hf_dir=str(exported), val_files=str(tmp_path / "val_*.bin"), seq_len=24, batch_size=4)
+    forward = _forward(scorer.model_def)
+    windows = [s[k : k + 25] for s in streams for k in range(0, len(s) - 24, 25)]
+    nats = -sum(_one_device_log_likelihood(forward, scorer.params, w, 24) for w in windows)
+    assert results["shards_tokens"] == 24 * len(windows) and len(windows) > 4
+    assert results["shards_loss"] == pytest.approx(nats / (24 * len(windows)), rel=1e-5)
+    assert results["shards_bits_per_byte"] == pytest.approx(results["shards_loss"] / math.log(2) * 1.5, rel=1e-6)

@@ -1,0 +1,155 @@
+"""Context parallelism (`lm.context_attention`): each mode equals one device; the ring's causal work is balanced."""
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import run_spec
+from experiments.cli import UsageError
+from experiments.configs import default
+from lm import config as config_lib
+from lm import context_attention
+from lm import loss as loss_lib
+from lm import model as model_lib
+from sharding import mesh as mesh_lib
+from sharding import partition
+from sharding import rules as rules_lib
+
+SEQ_LEN, BATCH = 256, 4
+MESHES = [("context:4,data:2", "fsdp"), ("context:2,fsdp:2,tensor:2", "tp")]
+SEPARATOR = 7
+
+
+def _model(mode: str):
+    """`tiny` with packed documents, reporting its attention max logits (all three are compared)."""
+    # Ulysses splits each device's heads over the context shards: tiny's 2 kv heads would not split 4 ways.
+    heads = {"n_kv_heads": 4} if mode == "ulysses" else {}
+    cfg = config_lib.from_preset("tiny", context_parallel=mode, track_attn_logits=True, document_separator=SEPARATOR, **heads)
+    return model_lib.define(cfg)
+
+
+def _tokens(model_def):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, model_def.config.vocab_size, (BATCH, SEQ_LEN + 1), dtype=np.int32)
+    tokens[:, rng.integers(1, SEQ_LEN, 12)] = SEPARATOR  # several documents per row, crossing shard boundaries
+    return tokens
+
+
+def _loss(params, model_def, tokens):
+    logits, aux = model_lib.apply(model_def, params, tokens[:, :-1], return_aux=True)
+    return loss_lib.cross_entropy(logits, tokens[:, 1:])[0], aux["attn_max_logits"]
+
+
+def loss_and_grads(model_def, spec=None, rules_name="fsdp"):
+    """``(loss, grads, attention max logits)`` of one batch: on one device, or on mesh ``spec`` under ``rules_name``."""
+    params = model_lib.init_params(model_def, 0)
+    tokens = _tokens(model_def)
+    step = jax.jit(jax.value_and_grad(lambda p, t: _loss(p, model_def, t), has_aux=True))
+    if spec is None:
+        with jax.set_mesh(mesh_lib.make_mesh("data:1", jax.devices()[:1])):
+            params = jax.device_put(params, jax.devices()[0])
+            (loss, max_logits), grads = step(params, tokens)
+        return loss, grads, max_logits
+    mesh, rules = mesh_lib.make_mesh(spec), rules_lib.make_rules(rules_name)
+    shardings = partition.named_shardings(model_def.logical_specs, mesh, rules, model_def.abstract_params)
+    with jax.set_mesh(mesh), partition.use_rules(rules):
+        (loss, max_logits), grads = step(jax.device_put(params, shardings), tokens)
+    return loss, grads, max_logits
+
+
+def _assert_same(result, expected):
+    (loss, grads, max_logits), (loss_1, grads_1, max_logits_1) = result, expected
+    np.testing.assert_allclose(loss, loss_1, rtol=1e-5)
+    np.testing.assert_allclose(max_logits, max_logits_1, rtol=1e-5)
+    for (path, g), g_1 in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_1), strict=True):
+        error = np.linalg.norm(np.asarray(g) - np.asarray(g_1)) / np.linalg.norm(np.asarray(g_1))
+        assert error < 1e-5, (jax.tree_util.keystr(path), error)
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return {mode: loss_and_grads(_model(mode)) for mode in ("all_gather", "ulysses")}
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("spec, rules_name", MESHES)
+@pytest.mark.parametrize("mode", context_attention.MODES)
+def test_mode_equals_one_device(one_device, mode, spec, rules_name):
+    expected = one_device["ulysses" if mode == "ulysses" else "all_gather"]
+    _assert_same(loss_and_grads(_model(mode), spec, rules_name), expected)
+
+
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_ring_schedule_covers_every_causal_block_with_equal_work(shards):
+    """Zig-zag ring: each device computes the same number of half-chunk blocks, and every skipped block is fully masked."""
+    half = 3
+    positions = context_attention.zigzag_order(2 * shards * half, shards).reshape(shards, 2, half)
+    schedule = context_attention.ring_schedule(shards)
+    for device in range(shards):
+        for hop in range(shards):
+            source = (device - hop) % shards
+            for q_half in range(2):
+                for k_half in range(2):
+                    sees = positions[source, k_half].min() <= positions[device, q_half].max()
+                    assert schedule[device, hop, q_half, k_half] or not sees, (device, hop, q_half, k_half)
+    work = schedule.sum(axis=(1, 2, 3))
+    assert (work == work[0]).all() and work[0] == 4 + 2 * (shards - 1)
+
+
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_contiguous_chunks_would_leave_causal_work_unequal(shards):
+    """Without the zig-zag, device i's queries see i + 1 of the C key chunks: the ring's reason to permute."""
+    chunks = np.arange(shards)
+    blocks_seen = (chunks[None, :] <= chunks[:, None]).sum(axis=1)
+    zigzag = context_attention.zigzag_order(2 * shards, shards).reshape(shards, 2)
+    zigzag_seen = (zigzag.reshape(-1)[None, None, :] <= zigzag[:, :, None]).sum(axis=(1, 2))
+    assert blocks_seen.tolist() == list(range(1, shards + 1))
+    assert (zigzag_seen == zigzag_seen[0]).all()
+
+
+def test_zigzag_order_needs_two_chunks_per_shard():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        context_attention.zigzag_order(36, 4)
+
+
+@pytest.mark.devices(8)
+def test_ulysses_names_heads_that_do_not_split():
+    model_def = model_lib.define(config_lib.from_preset("tiny", context_parallel="ulysses"))
+    mesh, rules = mesh_lib.make_mesh("context:4,data:2"), rules_lib.make_rules("fsdp")
+    tokens = np.zeros((2, 32), np.int32)
+    with jax.set_mesh(mesh), partition.use_rules(rules), pytest.raises(ValueError, match="4 query and 2 key/value heads over 4"):
+        jax.eval_shape(lambda p: model_lib.apply(model_def, p, tokens), model_def.abstract_params)
+
+
+@pytest.mark.devices(8)
+def test_pallas_under_context_is_an_error():
+    model_def = model_lib.define(config_lib.from_preset("tiny", attention="pallas"))
+    mesh, rules = mesh_lib.make_mesh("context:4,data:2"), rules_lib.make_rules("fsdp")
+    with jax.set_mesh(mesh), partition.use_rules(rules), pytest.raises(ValueError, match="model.attention='pallas'"):
+        jax.eval_shape(lambda p: model_lib.apply(model_def, p, np.zeros((2, 32), np.int32)), model_def.abstract_params)
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize(
+    "mode, seq_len, match",
+    [("ring", 36, "seq_len=36 into 8 chunks"), ("ulysses", 64, "2 key/value heads over 1 head shard")],
+)
+def test_run_spec_names_sizes_that_do_not_split(mode, seq_len, match):
+    config = default.get_config()
+    config.mesh, config.model.preset, config.model.context_parallel, config.data.seq_len = "context:4,data:2", "tiny", mode, seq_len
+    with pytest.raises(UsageError, match=match):
+        run_spec.build_run(config)
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_zigzag_relayout_by_ppermute_and_back(shards):
+    mesh = mesh_lib.make_mesh(f"context:{shards}", jax.devices()[:shards])
+    positions = np.arange(4 * shards)
+
+    def run(fn):
+        return jax.shard_map(lambda x: fn(x, "context", 0), mesh=mesh, in_specs=jax.P("context"), out_specs=jax.P("context"))
+
+    zigzag = run(context_attention._to_zigzag)(positions)
+    np.testing.assert_array_equal(zigzag, context_attention.zigzag_order(4 * shards, shards))
+    np.testing.assert_array_equal(run(context_attention._from_zigzag)(zigzag), positions)

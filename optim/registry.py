@@ -11,7 +11,6 @@ from optim import spec
 from optim.adamuon import AdaMuon
 from optim.adamw import AdamW
 from optim.came import Came
-from optim.conda import Conda
 from optim.demo import DeMo
 from optim.diloco import DiLoCo, StreamingDiLoCo
 from optim.hyperball import AdamHyperball, MuonHyperball
@@ -47,7 +46,6 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "scion": Scion,
     "muon_hyperball": MuonHyperball,
     "adam_hyperball": AdamHyperball,
-    "conda": Conda,
 }
 
 

@@ -189,9 +189,6 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
             "qk_nope_head_dim": cfg.head_dim,
             "qk_rope_head_dim": cfg.rope_head_dim,
             "v_head_dim": cfg.value_head_dim,
-            "n_routed_experts": cfg.n_experts if moe else None,
-            "n_shared_experts": (cfg.n_shared_experts or None) if moe else None,
-            "num_experts_per_tok": cfg.experts_per_token if moe else None,
             "moe_intermediate_size": cfg.expert_mlp_dim or cfg.mlp_dim,
             "first_k_dense_replace": cfg.first_dense_layers if moe else cfg.n_layers,
             "moe_layer_freq": 1,
@@ -202,6 +199,12 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
             "n_group": 1,
             "topk_group": 1,
         }
+        if moe:  # a dense model says so by first_k_dense_replace alone (transformers wants ints here)
+            out |= {
+                "n_routed_experts": cfg.n_experts,
+                "n_shared_experts": cfg.n_shared_experts or None,
+                "num_experts_per_tok": cfg.experts_per_token,
+            }
     return out
 
 
@@ -294,8 +297,8 @@ def _deepseek_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
         kv_lora_rank=_require(hf, "kv_lora_rank", where),
         q_lora_rank=hf.get("q_lora_rank") or 0,
     )
-    if not hf.get("n_routed_experts"):
-        return fields
+    if not hf.get("n_routed_experts") or hf.get("first_k_dense_replace", 0) >= hf["num_hidden_layers"]:
+        return fields  # dense: no experts, or every block before first_k_dense_replace
     problems = []
     if hf.get("scoring_func", "softmax") != "softmax":
         problems.append(f"scoring_func={hf['scoring_func']!r} (ours: softmax for DeepSeek-V2)")

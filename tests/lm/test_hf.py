@@ -178,7 +178,7 @@ def reference_logits(directory, tokens: np.ndarray) -> np.ndarray:
         h = _rms_norm(x, w[f"{p}.post_attention_layernorm.weight"], eps)
         if c["model_type"] == "mixtral":
             x = x + _mixtral_moe(h, w, f"{p}.block_sparse_moe", c)
-        elif c["model_type"] == "deepseek_v2" and c["n_routed_experts"] and i >= c["first_k_dense_replace"]:
+        elif c["model_type"] == "deepseek_v2" and i >= c["first_k_dense_replace"]:
             x = x + _softmax_top_k_moe(h, w, f"{p}.mlp", c)
         elif c["model_type"] == "qwen3_moe" and i not in c["mlp_only_layers"] and (i + 1) % c["decoder_sparse_step"] == 0:
             x = x + _softmax_top_k_moe(h, w, f"{p}.mlp", c)

@@ -21,6 +21,7 @@ from optim.muon import Muon
 from optim.muon_clip import MuonClip
 from optim.normuon import NorMuon
 from optim.powersgd import PowerSGD
+from optim.psgd_kron import PsgdKron
 from optim.scion import Scion
 from optim.sgd import SGD
 from optim.shampoo import Shampoo
@@ -46,6 +47,7 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "scion": Scion,
     "muon_hyperball": MuonHyperball,
     "adam_hyperball": AdamHyperball,
+    "psgd_kron": PsgdKron,
 }
 
 

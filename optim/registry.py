@@ -14,6 +14,7 @@ from optim.came import Came
 from optim.demo import DeMo
 from optim.diloco import DiLoCo, StreamingDiLoCo
 from optim.hyperball import AdamHyperball, MuonHyperball
+from optim.kl_shampoo import KLShampoo
 from optim.learned.mlp_lopt import LOpt
 from optim.lion import Lion
 from optim.mars_muon import MarsMuon
@@ -48,6 +49,7 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "muon_hyperball": MuonHyperball,
     "adam_hyperball": AdamHyperball,
     "psgd_kron": PsgdKron,
+    "kl_shampoo": KLShampoo,
 }
 
 

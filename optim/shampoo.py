@@ -154,6 +154,18 @@ class ShampooDirection:
     def direction(self) -> optax.GradientTransformation:
         return _scale_by_shampoo(self)
 
+    def outer_products(
+        self,
+        stack: blocking.StackLayout,
+        blocks: list[list[jax.Array] | None],
+        preconds: blocking.BlockStacks,
+        precision: jax.lax.Precision,
+    ) -> blocking.BlockStacks:
+        """This step's ``G_(k) G_(k)^T`` of every block and preconditioned dim ``k``, stacked like the
+        statistics (`optim.kl_shampoo` preconditions ``G`` first with the current roots ``preconds``)."""
+        del preconds
+        return blocking.factor_statistics(stack, blocks, precision)
+
 
 def _scale_by_shampoo(h: ShampooDirection) -> optax.GradientTransformation:
     block_size = common.static_int("block_size", h.block_size, STATIC_ARGS)
@@ -238,7 +250,7 @@ def _scale_by_shampoo(h: ShampooDirection) -> optax.GradientTransformation:
         grafts = [_graft(h.graft_type, g, nu, t, h.graft_beta2, h.graft_eps) for g, nu in zip(g32, nus, strict=True)]
 
         blocks = [None if lay is None else lay.to_blocks(g) for g, lay in zip(g32, tensors, strict=True)]
-        outer = blocking.factor_statistics(stack, blocks, precision)
+        outer = h.outer_products(stack, blocks, state.preconds, precision)
         w2 = jnp.where(h.beta2 == 1.0, 1.0, 1.0 - h.beta2)
         stats = blocking.BlockStacks(
             {k: blocking.constrain_blocks(h.beta2 * state.stats[k] + w2 * outer[k]) for k in state.stats}

@@ -11,6 +11,7 @@ from optim import spec
 from optim.adamuon import AdaMuon
 from optim.adamw import AdamW
 from optim.came import Came
+from optim.cosmos import Cosmos
 from optim.demo import DeMo
 from optim.diloco import DiLoCo, StreamingDiLoCo
 from optim.hyperball import AdamHyperball, MuonHyperball
@@ -50,6 +51,7 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "adam_hyperball": AdamHyperball,
     "psgd_kron": PsgdKron,
     "kl_shampoo": KLShampoo,
+    "cosmos": Cosmos,
 }
 
 

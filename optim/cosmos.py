@@ -27,7 +27,9 @@ group's, the hidden one ``lr_ratio`` times it, and weight decay multiplies the A
 here ``learning_rate`` is the hidden one, ``adam_lr_ratio = 1 / lr_ratio``, and decay multiplies each
 group's own rate. Newton-Schulz is `optim.newton_schulz` (the authors: Jordan's 5 steps in bf16; here
 ``ns_dtype="auto"``: fp32 on CPU, bf16 inputs with fp32 accumulation on accelerators). The rank is
-capped at ``n`` (the authors' state would not fit). State: ``mu`` like the parameter, ``basis``
+capped at ``n`` (the authors' state would not fit); at ``r = n`` the complement is empty and ``O_t = 0``
+(its value in exact arithmetic; the authors' code orthogonalises the rounding error of ``D - D P P^T``
+there, normalised to the size of a real direction). State: ``mu`` like the parameter, ``basis``
 ``(*batch, fan_in, r)``, ``gram`` ``(*batch, r, r)``, ``nu`` ``(*batch, fan_out, r)``.
 """
 
@@ -149,8 +151,12 @@ class CosmosDirection(NewtonSchulz):
             dp = _mm(d, p)
             adaptive = _mm(dp / (jnp.sqrt(v / (1 - self.b2**t)) + self.eps), _t(p))
             scale = (shape[-1] * shape[-2]) ** 0.5
-            rest = ns.newton_schulz(d - _mm(dp, _t(p)), self.ns_coeffs, self.ns_steps, eps=self.ns_eps, dtype=self.ns_dtype)
-            u = adaptive + self.gamma * scale * rest / (_frobenius(rest) + self.eps)
+            u = adaptive
+            if p.shape[-1] < g.shape[-1]:  # else the complement is empty: D - D P P^T is rounding only
+                rest = ns.newton_schulz(
+                    d - _mm(dp, _t(p)), self.ns_coeffs, self.ns_steps, eps=self.ns_eps, dtype=self.ns_dtype
+                )
+                u = u + self.gamma * scale * rest / (_frobenius(rest) + self.eps)
             u = scale * u / (_frobenius(u) + self.eps)
 
             def back(x, like):

@@ -83,3 +83,15 @@ def test_update_has_rms_1_and_the_state_shapes():
 
 def test_converges_on_matrix_regression():
     assert ref.regression_loss_ratio(cosmos(0.05, rank=4)) < 0.05
+
+
+def test_full_rank_subspace_has_no_newton_schulz_part():
+    """At rank >= fan_in the complement is empty: gamma changes nothing (the authors' code would
+    orthogonalise the rounding error of D - D P P^T there)."""
+    g = {"w": jnp.float32(np.random.default_rng(2).standard_normal((6, 10)))}
+    updates = []
+    for gamma in (0.0, 0.5):
+        tx = scale_by_cosmos(rank=8, gamma=gamma)
+        u, _ = tx.update(g, tx.init(g))
+        updates.append(np.asarray(u["w"]))
+    np.testing.assert_array_equal(updates[0], updates[1])

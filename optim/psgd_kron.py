@@ -109,6 +109,17 @@ def noise(key: jax.Array, count: jax.Array, updates: Any) -> Any:
     return treedef.unflatten(draws)
 
 
+def _one_at_a_time(fn: Callable) -> Callable:
+    """``fn`` over the leading axis by `jax.lax.map`: on CPU, jaxlib's batched LAPACK kernels (the
+    triangular solves) split a batch over XLA's intra-op pool and block on it, which deadlocks a
+    multi-device step (as `optim.matrix_roots.lapack_map` explains); one matrix per call does not."""
+
+    def mapped(*args):
+        return jax.lax.map(lambda xs: fn(*xs), args)
+
+    return mapped
+
+
 def _along(x: jax.Array, i: int, fn: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """``fn`` on the unfolding of ``x`` along dim ``i`` (rows: dim ``i``), folded back."""
     moved = jnp.moveaxis(x, i, 0)
@@ -270,7 +281,7 @@ def _scale_by_psgd_kron(h: PsgdKronDirection) -> optax.GradientTransformation:
                 flat_args.append(tuple(flat(q, q.shape[len(batch) :]) for q in arg))
             else:
                 flat_args.append(flat(arg, tensor))
-        out = jax.vmap(fn)(*flat_args)
+        out = jax.lax.platform_dependent(*flat_args, cpu=_one_at_a_time(fn), default=jax.vmap(fn))
         if isinstance(out, tuple):
             return tuple(unflat(q) for q in out)
         return unflat(out).reshape(shape)

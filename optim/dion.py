@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optim import common, spec
+from optim import common, matrix_roots, spec
 from optim.muon import check_matrices
 
 STATIC_ARGS = ("rank_fraction", "seed")
@@ -101,7 +101,7 @@ class DionDirection:
 
             def leaf(g, m, q):
                 b = m + g.astype(jnp.float32)  # W layout: B_t^T
-                p, _ = jnp.linalg.qr(jnp.swapaxes(b, -1, -2) @ q)  # (fan_out, r)
+                p, _ = matrix_roots.lapack_each(jnp.linalg.qr, jnp.swapaxes(b, -1, -2) @ q)  # (fan_out, r)
                 r = b @ p  # (fan_in, r)
                 m = b - (1 - mu_) * r @ jnp.swapaxes(p, -1, -2)
                 q = r / (jnp.linalg.norm(r, axis=-2, keepdims=True) + eps)

@@ -11,6 +11,7 @@ from optim import spec
 from optim.adamuon import AdaMuon
 from optim.adamw import AdamW
 from optim.came import Came
+from optim.conda import Conda
 from optim.demo import DeMo
 from optim.diloco import DiLoCo, StreamingDiLoCo
 from optim.hyperball import AdamHyperball, MuonHyperball
@@ -46,6 +47,7 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "scion": Scion,
     "muon_hyperball": MuonHyperball,
     "adam_hyperball": AdamHyperball,
+    "conda": Conda,
 }
 
 

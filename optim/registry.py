@@ -14,6 +14,7 @@ from optim.came import Came
 from optim.conda import Conda
 from optim.demo import DeMo
 from optim.diloco import DiLoCo, StreamingDiLoCo
+from optim.dion import Dion
 from optim.hyperball import AdamHyperball, MuonHyperball
 from optim.learned.mlp_lopt import LOpt
 from optim.lion import Lion
@@ -48,6 +49,7 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "muon_hyperball": MuonHyperball,
     "adam_hyperball": AdamHyperball,
     "conda": Conda,
+    "dion": Dion,
 }
 
 

@@ -15,6 +15,7 @@ from optim.conda import Conda
 from optim.demo import DeMo
 from optim.diloco import DiLoCo, StreamingDiLoCo
 from optim.dion import Dion
+from optim.dion2 import Dion2
 from optim.hyperball import AdamHyperball, MuonHyperball
 from optim.learned.mlp_lopt import LOpt
 from optim.lion import Lion
@@ -50,6 +51,7 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "adam_hyperball": AdamHyperball,
     "conda": Conda,
     "dion": Dion,
+    "dion2": Dion2,
 }
 
 

@@ -84,7 +84,6 @@ def test_converges_on_matrix_regression():
     assert ref.regression_loss_ratio(dion(0.05, rank_fraction=0.5), steps=150) < 0.05
 
 
-
 @pytest.mark.devices(8)
 @pytest.mark.parametrize("split", ["fan_in", "fan_out"])
 def test_fsdp_power_iteration_moves_only_r_wide_factors_and_matches_one_device(split):

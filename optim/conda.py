@@ -33,13 +33,14 @@ than that keeps the basis of its first momentum; pass a smaller gap for short ru
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optim import common, spec
+from optim import common, matrix_roots, spec
 from optim import newton_schulz as ns
 from optim.muon import check_matrices
 
@@ -60,7 +61,7 @@ def rotates_rows(shape: tuple[int, ...]) -> bool:
 
 def singular_basis(m: jax.Array) -> jax.Array:
     """The singular vectors of ``m`` on its shorter side, as columns, by decreasing singular value."""
-    u, _, vh = jnp.linalg.svd(m, full_matrices=False)
+    u, _, vh = matrix_roots.lapack_each(functools.partial(jnp.linalg.svd, full_matrices=False), m)
     return u if rotates_rows(m.shape) else jnp.swapaxes(vh, -1, -2)
 
 

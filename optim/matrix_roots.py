@@ -86,6 +86,23 @@ def lapack_map(fn: Callable[[jax.Array], Any], mats: jax.Array) -> Any:
     return jax.lax.platform_dependent(mats, cpu=per_matrix, default=fn)
 
 
+def lapack_each(fn: Callable[[jax.Array], Any], x: jax.Array) -> Any:
+    """``fn(x)`` for a LAPACK-backed batched ``fn`` (svd, qr, eigh) on ``(*batch, m, n)`` matrices.
+
+    On CPU one matrix at a time (`lax.map` over the batch), for the deadlock `lapack_map` avoids, here
+    for stacks whose batch axes are not spread over the devices (a layer stack: every device would
+    run the whole batch in one call). Other platforms, and a single matrix, run ``fn`` directly.
+    """
+    if x.ndim == 2:
+        return fn(x)
+
+    def per_matrix(x):
+        out = jax.lax.map(fn, x.reshape(-1, *x.shape[-2:]))
+        return jax.tree.map(lambda o: o.reshape(*x.shape[:-2], *o.shape[1:]), out)
+
+    return jax.lax.platform_dependent(x, cpu=per_matrix, default=fn)
+
+
 def inverse_pth_root_eigh(mats: jax.Array, p: int, ridge_epsilon: float = 1e-6) -> tuple[jax.Array, jax.Array]:
     """``(A + r I)^(-1/p)`` by symmetric eigendecomposition; returns (roots, errors)."""
     mats = 0.5 * (mats + jnp.swapaxes(mats, -1, -2))

@@ -11,9 +11,12 @@ from optim import spec
 from optim.adamuon import AdaMuon
 from optim.adamw import AdamW
 from optim.came import Came
+from optim.conda import Conda
 from optim.cosmos import Cosmos
 from optim.demo import DeMo
 from optim.diloco import DiLoCo, StreamingDiLoCo
+from optim.dion import Dion
+from optim.dion2 import Dion2
 from optim.hyperball import AdamHyperball, MuonHyperball
 from optim.kl_shampoo import KLShampoo
 from optim.learned.mlp_lopt import LOpt
@@ -52,6 +55,9 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "psgd_kron": PsgdKron,
     "kl_shampoo": KLShampoo,
     "cosmos": Cosmos,
+    "conda": Conda,
+    "dion": Dion,
+    "dion2": Dion2,
 }
 
 

@@ -82,3 +82,40 @@ def test_converges_on_matrix_regression():
     """Half rank: the error feedback brings the other half in over later steps (full rank: 60 steps)."""
     assert ref.regression_loss_ratio(dion(0.05, rank_fraction=1.0)) < 0.05
     assert ref.regression_loss_ratio(dion(0.05, rank_fraction=0.5), steps=150) < 0.05
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("split", ["fan_in", "fan_out"])
+def test_fsdp_power_iteration_moves_only_r_wide_factors_and_matches_one_device(split):
+    """Weights, momentum and Q laid out as training lays them (either side of the weight split over 8
+    devices): no collective carries more than an r-wide factor (GSPMD alone all-reduced and gathered
+    whole matrices with fan-out split), and the steps equal the single-device ones."""
+    from experiments import bench_comm
+    from sharding import partition
+
+    rng = np.random.default_rng(7)
+    layers, fan_in, fan_out, r = 2, 64, 96, 16
+    tx = scale_by_dion(rank_fraction=0.25)
+    params = {"w": jnp.float32(rng.standard_normal((layers, fan_in, fan_out)))}
+    grads = [{"w": jnp.float32(rng.standard_normal((layers, fan_in, fan_out)))} for _ in range(2)]
+
+    def step(p, g, s):
+        u, s = tx.update(g, s)
+        return jax.tree.map(jnp.add, p, u), s
+
+    expected = [(params, tx.init(params))]
+    for g in grads:
+        expected.append(jax.jit(step)(*expected[-1][:1], g, expected[-1][1]))
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        shard = {"w": jax.NamedSharding(mesh, jax.P(None, "fsdp", None) if split == "fan_in" else jax.P(None, None, "fsdp"))}
+        s_shard = partition.state_shardings(jax.eval_shape(tx.init, params), params, shard, mesh)
+        sharded = jax.jit(step, out_shardings=(shard, s_shard))
+        p, s = jax.device_put(params, shard), jax.jit(tx.init, out_shardings=s_shard)(params)
+        hlo = sharded.lower(p, jax.device_put(grads[0], shard), s).compile().as_text()
+        for g, want in zip(grads, expected[1:], strict=True):
+            p, s = sharded(p, jax.device_put(g, shard), s)
+            ref.assert_trees_close((p, s), want)
+    found = bench_comm.collectives(hlo, 8)
+    widest = max(c.payload * (c.group if c.kind == "all-gather" else 1) for c in found)
+    assert widest <= layers * max(fan_in, fan_out) * r * 4 + layers * r * 4, (widest, found)

@@ -75,3 +75,26 @@ def test_bad_arguments_raise():
         matrix_roots.inverse_pth_root(x, 4, method="svd")
     with pytest.raises(ValueError, match="positive integer"):
         matrix_roots.inverse_pth_root(x, 0)
+
+
+def test_lapack_each_matches_the_batched_call_one_matrix_per_call():
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 3, 6, 4)), jnp.float32)
+    svd = functools.partial(jnp.linalg.svd, full_matrices=False)
+    for got, want in zip(jax.jit(functools.partial(matrix_roots.lapack_each, svd))(x), svd(x), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    lowered = jax.jit(functools.partial(matrix_roots.lapack_each, jnp.linalg.qr)).lower(x).as_text()
+    assert 'num_batch_dims = "0"' in lowered and 'num_batch_dims = "1"' not in lowered
+
+
+@pytest.mark.parametrize("family", ["conda", "dion"])
+def test_stacked_matrix_optimizers_call_lapack_one_matrix_at_a_time(family):
+    """jax 0.10's batched CPU LAPACK kernels wait on the intra-op pool they split the batch over, so
+    8 devices running them at once can hold every pool thread and hang (the registry's step did)."""
+    from optim.conda import scale_by_conda
+    from optim.dion import scale_by_dion
+
+    tx = {"conda": scale_by_conda, "dion": scale_by_dion}[family]()
+    params = {"w": jnp.zeros((2, 16, 24))}
+    lowered = jax.jit(tx.update).lower(params, tx.init(params)).as_text()
+    calls = [line for line in lowered.splitlines() if "custom_call @lapack_" in line]
+    assert calls and all('num_batch_dims = "0"' in line for line in calls), calls

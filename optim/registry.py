@@ -17,6 +17,7 @@ from optim.hyperball import AdamHyperball, MuonHyperball
 from optim.learned.mlp_lopt import LOpt
 from optim.lion import Lion
 from optim.mars_muon import MarsMuon
+from optim.micro_adam import MicroAdam
 from optim.muon import Muon
 from optim.muon_clip import MuonClip
 from optim.normuon import NorMuon
@@ -46,6 +47,7 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "scion": Scion,
     "muon_hyperball": MuonHyperball,
     "adam_hyperball": AdamHyperball,
+    "micro_adam": MicroAdam,
 }
 
 

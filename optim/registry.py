@@ -13,6 +13,7 @@ from optim.adamw import AdamW
 from optim.came import Came
 from optim.demo import DeMo
 from optim.diloco import DiLoCo, StreamingDiLoCo
+from optim.frugal import Frugal
 from optim.hyperball import AdamHyperball, MuonHyperball
 from optim.learned.mlp_lopt import LOpt
 from optim.lion import Lion
@@ -48,6 +49,7 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "muon_hyperball": MuonHyperball,
     "adam_hyperball": AdamHyperball,
     "micro_adam": MicroAdam,
+    "frugal": Frugal,
 }
 
 

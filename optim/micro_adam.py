@@ -13,12 +13,14 @@ quantiser (`optim.quantization.quantize_minmax`):
     window slot (t - 1) mod m <- (I_t, V_t)
     M_t = sum_j b1^age_j scatter(I_j, V_j),   S_t = sum_j b2^age_j scatter(I_j, V_j^2)
     u_t = c1 M_t / (sqrt(c2 S_t) + eps),  c1 = (1 - b1) / (1 - b1^t),  c2 = (1 - b2) / (1 - b2^t)
+    u_t <- u_t + alpha Q^-1(e_{t+1});  e_{t+1} <- Q((1 - alpha) Q^-1(e_{t+1}))     only if alpha > 0
     w_{t+1} = w_t - lr_t (u_t + lambda w_t)
 
 with ``age_j = (t - 1 - j) mod m`` of slot ``j`` (0 for the newest), entries repeated across slots
 adding up, and ``k = ceil(density B)``. The update is sparse: non-zero only where the window holds
-an index. Defaults are the reference's: ``m = 10``, ``density = 0.01``, ``b1, b2, eps = 0.9, 0.999,
-1e-8``; it decays every parameter it is given, here the leaves `optim.labels.decay_mask` picks.
+an index, unless ``alpha > 0`` (the reference's pretraining option) hands that share of the error
+feedback to every step. Defaults are the reference's: ``m = 10``, ``density = 0.01``, ``alpha = 0``,
+``b1, b2, eps = 0.9, 0.999, 1e-8``; it decays every parameter it is given, here the leaves `optim.labels.decay_mask` picks.
 
 Blocks are tiles of the last two axes (`optim.quantization.tile_shape`), for Top-K (``topk_block``
 elements, 32 x 32 by default) and for the quantiser (``quant_block``, 16 x 16), so that a block never
@@ -27,7 +29,7 @@ zero-padded and Top-K may pick a padding position (a zero, as a real zero would 
 cuts the flattened tensor into runs instead (``topk_block`` from the GPU's shared memory, ~29k
 elements on an H100) and stores bf16 gradients and bf16 quantiser ranges; here the error feedback
 is computed in fp32 and its ranges stored in fp32, the window's values in bf16 as in the reference.
-Its pretraining variant (``alpha > 0``: part of the error feedback added to the update) is not here.
+The reference's ``alpha = -2`` (the quantisation error added to the weights) is not here.
 
 Memory per parameter (`optim.memory.state_bytes` of the state; tests/optim/test_micro_adam.py):
 error feedback ``1/2 + 8 / quant_block`` bytes, window ``m k (2 + 2) / topk_block`` bytes (int16
@@ -98,6 +100,7 @@ class MicroAdamDirection:
       density: the fraction ``k / B`` of each Top-K block kept (``k = ceil(density B)``).
       topk_block: elements per Top-K block ``B`` (a power of two <= 32768: indices are int16).
       quant_block: elements per block of the 4-bit error-feedback quantiser (a power of two).
+      alpha: the share of the error feedback added to each step (0: sparse steps, the default).
     """
 
     b1: float = spec.param(0.9, valid="[0, 1)")
@@ -107,6 +110,7 @@ class MicroAdamDirection:
     density: float = spec.param(0.01, valid="(0, 1]")
     topk_block: int = spec.param(1024, valid="[2, 32768]")
     quant_block: int = spec.param(256, valid="[2, inf)")
+    alpha: float = spec.param(0.0, valid="[0, 1)")
 
     static_args: ClassVar[tuple[str, ...]] = ("window", "density", "topk_block", "quant_block")
 
@@ -121,7 +125,8 @@ class MicroAdamDirection:
             k = math.ceil(float(self.density) * topk_block)
         except jax.errors.ConcretizationTypeError:
             raise ValueError(f"density sets array shapes; with optax.inject_hyperparams pass static_args={names}") from None
-        b1, b2, eps = self.b1, self.b2, self.eps
+        b1, b2, eps, alpha = self.b1, self.b2, self.eps, self.alpha
+        dense = not (isinstance(alpha, int | float) and alpha == 0)  # an injected alpha is an array
 
         def init_fn(params):
             common.check_floating(params, "micro_adam", "mask it out")
@@ -180,11 +185,16 @@ class MicroAdamDirection:
                     size,
                 )
                 residual = _unblocks(a - sums[..., 0], tile, g.shape)
-                new_errors.append(qz.quantize_minmax(residual, bits=4, block_size=quant_block))
+                e = qz.quantize_minmax(residual, bits=4, block_size=quant_block)
                 new_indices.append(idx)
                 new_values.append(val)
-                u = c1 * sums[..., 1] / (jnp.sqrt(c2 * sums[..., 2]) + eps)
-                out.append(_unblocks(u, tile, g.shape).astype(g.dtype))
+                u = _unblocks(c1 * sums[..., 1] / (jnp.sqrt(c2 * sums[..., 2]) + eps), tile, g.shape)
+                if dense:
+                    e_full = qz.dequantize(e)
+                    u = u + alpha * e_full
+                    e = qz.quantize_minmax((1 - alpha) * e_full, bits=4, block_size=quant_block)
+                new_errors.append(e)
+                out.append(u.astype(g.dtype))
             unflat = treedef.unflatten
             error = _error_fields(unflat(new_errors), updates)
             return unflat(out), MicroAdamState(count, *error, unflat(new_indices), unflat(new_values))
@@ -219,7 +229,7 @@ def _scatter(indices: jax.Array, values: jax.Array, size: int) -> jax.Array:
 class MicroAdam(MicroAdamDirection, common.DirectionOptimizer):
     """MicroAdam with decoupled weight decay on weights, not norm scales or biases."""
 
-    learning_rate: optax.ScalarOrSchedule = 1e-3  # the reference's example (CIFAR-10); unswept here
+    learning_rate: optax.ScalarOrSchedule = 3e-3  # docs/benchmarks.md, "Default learning rates"
     weight_decay: float = 0.0  # the reference's default
 
 

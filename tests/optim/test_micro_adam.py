@@ -60,8 +60,8 @@ def np_dequantize(codes, lo, hi, tile, shape):
 class NumpyMicroAdam:
     """One parameter's MicroAdam, transcribed: float32 arithmetic, window values rounded to bf16."""
 
-    def __init__(self, shape, *, m, density, topk_block, quant_block, b1=0.9, b2=0.999, eps=1e-8):
-        self.shape, self.m, self.b1, self.b2, self.eps = shape, m, b1, b2, eps
+    def __init__(self, shape, *, m, density, topk_block, quant_block, alpha=0.0, b1=0.9, b2=0.999, eps=1e-8):
+        self.shape, self.m, self.alpha, self.b1, self.b2, self.eps = shape, m, alpha, b1, b2, eps
         self.tile, self.qtile = qz.tile_shape(shape, topk_block), qz.tile_shape(shape, quant_block)
         self.k = math.ceil(density * topk_block)
         self.error = np.zeros(shape, np.float32)
@@ -90,7 +90,11 @@ class NumpyMicroAdam:
                     second[pos][i] += np.float32(self.b2**age) * v * v
         c1 = (1 - self.b1) / (1 - self.b1**self.t)
         c2 = (1 - self.b2) / (1 - self.b2**self.t)
-        return np_untiles(c1 * first / (np.sqrt(c2 * second) + self.eps), self.tile, self.shape)
+        u = np_untiles(c1 * first / (np.sqrt(c2 * second) + self.eps), self.tile, self.shape)
+        if self.alpha > 0:  # the reference's pretraining option: part of the error feedback steps now
+            u = u + self.alpha * self.error
+            self.error = np_dequantize(*np_quantize((1 - self.alpha) * self.error, self.qtile), self.qtile, self.shape)
+        return u
 
 
 def error_of(state, shape, quant_block, key=None):
@@ -103,15 +107,17 @@ def error_of(state, shape, quant_block, key=None):
 CONFIG = {"window": 3, "density": 0.05, "topk_block": 64, "quant_block": 16}
 
 
-def test_matches_numpy_transcription_step_by_step():
+@pytest.mark.parametrize("alpha", [0.0, 0.2])
+def test_matches_numpy_transcription_step_by_step(alpha):
     """Five steps (the ring of 3 wraps) on a stacked ragged matrix and a vector."""
     rng = np.random.default_rng(0)
     shapes = {"w": (2, 20, 13), "b": (37,)}
     params = {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
-    tx = scale_by_micro_adam(**CONFIG)
+    tx = scale_by_micro_adam(**CONFIG, alpha=alpha)
     state = tx.init(params)
     refs = {
-        k: NumpyMicroAdam(s, m=3, density=0.05, topk_block=64, quant_block=16) for k, s in shapes.items()
+        k: NumpyMicroAdam(s, m=3, density=0.05, topk_block=64, quant_block=16, alpha=alpha)
+        for k, s in shapes.items()
     }
     update = jax.jit(tx.update)
     for _ in range(5):
@@ -120,7 +126,8 @@ def test_matches_numpy_transcription_step_by_step():
         for k, numpy_opt in refs.items():
             want = numpy_opt.step(grads[k])
             # 1 - b2^t in float32 (as optax) is 1e-5 off the float64 transcription at t = 1
-            np.testing.assert_allclose(np.asarray(updates[k]), want, rtol=3e-5, atol=1e-7)
+            # alpha > 0 adds the decoded error feedback, whose decoding differs by up to 4e-6 (order of operations)
+            np.testing.assert_allclose(np.asarray(updates[k]), want, rtol=3e-5, atol=1e-7 if alpha == 0 else 1e-5)
             np.testing.assert_allclose(np.asarray(error_of(state, shapes[k], 16, k)), numpy_opt.error, rtol=0, atol=4e-6)
             window = np.asarray(state.indices[k]).reshape(*numpy_opt.indices.shape[1:-1], 3, -1)
             np.testing.assert_array_equal(np.moveaxis(window, -2, 0), numpy_opt.indices)

@@ -192,7 +192,8 @@ class MicroAdamDirection:
                 if dense:
                     e_full = qz.dequantize(e)
                     u = u + alpha * e_full
-                    e = qz.quantize_minmax((1 - alpha) * e_full, bits=4, block_size=quant_block)
+                    kept_back = qz.quantize_minmax((1 - alpha) * e_full, bits=4, block_size=quant_block)
+                    e = jax.tree.map(lambda new, old: jnp.where(alpha > 0, new, old), kept_back, e)  # exact at 0
                 new_errors.append(e)
                 out.append(u.astype(g.dtype))
             unflat = treedef.unflatten

@@ -24,7 +24,9 @@ feedback to every step. Defaults are the reference's: ``m = 10``, ``density = 0.
 
 Blocks are tiles of the last two axes (`optim.quantization.tile_shape`), for Top-K (``topk_block``
 elements, 32 x 32 by default) and for the quantiser (``quant_block``, 16 x 16), so that a block never
-straddles a shard boundary when each shard of those axes holds whole tiles; ragged edge tiles are
+straddles a shard boundary when each shard of those axes holds whole tiles: then the step has no
+collective at all under GSPMD (Top-K by a stable sort, as ``lax.top_k`` is replicated; scatters
+mapped per block axis); otherwise it is as correct but XLA moves the straddling values. Ragged edge tiles are
 zero-padded and Top-K may pick a padding position (a zero, as a real zero would be). The reference
 cuts the flattened tensor into runs instead (``topk_block`` from the GPU's shared memory, ~29k
 elements on an H100) and stores bf16 gradients and bf16 quantiser ranges; here the error feedback
@@ -167,7 +169,7 @@ class MicroAdamDirection:
                 tile = qz.tile_shape(g.shape, topk_block)
                 a = _blocks(g.astype(jnp.float32) + qz.dequantize(e).astype(jnp.float32), tile)
                 blocks, size = a.shape[:-1], a.shape[-1]
-                _, top = jax.lax.top_k(jnp.abs(a), k)
+                top = jnp.argsort(-jnp.abs(a), axis=-1, stable=True)[..., :k]  # lax.top_k replicates under GSPMD
                 kept = jnp.take_along_axis(a, top, axis=-1)
                 idx = _write(idx, top.astype(jnp.int16), slot, blocks, m, k)
                 val = _write(val, kept.astype(jnp.bfloat16), slot, blocks, m, k)
@@ -218,12 +220,17 @@ def _write(window: jax.Array, new: jax.Array, slot: jax.Array, blocks: tuple[int
 
 
 def _scatter(indices: jax.Array, values: jax.Array, size: int) -> jax.Array:
-    """Per block, ``out[indices] += values`` into zeros: ``(*blocks, n)``, ``(*blocks, n, c)`` -> ``(*blocks, size, c)``."""
-    blocks = indices.shape[:-1]
-    flat_i = indices.reshape(-1, indices.shape[-1])
-    flat_v = values.reshape(*flat_i.shape, values.shape[-1])
-    out = jax.vmap(lambda i, v: jnp.zeros((size, v.shape[-1]), v.dtype).at[i].add(v))(flat_i, flat_v)
-    return out.reshape(*blocks, size, values.shape[-1])
+    """Per block, ``out[indices] += values`` into zeros: ``(*blocks, n)``, ``(*blocks, n, c)`` -> ``(*blocks, size, c)``.
+
+    Mapped over each block axis in turn, never over a flattened one, so the blocks keep their sharding.
+    """
+
+    def one(i, v):
+        return jnp.zeros((size, v.shape[-1]), v.dtype).at[i].add(v)
+
+    for _ in range(indices.ndim - 1):
+        one = jax.vmap(one)
+    return one(indices, values)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

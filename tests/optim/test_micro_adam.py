@@ -3,6 +3,7 @@ IST-DASLab code runs it (Top-K per block, lower index first among ties; 4-bit mi
 feedback; Adam statistics from a ring of m sparse gradients), the state's bytes, convergence."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ import pytest
 from optim import memory
 from optim import quantization as qz
 from optim.micro_adam import micro_adam, scale_by_micro_adam
+from sharding import partition
 
 
 def np_tiles(x, tile):
@@ -167,6 +169,28 @@ def test_state_is_under_8_bits_per_parameter():
     per_parameter = (memory.state_bytes(state) - 4) / n  # less the int32 step count
     assert per_parameter == pytest.approx(0.5 + 8 / 256 + 10 * 11 * 4 / 1024)
     assert per_parameter * 8 < 8
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize(
+    ("shape", "spec", "local"),
+    [((2, 256, 64), jax.P(None, "fsdp", None), True), ((128, 64), jax.P("fsdp", None), False)],
+    ids=["whole-tiles-per-shard", "tiles-straddle-shards"],
+)
+def test_blocks_stay_inside_shards(shape, spec, local):
+    """FSDP over 8 devices: with 32 rows per shard every 32 x 32 Top-K tile (and 16 x 16 quantiser
+    tile) is local, and the compiled step has no collective; with 16 rows per shard it has some."""
+    tx = scale_by_micro_adam()
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
+    with jax.set_mesh(mesh):
+        shardings = {"w": jax.NamedSharding(mesh, spec)}
+        abstract = jax.eval_shape(tx.init, params)
+        state_shardings = partition.state_shardings(abstract, params, shardings, mesh)
+        step = jax.jit(tx.update, in_shardings=(shardings, state_shardings), out_shardings=(shardings, state_shardings))
+        hlo = step.lower(params, abstract).compile().as_text()
+    collectives = re.findall(r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)\(", hlo)
+    assert (not collectives) == local, collectives
 
 
 def test_converges_on_matrix_regression():

@@ -13,6 +13,11 @@ dtype, bit width and code table as static metadata:
   ``c_j = max_i |x_ij|``; an element is coded relative to ``min(r_i, c_j)``. Decoding is
   ``x_ij = table[code_ij] * min(r_i, c_j)``.
 
+- `MinMaxQuantized` (block-wise asymmetric, uniform levels: MicroAdam's error feedback, Modoranu
+  et al., arXiv:2405.15593, ``asymm_block_quant`` of IST-DASLab). A block (a tile, as above) stores
+  ``lo = min x`` and ``hi = max x``; with ``u = (hi - lo) / (2^bits - 1)`` an element stores
+  ``floor((x - lo) / u + 1/2)`` and decodes to ``lo + code u`` (a constant block stores code 0).
+
 Code tables (sorted; a code is an index into its table):
 
 - ``"signed"`` / ``"unsigned"``: the *dynamic* code of arXiv:2110.02861 (Dettmers 2015,
@@ -136,11 +141,25 @@ class Rank1Quantized:
     code: str = _static()
 
 
-Quantized = BlockQuantized | Rank1Quantized
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MinMaxQuantized:
+    """An array stored as block-wise asymmetric uniform codes (`quantize_minmax`)."""
+
+    codes: jax.Array  # uint8 codes, 4-bit ones packed two per byte along the last axis
+    lo: jax.Array  # fp32 min x per tile, (*lead, ceil(R / tr), ceil(C / tc))
+    hi: jax.Array  # fp32 max x per tile, same shape
+    shape: tuple[int, ...] = _static()
+    dtype: str = _static()
+    bits: int = _static()
+    tile: tuple[int, int] = _static()
+
+
+Quantized = BlockQuantized | Rank1Quantized | MinMaxQuantized
 
 
 def is_quantized(x: Any) -> bool:
-    return isinstance(x, BlockQuantized | Rank1Quantized)
+    return isinstance(x, BlockQuantized | Rank1Quantized | MinMaxQuantized)
 
 
 def _guess(y: jax.Array, code: str, bits: int) -> jax.Array:
@@ -274,8 +293,35 @@ def quantize_rank1(
     )
 
 
+def quantize_minmax(x: jax.Array, *, bits: int = 4, block_size: int = 256) -> MinMaxQuantized:
+    """Block-wise asymmetric quantization of ``x``: per tile ``lo = min x``, ``hi = max x`` (over the
+    tile's own elements, not its padding), ``code = floor((x - lo) / u + 1/2)``, ``u = (hi - lo) / (2^bits - 1)``."""
+    matrix = _as_matrix(x.shape)
+    tile = tile_shape(x.shape, block_size)
+    xm = x.astype(jnp.float32).reshape(matrix)
+    inside = _tiles(jnp.ones(matrix, bool), tile)
+    t = _tiles(xm, tile)
+    lo = jnp.min(jnp.where(inside, t, jnp.inf), axis=(-3, -1))
+    hi = jnp.max(jnp.where(inside, t, -jnp.inf), axis=(-3, -1))
+    step = ((hi - lo) / (2**bits - 1))[..., :, None, :, None]
+    y = jnp.where(step > 0, (t - lo[..., :, None, :, None]) / jnp.where(step > 0, step, 1.0), 0.0)
+    codes = _untile(jnp.clip(jnp.floor(y + 0.5), 0, 2**bits - 1).astype(jnp.uint8), *matrix[-2:])
+    squeeze = (lambda a: a) if x.ndim >= 2 else (lambda a: a[0])
+    return MinMaxQuantized(
+        codes=_pack(codes, bits).reshape(*x.shape[:-1], -1),
+        lo=squeeze(lo),
+        hi=squeeze(hi),
+        shape=tuple(x.shape),
+        dtype=jnp.dtype(x.dtype).name,
+        bits=bits,
+        tile=tile,
+    )
+
+
 def dequantize(q: Quantized) -> jax.Array:
     """The array ``q`` encodes, in its original shape and dtype."""
+    if isinstance(q, MinMaxQuantized):
+        return _dequantize_minmax(q)
     table = jnp.asarray(code_table(q.code, q.bits))
     matrix = _as_matrix(q.shape)
     codes = _unpack(q.codes, q.bits, q.shape[-1]).reshape(matrix)
@@ -284,4 +330,13 @@ def dequantize(q: Quantized) -> jax.Array:
     else:
         absmax = q.absmax if len(q.shape) >= 2 else q.absmax[None]
         x = _untile(_tiles(table[codes], q.tile) * absmax[..., :, None, :, None], *matrix[-2:])
+    return x.reshape(q.shape).astype(q.dtype)
+
+
+def _dequantize_minmax(q: MinMaxQuantized) -> jax.Array:
+    matrix = _as_matrix(q.shape)
+    codes = _unpack(q.codes, q.bits, q.shape[-1]).reshape(matrix).astype(jnp.float32)
+    lo, hi = (q.lo, q.hi) if len(q.shape) >= 2 else (q.lo[None], q.hi[None])
+    step = ((hi - lo) / (2**q.bits - 1))[..., :, None, :, None]
+    x = _untile(lo[..., :, None, :, None] + _tiles(codes, q.tile) * step, *matrix[-2:])
     return x.reshape(q.shape).astype(q.dtype)

@@ -17,11 +17,13 @@ from optim.demo import DeMo
 from optim.diloco import DiLoCo, StreamingDiLoCo
 from optim.dion import Dion
 from optim.dion2 import Dion2
+from optim.frugal import Frugal
 from optim.hyperball import AdamHyperball, MuonHyperball
 from optim.kl_shampoo import KLShampoo
 from optim.learned.mlp_lopt import LOpt
 from optim.lion import Lion
 from optim.mars_muon import MarsMuon
+from optim.micro_adam import MicroAdam
 from optim.muon import Muon
 from optim.muon_clip import MuonClip
 from optim.normuon import NorMuon
@@ -58,6 +60,8 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "conda": Conda,
     "dion": Dion,
     "dion2": Dion2,
+    "micro_adam": MicroAdam,
+    "frugal": Frugal,
 }
 
 

@@ -43,6 +43,9 @@ from sharding import partition
 # registry on data:8 (tests/experiments/test_replica_local.py). The wrappers have no learning rate of
 # their own to inject (it is their inner optimizer's, which is checked here).
 NAMES = sorted({n for n, c in registry.OPTIMIZERS.items() if not c.replica_local})
+# No state leaf of a hidden matrix's shape, so nothing here for state_bits to quantize: MicroAdam's
+# state is 4-bit codes and a sparse window, FRUGAL's a subspace's (tests/optim/test_{micro_adam,frugal}.py).
+NO_MATRIX_SHAPED_STATE = {"micro_adam", "frugal"}
 LAYERS, D, VOCAB, HEADS = 2, 48, 64, 4  # a stacked kernel of 2 x 48 x 48 = 4608 >= 4096: state_bits quantizes it
 STEPS = 3
 DEVICE = jax.devices()[0]
@@ -246,7 +249,7 @@ def test_injected_on_8_fsdp_devices_matches_plain_on_1_device(name):
             if jax.tree_util.keystr(path).endswith(key) and leaf.shape == p.shape:
                 assert leaf.sharding.is_equivalent_to(p.sharding, leaf.ndim), jax.tree_util.keystr(path)
                 mirrored += 1
-    assert mirrored >= len(by_path)
+    assert mirrored >= len(by_path) or name in NO_MATRIX_SHAPED_STATE
 
 
 def dequantized(state):
@@ -265,7 +268,7 @@ def test_state_bits_8_and_cautious_compose_on_bf16_parameters(name):
     params = param_tree(name, jnp.bfloat16)
     state = tx.init(params)
     init_types = types(state)
-    assert any(qz.is_quantized(x) for x in jax.tree.leaves(state, is_leaf=qz.is_quantized))
+    assert name in NO_MATRIX_SHAPED_STATE or any(qz.is_quantized(x) for x in jax.tree.leaves(state, is_leaf=qz.is_quantized))
     step = jax.jit(make_step(tx))
     for t in range(2):
         grads = gradients(name, t, jnp.bfloat16)

@@ -19,6 +19,7 @@ from optim.lion import Lion
 from optim.mars_muon import MarsMuon
 from optim.muon import Muon
 from optim.muon_clip import MuonClip
+from optim.noloco import NoLoCo
 from optim.normuon import NorMuon
 from optim.powersgd import PowerSGD
 from optim.scion import Scion
@@ -46,6 +47,7 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "scion": Scion,
     "muon_hyperball": MuonHyperball,
     "adam_hyperball": AdamHyperball,
+    "noloco": NoLoCo,
 }
 
 

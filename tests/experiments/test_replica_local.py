@@ -36,6 +36,7 @@ CROSS_REPLICA = {
     "diloco": {"optimizer.diloco.sync_every": 2},
     "streaming_diloco": {"optimizer.streaming_diloco.sync_every": 2, "optimizer.streaming_diloco.exchange": "bfloat16"},
     "powersgd": {"optimizer.powersgd.rank": 2},
+    "noloco": {"optimizer.noloco.sync_every": 2},
 }
 STEPS, SAVED_AT = 4, 2
 

@@ -5,7 +5,8 @@ r"""Bytes on the wire per training step, read from the compiled HLO, next to the
 
 Each row is a real training step of `experiments.train` on a ``data:8`` mesh (8 replicas): AdamW
 data parallelism under GSPMD, and the replica-local step (``--config.replicas=data``) with DeMo,
-DiLoCo (H = 10, 50, 500), Streaming DiLoCo and PowerSGD (r = 1, 4). The step is compiled and every
+DiLoCo (H = 10, 50, 500), Streaming DiLoCo, PowerSGD (r = 1, 4), NoLoCo (H = 50), DES-LOC (K_x = 32,
+K_u = 96, K_v = 192) and Local Adam (DES-LOC with every period 32). The step is compiled and every
 collective of the optimised HLO module (all-reduce, all-gather, all-to-all, reduce-scatter,
 collective-permute; async ``-start`` forms included) is counted from its result shape:
 
@@ -74,6 +75,10 @@ ROWS: dict[str, dict[str, Any]] = {
     "powersgd_r1": {"optimizer.name": "powersgd", "optimizer.powersgd.rank": 1},
     "powersgd_r4": {"optimizer.name": "powersgd", "optimizer.powersgd.rank": 4},
     "noloco_h50": {"optimizer.name": "noloco", "optimizer.noloco.sync_every": 50},
+    "des_loc_k32": {"optimizer.name": "des_loc"},  # K_x = 32, K_u = 96, K_v = 192
+    "local_adam_k32": {
+        "optimizer.name": "des_loc", "optimizer.des_loc.mu_sync_every": 32, "optimizer.des_loc.nu_sync_every": 32,
+    },
 }  # fmt: skip
 
 

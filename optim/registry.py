@@ -12,6 +12,7 @@ from optim.adamuon import AdaMuon
 from optim.adamw import AdamW
 from optim.came import Came
 from optim.demo import DeMo
+from optim.des_loc import DESLOC
 from optim.diloco import DiLoCo, StreamingDiLoCo
 from optim.hyperball import AdamHyperball, MuonHyperball
 from optim.learned.mlp_lopt import LOpt
@@ -48,6 +49,7 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "muon_hyperball": MuonHyperball,
     "adam_hyperball": AdamHyperball,
     "noloco": NoLoCo,
+    "des_loc": DESLOC,
 }
 
 

@@ -58,3 +58,10 @@ def test_one_replica_is_the_inner_optimizer_and_an_inner_without_moments_is_refu
     np.testing.assert_allclose(p["a"], q["a"], rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="keeps no optax.ScaleByAdamState; use an Adam-family inner optimizer"):
         des_loc.des_loc(optax.sgd(0.1)).init(params)
+
+
+def test_injected_periods_are_refused_naming_static_args():
+    params = {"w": np.ones((2, 3), np.float32)}
+    tx = optax.inject_hyperparams(des_loc.des_loc, static_args=("sync_every", "nu_sync_every"))(optax.adam(0.1), mu_sync_every=3)
+    with pytest.raises(ValueError, match="mu_sync_every.*static_args"):
+        jax.jit(tx.update)(params, tx.init(params), params)

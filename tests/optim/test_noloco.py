@@ -78,3 +78,20 @@ def test_one_replica_h1_momentum0_beta1_is_the_inner_optimizer():
         v, t = inner.update(g, t, q)
         q = optax.apply_updates(q, v)
     np.testing.assert_allclose(p["a"], q["a"], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.devices(4)
+def test_injected_hyperparameters_take_the_general_exchange_and_agree_with_the_theta_only_one():
+    """Injected beta and gamma are arrays, so the step sends theta and phi; equal values must give the
+    step that sends theta alone. Injecting the round length is refused, naming ``static_args``."""
+    rng = np.random.default_rng(2)
+    w0 = rng.normal(size=(4, 3)).astype(np.float32)
+    grads = rng.normal(size=(4, 6, 4, 3)).astype(np.float32)
+    kwargs = dict(sync_every=2, outer_learning_rate=0.6, partner_pull=0.6, axis_name="replicas")
+    injected = optax.inject_hyperparams(noloco.noloco, static_args=noloco.NoLoCo.static_args)(optax.sgd(0.1), **kwargs)
+    got, _, _ = run_replicas(injected, {"w": w0}, {"w": grads})
+    want, _, _ = run_replicas(noloco.noloco(optax.sgd(0.1), **kwargs), {"w": w0}, {"w": grads})
+    np.testing.assert_allclose(got["w"], want["w"], rtol=1e-5, atol=1e-6)
+    bad = optax.inject_hyperparams(noloco.noloco, static_args=())(optax.sgd(0.1), sync_every=2)
+    with pytest.raises(ValueError, match="sync_every.*static_args"):
+        jax.jit(bad.update)({"w": w0}, bad.init({"w": w0}), {"w": w0})

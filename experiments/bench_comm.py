@@ -5,7 +5,8 @@ r"""Bytes on the wire per training step, read from the compiled HLO, next to the
 
 Each row is a real training step of `experiments.train` on a ``data:8`` mesh (8 replicas): AdamW
 data parallelism under GSPMD, and the replica-local step (``--config.replicas=data``) with DeMo,
-DiLoCo (H = 10, 50, 500), Streaming DiLoCo and PowerSGD (r = 1, 4). The step is compiled and every
+DiLoCo (H = 10, 50, 500), Streaming DiLoCo, PowerSGD (r = 1, 4), NoLoCo (H = 50), DES-LOC (K_x = 32,
+K_u = 96, K_v = 192) and Local Adam (DES-LOC with every period 32). The step is compiled and every
 collective of the optimised HLO module (all-reduce, all-gather, all-to-all, reduce-scatter,
 collective-permute; async ``-start`` forms included) is counted from its result shape:
 
@@ -17,9 +18,12 @@ collective-permute; async ``-start`` forms included) is counted from its result 
 
 A collective inside a ``while`` body counts once per iteration (XLA's known trip count; an unknown
 count is an error). One inside a ``conditional`` branch (DiLoCo's synchronisation, a Streaming
-DiLoCo fragment) runs on some steps only: the table gives its bytes per synchronisation, and the
-amortised per-step figure adds them once every ``H`` steps (each such branch of these methods runs
-once per ``H`` steps). Per token divides by the tokens of one step (all replicas).
+DiLoCo fragment, NoLoCo's pairing of the round) runs on some steps only: the table gives its bytes
+per synchronisation, and the amortised per-step figure adds them once every ``H`` steps (each such
+branch of these methods runs once per ``H`` steps), or once every ``K`` steps where the collective
+sits under a ``sync_period_K`` named scope (`optim.cross_replica.sync_period`: DES-LOC's parameter
+and moment periods). Of a conditional's branches one runs, so the largest counts (NoLoCo's ``switch``
+has one branch per pairing). Per token divides by the tokens of one step (all replicas).
 
 With ``--train`` each row also trains ``tiny`` for ``--steps`` steps (same data, batch, schedule
 and seed) and reports the final validation loss.
@@ -70,6 +74,11 @@ ROWS: dict[str, dict[str, Any]] = {
     },
     "powersgd_r1": {"optimizer.name": "powersgd", "optimizer.powersgd.rank": 1},
     "powersgd_r4": {"optimizer.name": "powersgd", "optimizer.powersgd.rank": 4},
+    "noloco_h50": {"optimizer.name": "noloco", "optimizer.noloco.sync_every": 50},
+    "des_loc_k32": {"optimizer.name": "des_loc"},  # K_x = 32, K_u = 96, K_v = 192
+    "local_adam_k32": {
+        "optimizer.name": "des_loc", "optimizer.des_loc.mu_sync_every": 32, "optimizer.des_loc.nu_sync_every": 32,
+    },
 }  # fmt: skip
 
 
@@ -80,6 +89,7 @@ class Collective:
     group: int  # devices taking part
     count: int  # executions per step (while trip counts)
     conditional: bool  # inside a conditional branch
+    period: int | None = None  # steps between executions, from a ``sync_period_K`` scope (None: the row's H)
 
     @property
     def ring(self) -> float:
@@ -129,11 +139,11 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
 
 
 def collectives(hlo: str, devices: int) -> list[Collective]:
-    """Every collective of an optimised HLO module, with how often and where it runs."""
+    """Every collective of an optimised HLO module, with how often and where it runs (of a
+    conditional's branches, the one with the most payload)."""
     comps, entry = _computations(hlo)
-    found: list[Collective] = []
 
-    def visit(name: str, count: int, conditional: bool, seen: tuple[str, ...]) -> None:
+    def visit(name: str, count: int, conditional: bool, seen: tuple[str, ...], found: list[Collective]) -> None:
         for line in comps.get(name, ()):
             op = re.search(r"=\s*(.*?)\s+([\w\-]+)\(", line)
             kind = op.group(2).removesuffix("-start") if op else ""
@@ -143,27 +153,32 @@ def collectives(hlo: str, devices: int) -> list[Collective]:
                 if op.group(2).endswith("-start"):  # async result tuples hold input and output buffers
                     result //= 2 if kind in ("all-reduce", "collective-permute", "all-to-all") else 1
                 payload = {"all-gather": result // max(n, 1), "reduce-scatter": result * n}.get(kind, result)
-                found.append(Collective(kind, payload, n, count, conditional))
+                period = re.search(r'op_name="[^"]*sync_period_(\d+)', line)
+                found.append(Collective(kind, payload, n, count, conditional, period and int(period.group(1))))
             if op and op.group(2) == "while":
                 trip = re.search(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', line)
                 body = re.search(r"body=%?([\w.\-]+)", line)
                 if trip is None:
                     raise ValueError(f"a while loop without a known trip count: {line.strip()[:120]}")
                 if body and body.group(1) not in seen:
-                    visit(body.group(1), count * int(trip.group(1)), conditional, (*seen, body.group(1)))
+                    visit(body.group(1), count * int(trip.group(1)), conditional, (*seen, body.group(1)), found)
             elif op and op.group(2) == "conditional":
                 branches = re.findall(r"(?:true_computation|false_computation)=%?([\w.\-]+)", line)
                 listed = re.search(r"branch_computations=\{([^}]*)\}", line)
                 branches += [b.strip().lstrip("%") for b in listed.group(1).split(",")] if listed else []
+                taken: list[list[Collective]] = [[]]
                 for b in branches:
                     if b not in seen:
-                        visit(b, count, True, (*seen, b))
+                        taken.append([])
+                        visit(b, count, True, (*seen, b), taken[-1])
+                found += max(taken, key=lambda ops: sum(c.payload * c.count for c in ops))
             else:
                 for callee in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", line):
                     if callee not in seen:
-                        visit(callee, count, conditional, (*seen, callee))
+                        visit(callee, count, conditional, (*seen, callee), found)
 
-    visit(entry, 1, False, (entry,))
+    found: list[Collective] = []
+    visit(entry, 1, False, (entry,), found)
     return found
 
 
@@ -173,7 +188,7 @@ def summarize(found: list[Collective], sync_every: int, tokens_per_step: int) ->
     for measure in ("payload", "ring"):
         always = sum(getattr(c, measure) * c.count for c in found if not c.conditional)
         per_sync = sum(getattr(c, measure) * c.count for c in found if c.conditional)
-        amortised = always + per_sync / sync_every
+        amortised = always + sum(getattr(c, measure) * c.count / (c.period or sync_every) for c in found if c.conditional)
         out[measure] = {"every_step": always, "per_sync": per_sync, "per_step": amortised, "per_token": amortised / tokens_per_step}
     for c in found:
         out["ops"][c.kind] = out["ops"].get(c.kind, 0) + c.count

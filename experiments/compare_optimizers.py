@@ -1,22 +1,33 @@
 r"""Compares optimizers fairly: same model, data and token budget, each with its own tuned learning rate.
 
     python -m experiments.compare_optimizers --workdir=runs/compare_quick --quick
-    python -m experiments.compare_optimizers --workdir=runs/compare \
+    python -m experiments.compare_optimizers --workdir=runs/compare --seeds=0,1,2 \
         --config.compare.optimizers=adamw,muon,soap --config.steps=4000
 
 The protocol follows "Fantastic Pretraining Optimizers and Where to Find Them" (Wen et al.,
 arXiv:2509.02046) and AlgoPerf (Dahl et al., arXiv:2306.07179):
 
 1. every optimizer runs its own grid (``compare.grid.<name>``: learning rate, optionally weight decay
-   and warmup) with seed 0, and its best setting is the one with the lowest *final* validation loss;
-2. the best setting runs again with seeds ``1 .. compare.seeds - 1``; the table reports the mean and
-   standard deviation of the final validation loss over the seeds;
-3. the speedup over the baseline (AdamW) is tokens the baseline needs to reach its own final loss /
+   and warmup) with the first of the seeds (``--seeds`` / ``compare.seeds``, e.g. ``0,1,2``), and its
+   best setting is the one with the lowest *final* validation loss;
+2. the best setting runs again with the other seeds; the table reports the mean and standard
+   deviation of the final validation loss over the seeds and Welch's t-test of it against the
+   baseline's (two-sided p-value, `experiments.seed_stats`), the modded-nanogpt optimizer track's
+   standard for a claimed improvement;
+3. the target is the baseline's (AdamW's) final validation loss, averaged over its seeds. Each seed's
+   run reaches it after some tokens (`experiments.speedup.x_to_target`: the first evaluation at or
+   below it, linearly interpolated) or never; a row reports the mean over seeds with a 95%
+   t-interval when every seed reached it, else how many did (a run that never reaches the target has
+   no value to average: its tokens are only known to exceed the budget). Rows are ranked by it:
+   first those whose every seed reached the target, by mean tokens; then by how many seeds reached
+   it; then by final loss. With the target at the baseline's mean, about half of the baseline's own
+   seeds reach it;
+4. the speedup over the baseline (AdamW) is tokens the baseline needs to reach its own final loss /
    tokens the optimizer needs to reach it, on the seed-averaged validation curves
    (`experiments.speedup`); the same in wall-clock time, where a run's seconds are its tokens over
    its median training throughput (compilation and evaluation excluded). An optimizer that never
    reaches the target gets no speedup, only a bound ("<1.00x (not reached)");
-4. per optimizer, at its best setting: state bytes per parameter (``jax.eval_shape`` of ``init``, no
+5. per optimizer, at its best setting: state bytes per parameter (``jax.eval_shape`` of ``init``, no
    allocation) and the time of one jitted ``update`` + ``apply_updates`` on the model's parameters,
    relative to the baseline's (median of round-robin calls).
 
@@ -29,6 +40,7 @@ Writes ``results.md`` (the tables), ``results.json`` (every run and curve) and `
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import itertools
 import json
@@ -47,7 +59,7 @@ import numpy as np
 import optax
 from absl import app, flags
 
-from experiments import cli, host_memory, metrics_io, run_spec, speedup, trainer
+from experiments import cli, host_memory, metrics_io, run_spec, seed_stats, speedup, trainer
 from lm import model as model_lib
 from optim import memory, registry
 
@@ -82,8 +94,7 @@ def parse_grid(config: ml_collections.ConfigDict) -> dict[str, list[dict[str, fl
         raise cli.UsageError(f"compare.optimizers={block.optimizers!r} must list distinct optimizer names")
     if block.baseline not in names:
         raise cli.UsageError(f"compare.baseline={block.baseline!r} must be one of compare.optimizers ({', '.join(names)})")
-    if block.seeds < 1:
-        raise cli.UsageError(f"compare.seeds={block.seeds} must be >= 1")
+    parse_seeds(block.seeds)
     grid = {}
     for name in names:
         axes = {}
@@ -101,6 +112,17 @@ def parse_grid(config: ml_collections.ConfigDict) -> dict[str, list[dict[str, fl
             raise cli.UsageError(f"compare.grid.{name}.learning_rate is empty; give values, e.g. 1e-3,3e-3")
         grid[name] = [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())]
     return grid
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``compare.seeds`` (or ``--seeds``), e.g. ``"0,1,2"``: distinct non-negative integers, the first runs the grid."""
+    try:
+        seeds = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise cli.UsageError(f"seeds={text!r} must be distinct non-negative integers, comma-separated, e.g. --seeds=0,1,2")
+    return seeds
 
 
 def run_name(optimizer: str, setting: dict[str, float], seed: int) -> str:
@@ -273,19 +295,19 @@ def compare(config: ml_collections.ConfigDict, workdir: str | Path, *, log=print
     grid = parse_grid(config)
     for name, settings in grid.items():  # bad settings fail here, before any training
         run_spec.build_run(run_config(config, name, settings[0], 0))
-    seeds = config.compare.seeds
-    runner = Runner(config, workdir, sum(map(len, grid.values())) + (seeds - 1) * len(grid), log)
-    runs = {name: [runner(name, setting, 0) for setting in settings] for name, settings in grid.items()}
+    first, *more = parse_seeds(config.compare.seeds)
+    runner = Runner(config, workdir, sum(map(len, grid.values())) + len(more) * len(grid), log)
+    runs = {name: [runner(name, setting, first) for setting in settings] for name, settings in grid.items()}
     best = {name: min(records, key=_final) for name, records in runs.items()}
     for name, record in best.items():
         if math.isfinite(_final(record)):
-            runs[name] += [runner(name, record["setting"], seed) for seed in range(1, seeds)]
+            runs[name] += [runner(name, record["setting"], seed) for seed in more]
         else:
-            runner.done += seeds - 1
+            runner.done += len(more)
             log(f"{name}: every setting diverged; no seeds to add")
     log("timing one update per optimizer")
     costs = optimizer_costs(
-        {name: run_config(config, name, record["setting"], 0) for name, record in best.items()}, config.compare.update_timing_repeats
+        {name: run_config(config, name, record["setting"], first) for name, record in best.items()}, config.compare.update_timing_repeats
     )
     results = summarize(config, runs, best, costs)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -313,11 +335,18 @@ def summarize(config: ml_collections.ConfigDict, runs: dict[str, list[dict]], be
             "final_val_bits_per_byte_mean": statistics.fmean(bits_per_byte) if bits_per_byte else None,
             "tokens_curve": speedup.mean_curve([[(p["tokens"], p["val_loss"]) for p in r["curve"]] for r in seeds]) if seeds else [],
             "seconds_curve": speedup.mean_curve([[(p["seconds"], p["val_loss"]) for p in r["curve"]] for r in seeds]) if seeds else [],
+            "final_val_losses": finals,
+            "seed_curves": [[(p["tokens"], p["val_loss"]) for p in r["curve"]] for r in seeds],
             **costs[name],
         }
         rows.append(row)
     base = next(r for r in rows if r["optimizer"] == baseline)
+    base_finals = base["final_val_losses"]
+    target = statistics.fmean(base_finals) if base_finals else None
     for row in rows:
+        row["tokens_to_target"] = _tokens_to_target(row.pop("seed_curves"), target)
+        test = None if row is base else seed_stats.welch(row["final_val_losses"], base_finals)
+        row["welch_vs_baseline"] = None if test is None else dataclasses.asdict(test)
         row["update_vs_baseline"] = row["update_seconds"] / base["update_seconds"]
         for axis in ("tokens", "seconds"):
             if base[f"{axis}_curve"] and row[f"{axis}_curve"]:
@@ -325,6 +354,9 @@ def summarize(config: ml_collections.ConfigDict, runs: dict[str, list[dict]], be
                 row[f"speedup_{axis}"] = {"value": s.value, "upper_bound": s.upper_bound, "text": str(s), "target": s.target}
             else:
                 row[f"speedup_{axis}"] = None
+    rows.sort(key=_rank_key)
+    for rank, row in enumerate(rows, 1):
+        row["rank"] = rank
     return {
         "baseline": baseline,
         "model": config.model.preset,
@@ -338,6 +370,39 @@ def summarize(config: ml_collections.ConfigDict, runs: dict[str, list[dict]], be
     }
 
 
+def _tokens_to_target(curves: list[list[tuple[float, float]]], target: float | None) -> dict | None:
+    """Per seed, the tokens at which its validation curve reaches ``target`` (None: never); their mean
+    and 95% t-interval when every seed reached it."""
+    if target is None or not curves:
+        return None
+    per_seed = [speedup.x_to_target(curve, target) for curve in curves]
+    reached = [x for x in per_seed if x is not None]
+    out = {"target": target, "per_seed": per_seed, "reached": len(reached), "seeds": len(per_seed)}
+    if len(reached) == len(per_seed):
+        out |= dataclasses.asdict(seed_stats.t_interval(reached))
+    return out
+
+
+def _rank_key(row: dict) -> tuple:
+    """Every seed at the target first (fewest mean tokens first), then most seeds at it, then final loss."""
+    reach = row["tokens_to_target"]
+    loss = row["final_val_loss_mean"] if row["final_val_loss_mean"] is not None else math.inf
+    if reach is None:
+        return (1, 0, math.inf, loss)
+    everyone = reach["reached"] == reach["seeds"]
+    return (0 if everyone else 1, -reach["reached"], reach["mean"] if everyone else math.inf, loss)
+
+
+def _tokens_text(reach: dict | None) -> str:
+    if reach is None:
+        return "-"
+    if reach["reached"] < reach["seeds"]:
+        return f"reached by {reach['reached']}/{reach['seeds']} seeds"
+    if reach["low"] is None:
+        return f"{reach['mean']:,.0f}"
+    return f"{reach['mean']:,.0f} [{reach['low']:,.0f}, {reach['high']:,.0f}]"
+
+
 def _setting_text(setting: dict[str, float]) -> str:
     return ", ".join(f"{GRID_KEYS[k]} {v:g}" for k, v in setting.items())
 
@@ -346,17 +411,17 @@ def markdown(results: dict) -> str:
     """The results table, then every grid run's final loss (seed 0; the best setting marked *)."""
     base = results["baseline"]
     header = (
-        "| optimizer | best setting | final val loss (mean ± std) | val bits / byte | seeds | speedup (tokens) "
-        f"| speedup (time) | state bytes / param | update time (x {base}) |"
+        f"| rank | optimizer | best setting | final val loss (mean ± std) | p (Welch, vs {base}) | tokens to {base}'s final loss "
+        f"(mean [95% CI]) | val bits / byte | seeds | speedup (tokens) | speedup (time) | state bytes / param | update time (x {base}) |"
     )
     lines = [
         (
-            f"`{results['model']}`, {results['steps']} steps, {results['tokens_per_run']:,} tokens per run; "
-            f"speedups over {base} at its final validation loss."
+            f"`{results['model']}`, {results['steps']} steps, {results['tokens_per_run']:,} tokens per run; the target is {base}'s "
+            "final validation loss (mean over its seeds); speedups are read off the seed-averaged curves."
         ),
         "",
         header,
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["optimizers"]:
         if row["final_val_loss_mean"] is None:
@@ -367,14 +432,18 @@ def markdown(results: dict) -> str:
         seconds = row["speedup_seconds"]["text"] if row["speedup_seconds"] else "-"
         bits = row.get("final_val_bits_per_byte_mean")
         bits = "-" if bits is None else f"{bits:.4f}"
+        welch = row["welch_vs_baseline"]
+        p = "-" if welch is None else f"{welch['p']:.2g}"
         lines.append(
-            f"| {row['optimizer']} | {_setting_text(row['best_setting'])} | {loss} | {bits} | {len(row['seeds'])} | {tokens} | {seconds} "
+            f"| {row['rank']} | {row['optimizer']} | {_setting_text(row['best_setting'])} | {loss} | {p} | {_tokens_text(row['tokens_to_target'])} "
+            f"| {bits} | {len(row['seeds'])} | {tokens} | {seconds} "
             f"| {row['state_bytes_per_param']:.2f} | {row['update_vs_baseline']:.2f} ({1e3 * row['update_seconds']:.1f} ms) |"
         )
-    lines += ["", "| run (seed 0) | final val loss |", "|---|---|"]
+    first = results["runs"][0]["seed"] if results["runs"] else 0
+    lines += ["", f"| run (seed {first}) | final val loss |", "|---|---|"]
     best = {row["optimizer"]: row["best_setting"] for row in results["optimizers"]}
     for run in results["runs"]:
-        if run["seed"] == 0:
+        if run["seed"] == first:
             mark = " *" if run["setting"] == best[run["optimizer"]] else ""
             lines.append(f"| {run['name']}{mark} | {_describe(run).removeprefix('final val loss ')} |")
     return "\n".join(lines) + "\n"
@@ -404,6 +473,7 @@ def plot_curves(results: dict, path: str | Path) -> None:
 def define_flags(argv: list[str]) -> flags.FlagHolder:
     """Flags; ``--quick`` makes `compare_quick.py` the default config (``--config.*`` still apply)."""
     flags.DEFINE_string("workdir", None, "Output folder; re-running on it skips finished runs. Default: a fresh folder under ./runs/.")
+    flags.DEFINE_string("seeds", None, "Seeds, e.g. 0,1,2 (the first runs the grid); default: the config's compare.seeds.")
     flags.DEFINE_bool("quick", False, f"The reduced comparison of {QUICK_CONFIG} (a few minutes on 2 CPU cores).")
     cli.define_verbose_flag()
     default = QUICK_CONFIG if any(a in ("--quick", "--quick=true", "--quick=True") for a in argv[1:]) else FULL_CONFIG
@@ -417,6 +487,8 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     if flags.FLAGS.quick and flags.FLAGS["config"].present:
         cli.usage_exit("--quick selects the config; give either --quick or --config=FILE")
     config = config_flag.value
+    if flags.FLAGS.seeds is not None:
+        config.compare.seeds = flags.FLAGS.seeds
     workdir = flags.FLAGS.workdir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-compare-{config.model.preset}"
     try:
         results = compare(config, workdir, log=functools.partial(print, flush=True))

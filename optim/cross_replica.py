@@ -82,3 +82,9 @@ def quantized_mean(x: jax.Array, axis_name: str | None, exchange: str = "float32
     if isinstance(gathered, quantization.BlockQuantized):
         gathered = dataclasses.replace(gathered, shape=chunks.shape)  # the codes now hold every replica's chunk
     return _decode(gathered).reshape(-1)[:n]
+
+
+def sync_period(steps: int):
+    """A named scope for collectives that run once every ``steps`` steps (a synchronisation with its
+    own period); `experiments.bench_comm` reads it from the compiled HLO to amortise their bytes."""
+    return jax.named_scope(f"sync_period_{steps}")

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -179,9 +179,37 @@ def _diloco(
 ) -> optax.GradientTransformationExtraArgs:
     sync_every, warm_start_steps = _statics(DiLoCo.static_args, sync_every=sync_every, warm_start_steps=warm_start_steps)
     _check(sync_every, outer_learning_rate, outer_momentum, warm_start_steps)
+    mean = (lambda t: t) if axis_name is None else (lambda t: jax.lax.pmean(t, axis_name))  # noqa: E731
+
+    def synchronise(rounds, local, theta, momentum):
+        def outer_step(local, theta, momentum):
+            delta = mean(jax.tree.map(lambda t, x: t - x.astype(jnp.float32), theta, local))
+            theta, momentum = outer_nesterov(theta, momentum, delta, outer_learning_rate, outer_momentum)
+            return jax.tree.map(lambda t, x: t.astype(x.dtype), theta, local), theta, momentum
+
+        keep = lambda local, theta, momentum: (local, theta, momentum)  # noqa: E731
+        return jax.lax.cond((rounds > 0) & (rounds % sync_every == 0), outer_step, keep, local, theta, momentum)
+
+    return local_rounds(inner, synchronise, axis_name=axis_name, warm_start_steps=warm_start_steps, name="diloco")
+
+
+def local_rounds(
+    inner: optax.GradientTransformation,
+    synchronise: Callable[[jax.Array, Any, Any, Any], tuple[Any, Any, Any]],
+    *,
+    axis_name: str | None,
+    warm_start_steps: int,
+    name: str,
+) -> optax.GradientTransformationExtraArgs:
+    """The DiLoCo family's step: ``inner`` on the replica's gradients, then ``synchronise``.
+
+    ``synchronise(rounds, local, theta, m) -> (local, theta, m)`` gets the steps taken since the warm
+    start (this one included), the replica's parameters after its inner step, the outer parameters
+    ``theta`` and the outer momentum ``m`` (fp32), and decides itself (`jax.lax.cond` /
+    `jax.lax.switch` on ``rounds``) whether this step synchronises. The state is a `DiLoCoState`.
+    """
     inner = optax.with_extra_args_support(inner)
     warm_gradients, warm_outer = _warm_start(warm_start_steps, axis_name)
-    mean = (lambda t: t) if axis_name is None else (lambda t: jax.lax.pmean(t, axis_name))  # noqa: E731
 
     def init_fn(params):
         theta, momentum = _outer_init(params)
@@ -189,22 +217,12 @@ def _diloco(
 
     def update_fn(grads, state, params=None, **extra_args):
         if params is None:
-            raise ValueError("diloco needs params: call update(grads, state, params)")
-        shapes.check_like(grads, state.outer_momentum, "diloco")
+            raise ValueError(f"{name} needs params: call update(grads, state, params)")
+        shapes.check_like(grads, state.outer_momentum, name)
         local, inner_state = _inner_step(inner, warm_gradients(grads, state.count), state.inner, params, extra_args)
         count = state.count + 1
         theta = warm_outer(state.outer_params, local, count)
-        rounds = count - warm_start_steps
-
-        def synchronise(local, theta, momentum):
-            delta = mean(jax.tree.map(lambda t, x: t - x.astype(jnp.float32), theta, local))
-            theta, momentum = outer_nesterov(theta, momentum, delta, outer_learning_rate, outer_momentum)
-            return jax.tree.map(lambda t, x: t.astype(x.dtype), theta, local), theta, momentum
-
-        keep = lambda local, theta, momentum: (local, theta, momentum)  # noqa: E731
-        new, theta, momentum = jax.lax.cond(
-            (rounds > 0) & (rounds % sync_every == 0), synchronise, keep, local, theta, state.outer_momentum
-        )
+        new, theta, momentum = synchronise(count - warm_start_steps, local, theta, state.outer_momentum)
         updates = jax.tree.map(lambda n, p: n - p, new, params)
         return updates, DiLoCoState(count, theta, momentum, inner_state)
 

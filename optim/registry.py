@@ -14,6 +14,7 @@ from optim.came import Came
 from optim.conda import Conda
 from optim.cosmos import Cosmos
 from optim.demo import DeMo
+from optim.des_loc import DESLOC
 from optim.diloco import DiLoCo, StreamingDiLoCo
 from optim.dion import Dion
 from optim.dion2 import Dion2
@@ -26,6 +27,7 @@ from optim.mars_muon import MarsMuon
 from optim.micro_adam import MicroAdam
 from optim.muon import Muon
 from optim.muon_clip import MuonClip
+from optim.noloco import NoLoCo
 from optim.normuon import NorMuon
 from optim.powersgd import PowerSGD
 from optim.psgd_kron import PsgdKron
@@ -62,6 +64,8 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "dion2": Dion2,
     "micro_adam": MicroAdam,
     "frugal": Frugal,
+    "noloco": NoLoCo,
+    "des_loc": DESLOC,
 }
 
 

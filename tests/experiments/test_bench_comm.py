@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from experiments import bench_comm
+from optim import cross_replica
 
 
 @pytest.mark.devices(4)
@@ -32,6 +33,29 @@ def test_counts_collectives_in_loops_and_branches_of_a_compiled_program():
     assert summary["ring"]["every_step"] == pytest.approx(4 * 2 * 3 / 4 * 64)
     assert summary["ring"]["per_sync"] == pytest.approx(3 * 16)
     assert summary["payload"]["per_token"] == pytest.approx((4 * 64 + 1.6) / 8)
+
+
+@pytest.mark.devices(4)
+def test_one_branch_of_a_switch_counts_and_a_sync_period_scope_sets_its_amortisation():
+    """A switch runs one branch: the largest counts; collectives under ``sync_period_5`` count once per 5 steps."""
+    mesh = jax.make_mesh((4,), ("r",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+
+    def pair(v):
+        return jax.lax.ppermute(v, "r", [(0, 1), (1, 0), (2, 3), (3, 2)])  # 64 bytes
+
+    def twice(v):
+        with cross_replica.sync_period(5):
+            return jax.lax.psum(jnp.sin(jax.lax.psum(v, "r")), "r")  # 2 x 64 bytes
+
+    def body(x, index):
+        return jax.lax.switch(index[0], [lambda v: v, pair, twice], x)
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P("r"), out_specs=jax.P("r"), check_vma=False))
+    found = bench_comm.collectives(fn.lower(jnp.ones((4, 16)), jnp.ones((4,), jnp.int32)).compile().as_text(), 4)
+    assert [(c.kind, c.period, c.conditional) for c in found] == [("all-reduce", 5, True)] * 2
+    summary = bench_comm.summarize(found, sync_every=10, tokens_per_step=8)
+    assert summary["payload"]["per_sync"] == 128
+    assert summary["payload"]["per_step"] == pytest.approx(128 / 5)
 
 
 @pytest.mark.parametrize(

@@ -60,7 +60,7 @@ def _config():
     config.compare.grid.adamw.learning_rate = "1e-3,1e-2"
     config.compare.grid.lion.learning_rate = "1e-4"
     config.compare.grid.sgd.learning_rate = "0.1,10"
-    config.compare.seeds = 2
+    config.compare.seeds = "0,1"
     config.compare.update_timing_repeats = 2
     return config
 
@@ -81,6 +81,7 @@ def test_protocol_picks_by_final_loss_adds_seeds_and_measures_speedups(tmp_path,
     assert lines[0] == "[1/8] adamw-lr0.001-seed0: finished earlier (final val loss 2.0000), skipped"
     assert "[8/8] sgd-lr0.1-seed1: final val loss 2.6100" in lines[-2]
 
+    assert [row["optimizer"] for row in results["optimizers"]] == ["lion", "adamw", "sgd"]  # ranked by tokens to target
     rows = {row["optimizer"]: row for row in results["optimizers"]}
     assert rows["adamw"]["best_setting"] == {"learning_rate": 1e-3}  # final loss decides, not mid-run
     assert rows["adamw"]["seeds"] == [0, 1]
@@ -96,13 +97,26 @@ def test_protocol_picks_by_final_loss_adds_seeds_and_measures_speedups(tmp_path,
     assert rows["adamw"]["state_bytes_per_param"] == pytest.approx(8.0, abs=0.01)  # two fp32 moments
     assert rows["lion"]["state_bytes_per_param"] == pytest.approx(4.0, abs=0.01)  # one momentum
     assert rows["adamw"]["update_vs_baseline"] == 1.0 and rows["lion"]["update_seconds"] > 0
+    # Target: AdamW's mean final loss 2.005. Lion's seeds cross it at steps 10 + 7.95 * (2.8 - 2.005) / 0.8 ... (linear
+    # between evaluations): 19.9375 and 20.5 steps of 256 tokens; a 2-seed t-interval is mean +- t_{0.975,1} |a - b| / 2.
+    reach = rows["lion"]["tokens_to_target"]
+    assert reach["target"] == pytest.approx(2.005)
+    assert reach["per_seed"] == pytest.approx([19.9375 * 256, 20.5 * 256])
+    assert reach["mean"] == pytest.approx(5176) and reach["high"] - reach["mean"] == pytest.approx(12.706205 * 72)
+    assert rows["adamw"]["tokens_to_target"]["per_seed"] == [pytest.approx(39.75 * 256), None]  # seed 1 ends at 2.01
+    assert rows["sgd"]["tokens_to_target"]["reached"] == 0
+    # Welch with equal spreads and n = 2 each: df = 2, p = 1 - |t| / sqrt(2 + t^2), t = -0.2 / 0.01 * sqrt(2).
+    t = -0.2 / 0.01 * 2**0.5
+    assert rows["lion"]["welch_vs_baseline"] == pytest.approx({"t": t, "df": 2.0, "p": 1 - abs(t) / (2 + t * t) ** 0.5})
+    assert rows["adamw"]["welch_vs_baseline"] is None
 
     on_disk = json.loads((tmp_path / "results.json").read_text())
     statuses = {run["name"]: run["status"] for run in on_disk["runs"]}
     assert len(statuses) == 8 and statuses["sgd-lr10-seed0"] == "diverged"
     table = (tmp_path / "results.md").read_text()
-    assert "| lion | lr 0.0001 | 1.8050 ± 0.0071 | 0.9025 | 2 | 2.00x | 1.00x | 4.00 |" in table
-    assert "| sgd | lr 0.1 | 2.6050 ± 0.0071 | - | 2 |" in table
+    assert "| 1 | lion | lr 0.0001 | 1.8050 ± 0.0071 | 0.0012 | 5,176 [4,261, 6,091] | 0.9025 | 2 | 2.00x | 1.00x | 4.00 |" in table
+    assert "| 2 | adamw | lr 0.001 | 2.0050 ± 0.0071 | - | reached by 1/2 seeds | 1.0025 | 2 | 1.00x |" in table
+    assert "| 3 | sgd | lr 0.1 | 2.6050 ± 0.0071 | 0.00014 | reached by 0/2 seeds | - | 2 |" in table
     assert "| sgd-lr10-seed0 | diverged |" in table and "| adamw-lr0.001-seed0 * | 2.0000 |" in table
     assert (tmp_path / "curves.png").stat().st_size > 10_000
 
@@ -138,13 +152,19 @@ def test_bad_grids_are_usage_errors():
         {"learning_rate": 1e-4, "weight_decay": 0.1},
         {"learning_rate": 1e-4, "weight_decay": 1.0},
     ]
+    config.compare.seeds = "0,0"
+    with pytest.raises(cli.UsageError, match="seeds='0,0' must be distinct non-negative integers, comma-separated, e.g. --seeds=0,1,2"):
+        compare_optimizers.parse_grid(config)
+    config.compare.seeds = "0,1"
     config.compare.baseline = "sgd_typo"
     with pytest.raises(cli.UsageError, match="compare.baseline='sgd_typo' must be one of"):
         compare_optimizers.parse_grid(config)
 
 
 def _cli(tmp_path, *args):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # The seeds of a setting compile the same step: a compilation cache lets the second seed's run reuse it.
+    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **cache}
     command = [sys.executable, "-m", "experiments.compare_optimizers", f"--workdir={tmp_path}", "--quick", *args]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
 
@@ -162,15 +182,18 @@ def test_quick_cli_end_to_end(tmp_path):
         "--config.compare.optimizers=adamw,sgd",
         "--config.compare.grid.adamw.learning_rate=3e-3",
         "--config.compare.grid.sgd.learning_rate=0.3",
-        "--config.compare.seeds=1",
+        "--seeds=0,1",
         "--config.compare.update_timing_repeats=2",
     ]
     result = _cli(tmp_path, *small)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "[1/2] adamw-lr0.003-seed0: training 6 steps" in result.stdout
+    assert "[1/4] adamw-lr0.003-seed0: training 6 steps" in result.stdout and "[4/4] sgd-lr0.3-seed1" in result.stdout
     results = json.loads((tmp_path / "results.json").read_text())
-    assert [r["optimizer"] for r in results["optimizers"]] == ["adamw", "sgd"]
-    assert [len(r["curve"]) for r in results["runs"]] == [2, 2]
+    assert sorted(r["optimizer"] for r in results["optimizers"]) == ["adamw", "sgd"]
+    assert [len(r["curve"]) for r in results["runs"]] == [2, 2, 2, 2]
+    rows = {r["optimizer"]: r for r in results["optimizers"]}
+    assert rows["adamw"]["seeds"] == [0, 1] and len(rows["sgd"]["final_val_losses"]) == 2
+    assert 0 <= rows["sgd"]["welch_vs_baseline"]["p"] <= 1 and rows["adamw"]["tokens_to_target"]["seeds"] == 2
     assert results["tokens_per_run"] == 6 * 4 * 32
     for row in results["optimizers"]:
         assert row["final_val_loss_mean"] > 0 and row["speedup_tokens"]["text"].endswith(("x", "(not reached)"))

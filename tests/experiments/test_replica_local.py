@@ -36,6 +36,8 @@ CROSS_REPLICA = {
     "diloco": {"optimizer.diloco.sync_every": 2},
     "streaming_diloco": {"optimizer.streaming_diloco.sync_every": 2, "optimizer.streaming_diloco.exchange": "bfloat16"},
     "powersgd": {"optimizer.powersgd.rank": 2},
+    "noloco": {"optimizer.noloco.sync_every": 2},
+    "des_loc": {"optimizer.des_loc.sync_every": 2, "optimizer.des_loc.mu_sync_every": 3, "optimizer.des_loc.nu_sync_every": 4},
 }
 STEPS, SAVED_AT = 4, 2
 

@@ -31,7 +31,6 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +60,7 @@ class Pipeline:
     repeats: int = 1
 
 
-_PIPELINE: contextvars.ContextVar[Pipeline] = contextvars.ContextVar("pipeline", default=Pipeline())
+_PIPELINE: contextvars.ContextVar[Pipeline | None] = contextvars.ContextVar("pipeline", default=None)
 
 
 @contextlib.contextmanager
@@ -75,7 +74,8 @@ def use_pipeline(pipeline: Pipeline) -> Iterator[None]:
 
 
 def current() -> Pipeline:
-    return _PIPELINE.get()
+    """The schedule in force (`use_pipeline`; default `Pipeline()`). A jitted step reads it when it is traced."""
+    return _PIPELINE.get() or Pipeline()
 
 
 def stage_count() -> int:
@@ -86,11 +86,13 @@ def stage_count() -> int:
     return mesh.shape[STAGE_AXIS]
 
 
-def check(pipeline: Pipeline, *, stages: int, n_layers: int, batch: int, scan_layers: bool, aux: str | None = None) -> None:
+def check(
+    pipeline: Pipeline, *, stages: int, n_layers: int, batch: int, batch_shards: int = 1, scan_layers: bool, aux: str | None = None
+) -> None:
     """Raises a one-line ValueError naming the sizes that work when ``pipeline`` cannot run.
 
-    ``batch``: rows per gradient-accumulation micro-batch; ``aux``: the name of a model output the
-    pipeline does not carry (per-layer statistics), if the model makes one.
+    ``batch``: rows per gradient-accumulation micro-batch, split over ``batch_shards`` devices; ``aux``:
+    the name of a model output the pipeline does not carry (`uncarried_aux`), if the model makes one.
     """
     if stages <= 1:
         return
@@ -110,10 +112,11 @@ def check(pipeline: Pipeline, *, stages: int, n_layers: int, batch: int, scan_la
             f"model.n_layers={n_layers} does not split into stage:{stages} x pipeline.repeats={p.repeats} = {groups} "
             f"layer groups; use n_layers divisible by {groups} (stage x repeats in {working} divide {n_layers})"
         )
-    if p.microbatches < 1 or batch % p.microbatches:
-        working = [d for d in range(1, batch + 1) if batch % d == 0]
+    if p.microbatches < 1 or batch % (p.microbatches * batch_shards):
+        working = [d for d in range(1, batch + 1) if batch % (d * batch_shards) == 0]
         raise ValueError(
-            f"pipeline.microbatches={p.microbatches} does not split the micro-batch of {batch} sequences; use one of {working}"
+            f"pipeline.microbatches={p.microbatches} does not split the micro-batch of {batch} sequences into microbatches "
+            f"that split over {batch_shards} batch shard(s); use microbatches in {working}"
         )
     if p.repeats > 1 and p.microbatches < stages:
         raise ValueError(

@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lm import kv_cache
-from lm import pipeline
+from lm import kv_cache, pipeline
 from lm import remat as remat_lib
 from lm.attention import Attention
 from lm.config import ModelConfig

@@ -1,0 +1,152 @@
+"""Pipeline parallelism (`lm.pipeline`): every schedule equals one device on 8 CPU devices.
+
+Each case jits the model's loss and gradients once per mesh (`tiny` with 8 layers and packed
+documents) and steps AdamW and Muon on them from the same initial parameters, as
+`tests/sharding/test_checkpoint_any_mesh.py` does: the first step's gradients must equal one
+device's to fp32 rounding and three steps' losses agree within 1e-5 (10 steps: the check in
+`experiments/bench_pipeline.py`).
+"""
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from experiments import checkpointing, run_spec, train_lib
+from experiments.cli import UsageError
+from experiments.configs import default
+from lm import model as model_lib
+from lm import pipeline
+from lm.loss import cross_entropy
+from sharding import partition
+
+pytestmark = pytest.mark.devices(8)
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+SEPARATOR, BATCH, SEQ_LEN, STEPS = 7, 8, 32, 3
+OPTIMIZERS = ("adamw", "muon")
+ONE_DEVICE = {"mesh": "data:1", "devices": 1}
+CASES = {
+    "gpipe-stage4-data2": {"mesh": "stage:4,data:2", "pipeline.microbatches": 4},
+    "gpipe-stage2-fsdp2-tensor2": {"mesh": "stage:2,fsdp:2,tensor:2", "rules": "tp", "pipeline.microbatches": 2},
+    "circular-stage2-data4": {"mesh": "stage:2,data:4", "pipeline.schedule": "circular", "pipeline.repeats": 2, "pipeline.microbatches": 2},
+}
+
+
+def _config(placement, optimizer="adamw"):
+    config = default.get_config()
+    config.steps, config.batch_size, config.data.seq_len = STEPS, BATCH, SEQ_LEN
+    config.model.update({"preset": "tiny", "n_layers": 8, "document_separator": SEPARATOR})
+    config.optimizer.name, config.optimizer.warmup_steps = optimizer, 1
+    for key, value in placement.items():
+        *block, name = key.split(".")
+        (config[block[0]] if block else config)[name] = value
+    return config
+
+
+def _batches():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (STEPS, BATCH, SEQ_LEN + 1), dtype=np.int32)
+    tokens[:, :, rng.integers(1, SEQ_LEN, 6)] = SEPARATOR  # documents that cross microbatch rows and stages
+    return tokens
+
+
+@functools.cache
+def _run(case):
+    """Gradients of the first batch and ``{optimizer: (losses, final state)}`` of `STEPS` steps on one placement."""
+    placement = ONE_DEVICE if case is None else CASES[case]
+    specs = {name: run_spec.build_run(_config(placement, name)) for name in OPTIMIZERS}
+    spec = specs["adamw"]
+    shardings = spec.shardings
+
+    def loss_fn(params, tokens):
+        return cross_entropy(model_lib.apply(spec.model_def, params, tokens[:, :-1]), tokens[:, 1:])[0]
+
+    batches, out = _batches(), {}
+    with jax.set_mesh(spec.mesh), pipeline.use_pipeline(spec.pipeline), partition.use_rules(spec.rules):
+        grad_fn = jax.jit(
+            jax.value_and_grad(loss_fn), in_shardings=(shardings.params, shardings.batch), out_shardings=(None, shardings.params), compiler_options=FAST_COMPILE
+        )  # fmt: skip
+        params = model_lib.init_params(spec.model_def, 0, shardings.params)
+        first_grads = jax.device_get(grad_fn(params, train_lib.global_batch(batches[0], shardings))[1])
+        for name, s in specs.items():
+            tx = s.tx
+            update = jax.jit(
+                lambda p, o, g, tx=tx: (lambda u, o: (optax.apply_updates(p, u), o))(*tx.update(g, o, p)),
+                out_shardings=(s.shardings.params, s.shardings.state["opt_state"]),
+                compiler_options=FAST_COMPILE,
+            )  # fmt: skip
+            state = {"params": params, "opt_state": jax.jit(tx.init, out_shardings=s.shardings.state["opt_state"])(params)}
+            losses = []
+            for tokens in batches:
+                loss, grads = grad_fn(state["params"], train_lib.global_batch(tokens, shardings))
+                state["params"], state["opt_state"] = update(state["params"], state["opt_state"], grads)
+                losses.append(float(loss))
+            out[name] = (np.array(losses), state)
+    return first_grads, out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_schedule_equals_one_device(case):
+    grads_1, runs_1 = _run(None)
+    grads, runs = _run(case)
+    for (path, g), g_1 in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_1), strict=True):
+        error = np.linalg.norm(g - g_1) / np.linalg.norm(g_1)
+        assert error < 1e-5, (jax.tree_util.keystr(path), error)
+    for name in OPTIMIZERS:
+        np.testing.assert_allclose(runs[name][0], runs_1[name][0], rtol=1e-5, err_msg=name)
+        assert runs[name][0][-1] < runs[name][0][0]  # it trained
+
+
+def test_block_parameters_and_state_split_over_stage():
+    _, runs = _run("gpipe-stage4-data2")
+    state = runs["adamw"][1]
+    kernel = state["params"]["blocks"]["mlp"]["down_proj"]["kernel"]
+    assert kernel.sharding.spec[0] == "stage" and kernel.shape[0] == 8
+    moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim == 3 and x.shape == kernel.shape]
+    assert moments and all(m.sharding.spec[0] == "stage" for m in moments)
+
+
+@pytest.mark.parametrize("saved_on, restored_on", [("gpipe-stage4-data2", None), (None, "gpipe-stage2-fsdp2-tensor2")])
+def test_checkpoint_moves_between_pipeline_and_plain_meshes(tmp_path, saved_on, restored_on):
+    state = _run(saved_on)[1]["muon"][1]
+    mgr = checkpointing.manager(tmp_path, keep=1, every=1)
+    checkpointing.save(mgr, STEPS, state, {}, {"optimizer": "muon"}, force=True)
+    mgr.wait_until_finished()
+    spec = run_spec.build_run(_config(ONE_DEVICE if restored_on is None else CASES[restored_on], "muon"))
+    target = train_lib.abstract_state(spec.model_def, spec.tx, spec.shardings)
+    target = {"params": target["params"], "opt_state": target["opt_state"]}
+    with jax.set_mesh(spec.mesh):
+        step, restored, _ = checkpointing.restore(mgr, target, {"optimizer": "muon"})
+    assert step == STEPS
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored["params"]), jax.device_get(state["params"]))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored["opt_state"]), jax.device_get(state["opt_state"]))
+    stages = spec.mesh.shape.get("stage", 1)
+    assert restored["params"]["blocks"]["attn"]["q_proj"]["kernel"].sharding.shard_shape((8, 128, 128))[0] == 8 // stages
+
+
+@pytest.mark.parametrize(
+    "keys, match",
+    [
+        ({"model.n_layers": 6}, r"n_layers=6 does not split into stage:4 x pipeline.repeats=1"),
+        ({"pipeline.microbatches": 3}, r"microbatches in \[1, 2, 4\]"),
+        ({"pipeline.schedule": "circular", "pipeline.repeats": 2, "pipeline.microbatches": 2}, "needs microbatches >= stages"),
+        ({"model.scan_layers": False}, "set model.scan_layers=True"),
+        ({"optimizer.name": "muon_clip"}, "track_attn_logits"),
+        ({"pipeline.schedule": "pipedream"}, "is not one of gpipe, circular"),
+    ],
+)
+def test_run_spec_names_the_sizes_that_work(keys, match):
+    config = _config({"mesh": "stage:4,data:2", **keys}, keys.get("optimizer.name", "adamw"))
+    with pytest.raises(UsageError, match=match):
+        run_spec.build_run(config)
+
+
+@pytest.mark.parametrize("stages, microbatches, repeats", [(4, 4, 1), (4, 16, 1), (2, 8, 1), (4, 4, 2), (4, 8, 3)])
+def test_tick_table_bubble_matches_the_formula(stages, microbatches, repeats):
+    table = pipeline.forward_table(stages, microbatches, repeats)
+    assert pipeline.bubble_fraction(table) == pytest.approx((stages - 1) / (repeats * microbatches + stages - 1))
+    for stage in range(stages):  # every item once per stage, in order
+        assert table[:, stage][table[:, stage] >= 0].tolist() == list(range(repeats * microbatches))

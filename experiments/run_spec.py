@@ -114,7 +114,7 @@ class RunSpec:
     mesh: jax.sharding.Mesh
     rules: rules_lib.Rules
     shardings: train_lib.Shardings
-    pipeline: pipeline.Pipeline = pipeline.Pipeline()  # the schedule over a `stage` mesh axis (`pipeline.use_pipeline`)
+    pipeline: pipeline.Pipeline  # the schedule over a `stage` mesh axis (`lm.pipeline.use_pipeline`)
 
 
 def _check_replica_kernels(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:

@@ -41,7 +41,7 @@ from lm.config import ModelConfig
 from sharding import partition
 
 STAGE_AXIS = "stage"
-SCHEDULES = ("gpipe", "circular")
+SCHEDULES = ("gpipe", "circular", "1f1b")
 _MICRO = (None, "batch", "seq", "embed")
 
 
@@ -103,8 +103,8 @@ def check(
         raise ValueError(f"a mesh with stage:{stages} pipelines the scanned block stack; set model.scan_layers=True")
     if aux is not None:
         raise ValueError(f"{aux} is not carried through the pipeline yet; turn it off or use a mesh without a stage axis")
-    if p.repeats < 1 or (p.schedule == "gpipe" and p.repeats != 1):
-        raise ValueError(f"pipeline.repeats={p.repeats}: gpipe takes repeats=1, circular any repeats >= 1")
+    if p.repeats < 1 or (p.schedule != "circular" and p.repeats != 1):
+        raise ValueError(f"pipeline.repeats={p.repeats}: {p.schedule} takes repeats=1, circular any repeats >= 1")
     groups = stages * p.repeats
     if n_layers % groups:
         working = [d for d in range(1, n_layers + 1) if n_layers % d == 0 and d % stages == 0]
@@ -147,13 +147,14 @@ def bubble_fraction(table: np.ndarray) -> float:
     return float(np.mean(table < 0))
 
 
-def _to_microbatches(x: jax.Array, m: int) -> jax.Array:
+def to_microbatches(x: jax.Array, m: int) -> jax.Array:
     """``(B, ...) -> (M, B / M, ...)``, microbatch ``m`` holding rows ``m, M + m, 2M + m, ...``."""
     micro = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
-    return partition.constrain(micro, _MICRO[: micro.ndim]) if micro.ndim == 4 else micro
+    return partition.constrain(micro, _MICRO[: micro.ndim])
 
 
-def _from_microbatches(micro: jax.Array) -> jax.Array:
+def from_microbatches(micro: jax.Array) -> jax.Array:
+    """The inverse of `to_microbatches`."""
     return micro.swapaxes(0, 1).reshape(-1, *micro.shape[2:])
 
 
@@ -179,8 +180,8 @@ def run_stack(
     k = n_layers // (stages * r)
     # Layer l = (repeat * S + stage) * K + j, regrouped stage-major: [S, R, K, ...].
     grouped = jax.tree.map(lambda w: w.reshape(r, stages, k, *w.shape[1:]).swapaxes(0, 1), state)
-    micro = _to_microbatches(x, m)
-    segments = None if segment_ids is None else _to_microbatches(segment_ids, m)
+    micro = to_microbatches(x, m)
+    segments = None if segment_ids is None else to_microbatches(segment_ids, m)
     forward = [(s, s + 1) for s in range(stages - 1)] + ([(stages - 1, 0)] if r > 1 else [])
 
     def per_stage(local, micro, segments):
@@ -217,5 +218,5 @@ def run_stack(
         axis_names={STAGE_AXIS},
         check_vma=False,
     )(grouped, micro, segments)
-    return _from_microbatches(out)
+    return from_microbatches(out)
 

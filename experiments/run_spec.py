@@ -186,6 +186,11 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
         replica_axis = config.get("replicas") or None
         if replica_axis:
             _check_replica_kernels(config, mesh)
+            if mesh.shape.get(pipeline.STAGE_AXIS, 1) > 1:
+                raise ValueError(
+                    f"config.replicas={replica_axis} (a replica-local step, for {config.optimizer.name}) does not run beside "
+                    f"a stage axis yet (mesh {dict(mesh.shape)}); drop the stage axis or use an optimizer that is not replica-local"
+                )
         balancing(config)  # checked here so a bad value is a usage error
         model_def = model_lib.define(cfg)
         # The fused quantized-state kernel runs per shard of these specs (optim.quantize_state).

@@ -21,6 +21,7 @@ from experiments.configs import default
 from lm import model as model_lib
 from lm import pipeline, pipeline_1f1b
 from lm.loss import cross_entropy
+from optim import registry
 from sharding import partition
 
 pytestmark = pytest.mark.devices(8)
@@ -41,6 +42,7 @@ CASES = {
     ),
 }
 OPTIMIZERS = ("adamw", "muon")
+STATELESS_FOR_MATRICES = ()
 
 
 def _config(placement, optimizer="adamw"):
@@ -159,9 +161,10 @@ def test_checkpoint_moves_between_pipeline_and_plain_meshes(tmp_path, saved_on, 
         ({"model.scan_layers": False}, "set model.scan_layers=True"),
         ({"optimizer.name": "muon_clip"}, "track_attn_logits"),
         ({"pipeline.schedule": "pipedream"}, "is not one of gpipe, circular, 1f1b"),
+        ({"optimizer.name": "diloco", "replicas": "data"}, "does not run beside a stage axis"),
     ],
 )
-def test_run_spec_names_the_sizes_that_work(keys, match):
+def test_run_spec_names_what_does_not_run(keys, match):
     config = _config({"mesh": "stage:4,data:2", **keys}, keys.get("optimizer.name", "adamw"))
     with pytest.raises(UsageError, match=match):
         run_spec.build_run(config)
@@ -188,3 +191,14 @@ def test_1f1b_table_runs_every_microbatch_once_with_a_fixed_number_in_flight(sta
     # Stage s keeps microbatch inputs from tick f + s to f + 2S - 2 - s: 2(S - 1 - s) + 1 of them, whatever M.
     bound = [min(2 * (stages - 1 - s) + 1, microbatches) for s in range(stages)]
     assert pipeline_1f1b.in_flight(stages, microbatches).tolist() == bound
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in registry.OPTIMIZERS.items() if not c.replica_local))
+def test_every_optimizer_places_its_state_with_its_stage(name):
+    """Under ``stage:4,data:2`` the state of a block parameter is split over ``stage`` like the parameter."""
+    spec = run_spec.build_run(_config({"mesh": "stage:4,data:2"}, name))
+    kernel = spec.shardings.params["blocks"]["mlp"]["up_proj"]["kernel"]
+    assert kernel.spec[0] == "stage"
+    state = jax.tree_util.tree_leaves_with_path(spec.shardings.state["opt_state"])
+    mirrors = [s for path, s in state if "up_proj" in jax.tree_util.keystr(path) and s.spec and s.spec[0] == "stage"]
+    assert mirrors or name in STATELESS_FOR_MATRICES, [(jax.tree_util.keystr(p), s.spec) for p, s in state if "up_proj" in jax.tree_util.keystr(p)]

@@ -9,6 +9,7 @@ device's to fp32 rounding and three steps' losses agree within 1e-5 (10 steps: t
 """
 
 import functools
+import re
 
 import jax
 import numpy as np
@@ -206,3 +207,19 @@ def test_every_optimizer_places_its_state_with_its_stage(name):
     state = jax.tree_util.tree_leaves_with_path(spec.shardings.state["opt_state"])
     mirrors = [s for path, s in state if "up_proj" in jax.tree_util.keystr(path) and s.spec and s.spec[0] == "stage"]
     assert mirrors, [(jax.tree_util.keystr(p), s.spec) for p, s in state if "up_proj" in jax.tree_util.keystr(p)]
+
+
+@pytest.mark.parametrize("schedule, ticks", [("gpipe", 4 + 4 - 1), ("1f1b", 4 + 2 * 4 - 2)])
+def test_train_step_runs_the_schedule_in_force(schedule, ticks):
+    """`train_lib.make_train_step` takes 1F1B's own loss and gradients (a loop of M + 2S - 2 ticks) and
+    differentiates GPipe's forward loop (M + S - 1 ticks); evaluation runs the forward loop under both."""
+    spec = run_spec.build_run(_config({"mesh": "stage:4,data:2", "pipeline.schedule": schedule}))
+    batch = jax.ShapeDtypeStruct((BATCH, SEQ_LEN + 1), np.int32, sharding=spec.shardings.batch)
+    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules), pipeline.use_pipeline(spec.pipeline):
+        state = train_lib.abstract_state(spec.model_def, spec.tx, spec.shardings)
+        step = jax.make_jaxpr(train_lib.make_train_step(spec.model_def, spec.tx))(state, batch)
+        evaluation = jax.make_jaxpr(train_lib.make_eval_step(spec.model_def))(state["params"], batch)
+    loops = lambda jaxpr: {int(n) for n in re.findall(r"length=(\d+)", str(jaxpr))}  # noqa: E731
+    gpipe_ticks = 4 + 4 - 1
+    assert ticks in loops(step) and (gpipe_ticks in loops(step)) == (schedule == "gpipe")
+    assert gpipe_ticks in loops(evaluation)

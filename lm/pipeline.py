@@ -23,6 +23,9 @@ replicated over ``stage``; the last stage's outputs reach every stage by one all
 (its gradient is the same all-reduce's transpose). ``circular`` reorders the stored ``[L]`` axis into
 stage-major groups each step (an all-to-all of the block weights over ``stage``), so the checkpoint
 layout stays that of every other mesh.
+
+This module is the forward loop (``gpipe``, ``circular``) that ``jax.grad`` differentiates; the
+``1f1b`` schedule, which computes the gradients itself, is `lm.pipeline_1f1b`.
 """
 
 from __future__ import annotations
@@ -49,10 +52,11 @@ _MICRO = (None, "batch", "seq", "embed")
 class Pipeline:
     """How the block stack runs over the ``stage`` mesh axis (``--config.pipeline.*``).
 
-    schedule: ``gpipe`` (one contiguous layer group per stage) or ``circular`` (``repeats`` groups per
-      stage, microbatches loop ``repeats`` times round the stages).
+    schedule: ``gpipe`` (one contiguous layer group per stage), ``circular`` (``repeats`` groups per
+      stage, microbatches loop ``repeats`` times round the stages) or ``1f1b`` (`lm.pipeline_1f1b`:
+      the train step's loss and gradients in their own tick loop; forward-only calls run as ``gpipe``).
     microbatches: ``M``, microbatches per step (per gradient-accumulation micro-batch).
-    repeats: ``R``, layer groups per stage; 1 for ``gpipe``.
+    repeats: ``R``, layer groups per stage; 1 except for ``circular``.
     """
 
     schedule: str = "gpipe"
@@ -107,10 +111,10 @@ def check(
         raise ValueError(f"pipeline.repeats={p.repeats}: {p.schedule} takes repeats=1, circular any repeats >= 1")
     groups = stages * p.repeats
     if n_layers % groups:
-        working = [d for d in range(1, n_layers + 1) if n_layers % d == 0 and d % stages == 0]
+        near = sorted({n for n in (groups * (n_layers // groups), groups * (n_layers // groups + 1)) if n > 0})
         raise ValueError(
             f"model.n_layers={n_layers} does not split into stage:{stages} x pipeline.repeats={p.repeats} = {groups} "
-            f"layer groups; use n_layers divisible by {groups} (stage x repeats in {working} divide {n_layers})"
+            f"layer groups; use n_layers divisible by {groups} (e.g. {' or '.join(map(str, near))})"
         )
     if p.microbatches < 1 or batch % (p.microbatches * batch_shards):
         working = [d for d in range(1, batch + 1) if batch % (d * batch_shards) == 0]

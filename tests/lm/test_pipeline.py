@@ -155,7 +155,7 @@ def test_checkpoint_moves_between_pipeline_and_plain_meshes(tmp_path, saved_on, 
 @pytest.mark.parametrize(
     "keys, match",
     [
-        ({"model.n_layers": 6}, r"n_layers=6 does not split into stage:4 x pipeline.repeats=1"),
+        ({"model.n_layers": 6}, r"n_layers=6 does not split into stage:4 x pipeline.repeats=1 = 4 layer groups; use n_layers divisible by 4 \(e.g. 4 or 8\)"),
         ({"pipeline.microbatches": 3}, r"microbatches in \[1, 2, 4\]"),
         ({"pipeline.schedule": "circular", "pipeline.repeats": 2, "pipeline.microbatches": 2}, "needs microbatches >= stages"),
         ({"model.scan_layers": False}, "set model.scan_layers=True"),

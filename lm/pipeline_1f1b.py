@@ -72,7 +72,7 @@ def value_and_grad(model_def: ModelDef, params: dict, tokens: jax.Array, loss_fn
     cfg, p, stages = model_def.config, pipeline_lib.current(), pipeline_lib.stage_count()
     m = p.microbatches
     pipeline_lib.check(
-        pipeline_lib.Pipeline("gpipe", m), stages=stages, n_layers=cfg.n_layers, batch=tokens.shape[0], scan_layers=cfg.scan_layers,
+        p, stages=stages, n_layers=cfg.n_layers, batch=tokens.shape[0], scan_layers=cfg.scan_layers,
         aux=pipeline_lib.uncarried_aux(cfg),
     )  # fmt: skip
     inputs, targets = tokens[:, :-1], tokens[:, 1:]

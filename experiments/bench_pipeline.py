@@ -34,11 +34,15 @@ MESHES = (("stage:4,data:2", "fsdp"), ("stage:2,fsdp:2,tensor:2", "tp"))
 OPTIMIZERS = ("adamw", "muon")
 
 _FLAGS = flags.FLAGS
-flags.DEFINE_integer("devices", 8, "Fake CPU devices.")
-flags.DEFINE_integer("steps", 10, "Training steps of the exactness check; 0 skips it.")
-flags.DEFINE_list("microbatches", ["4", "8", "16"], "Microbatch counts of the memory table (stage:4).")
-flags.DEFINE_integer("seq_len", 32, "Sequence length.")
-flags.DEFINE_string("json_out", None, "Also write the results as JSON here.")
+
+
+def define_flags() -> None:
+    """The command-line flags (defined under ``__main__`` only: scripts share absl's flag registry)."""
+    flags.DEFINE_integer("devices", 8, "Fake CPU devices.")
+    flags.DEFINE_integer("steps", 10, "Training steps of the exactness check; 0 skips it.")
+    flags.DEFINE_list("microbatches", ["4", "8", "16"], "Microbatch counts of the memory table (stage:4).")
+    flags.DEFINE_integer("seq_len", 32, "Sequence length.")
+    flags.DEFINE_string("json_out", None, "Also write the results as JSON here.")
 
 
 def _config(mesh: str, rules: str, schedule: str, microbatches: int, *, batch: int, optimizer: str = "adamw") -> ml_collections.ConfigDict:
@@ -166,4 +170,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -72,9 +72,8 @@ def bubbles(stages: int = 4) -> list[dict]:
     for m in (4, 8, 16):
         for schedule in SCHEDULES:
             if schedule == "1f1b":
-                forward, backward = pipeline_1f1b.tick_table(stages, m)
-                measured = float(np.mean(np.stack([forward, backward]) < 0))
-                formula, text = 2 * (stages - 1) / (m + 2 * stages - 2), "2(S-1)/(M+2S-2)"
+                measured = pipeline_1f1b.bubble_fraction(stages, m)
+                formula, text = (stages - 1) / (m + stages - 1), "(S-1)/(M+S-1)"
             else:
                 r = 2 if schedule == "circular" else 1
                 measured = pipeline.bubble_fraction(pipeline.forward_table(stages, m, r))

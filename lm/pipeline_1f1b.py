@@ -14,7 +14,11 @@ slot and one backward slot (masked where the table has no work):
 
 Microbatch ``f`` enters stage ``s`` on tick ``f + s`` and leaves it on tick ``f + 2S - 2 - s``, so the
 buffer holds at most ``2(S - 1 - s) + 1 <= 2S - 1`` inputs whatever ``M`` is, and the loop's carry is
-all the step stores: activation memory is flat in ``M``. The loop takes ``M + 2S - 2`` ticks.
+all the step stores: activation memory is flat in ``M``. The loop takes ``M + 2S - 2`` ticks; no
+stage has a forward slot's work after tick ``M + S - 2`` nor a backward slot's before tick ``S - 1``,
+so every device skips those slots (a `jax.lax.cond` on the tick alone) and the step costs
+``(M + S - 1)`` forward and ``(M + S - 1)`` backward slots per stage, as GPipe's: idle share
+``(S - 1) / (M + S - 1)``. The backward slot recomputes the stage's forward (as under full remat).
 
 Embedding stays outside (GSPMD over the other axes; its gradient from stage 0's input gradients by
 the embedding's own `jax.vjp`); norm, head and loss run on the last stage (their parameters are
@@ -25,6 +29,7 @@ block parameters is the one every mesh uses (`lm.pipeline`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +56,17 @@ def tick_table(stages: int, microbatches: int) -> tuple[np.ndarray, np.ndarray]:
     t, s = np.arange(ticks)[:, None], np.arange(stages)[None, :]
     valid = lambda i: np.where((i >= 0) & (i < microbatches), i, -1)  # noqa: E731
     return valid(t - s), valid(t - (2 * stages - 2 - s))
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """Idle share of the slots the loop runs: forward slots on ticks ``< M + S - 1``, backward slots on ticks ``>= S - 1``.
+
+    Every device skips the other slots (`value_and_grad`), so this is ``(S - 1) / (M + S - 1)``, GPipe's.
+    """
+    forward, backward = tick_table(stages, microbatches)
+    t = np.arange(forward.shape[0])
+    ran = np.concatenate([forward[t < microbatches + stages - 1], backward[t >= stages - 1]])
+    return float(np.mean(ran < 0))
 
 
 def in_flight(stages: int, microbatches: int) -> np.ndarray:
@@ -106,17 +122,28 @@ def value_and_grad(model_def: ModelDef, params: dict, tokens: jax.Array, loss_fn
             f, b = t - stage, t - (2 * stages - 2 - stage)
             f_ok, b_ok = (f >= 0) & (f < m), (b >= 0) & (b < m)
             fi, bi = jnp.clip(f, 0, m - 1), jnp.clip(b, 0, m - 1)
-            h = jnp.where(stage == 0, micro_x[fi], recv_f)
+
+            def forward_slot():
+                h = jnp.where(stage == 0, micro_x[fi], recv_f)
+                y = run(local, h, fi)
+                loss, head_vjp, metrics = jax.vjp(lambda r, y: head(r, y, fi), rest, y, has_aux=True)
+                d_rest, dy = head_vjp(jnp.float32(1.0 / m))
+                return h, y, dy, d_rest, (loss, metrics)
+
+            # No stage has forward work after tick M + S - 2, nor backward work before tick S - 1: those
+            # slots are skipped on every device alike (the predicate depends on the tick only).
+            h, y, dy, d_rest, loss_metrics = _unless(t >= m + stages - 1, forward_slot)
             kept = jax.lax.dynamic_update_index_in_dim(kept, jnp.where(f_ok, h, kept[fi % slots]), fi % slots, 0)
-            y = run(local, h, fi)
-            loss, head_vjp, metrics = jax.vjp(lambda r, y: head(r, y, fi), rest, y, has_aux=True)
-            d_rest, dy = head_vjp(jnp.float32(1.0 / m))
             use_head = last & f_ok  # on the last stage b == f: its backward starts from this tick's loss
-            _, block_vjp = jax.vjp(lambda w, h: run(w, h, bi), local, kept[bi % slots])
-            d_local, dh = block_vjp(jnp.where(last, dy, recv_b).astype(y.dtype))
+
+            def backward_slot():
+                _, block_vjp = jax.vjp(lambda w, h: run(w, h, bi), local, kept[bi % slots])
+                return block_vjp(jnp.where(last, dy, recv_b).astype(y.dtype))
+
+            d_local, dh = _unless(t < stages - 1, backward_slot)
             add = lambda acc, g, ok: jax.tree.map(lambda a, g: a + jnp.where(ok, g, jnp.zeros_like(g)), acc, g)  # noqa: E731
             grads, head_grads = add(grads, d_local, b_ok), add(head_grads, d_rest, use_head)
-            totals = add(totals, (loss, metrics), use_head)
+            totals = add(totals, loss_metrics, use_head)
             dx = jax.lax.dynamic_update_index_in_dim(dx, jnp.where((stage == 0) & b_ok, dh, dx[bi]), bi, 0)
             forward = [(s, s + 1) for s in range(stages - 1)]
             backward = [(s + 1, s) for s in range(stages - 1)]
@@ -149,3 +176,9 @@ def value_and_grad(model_def: ModelDef, params: dict, tokens: jax.Array, loss_fn
     grads["blocks"] = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), block_grads)
     return (loss, metrics), grads
 
+
+
+def _unless(skip: jax.Array, fn: Callable[[], Any]) -> Any:
+    """``fn()``, or zeros of its result's shapes where the scalar ``skip`` is true (`jax.lax.cond`)."""
+    shapes = jax.eval_shape(fn)
+    return jax.lax.cond(skip, lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), fn)

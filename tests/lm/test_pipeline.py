@@ -191,6 +191,7 @@ def test_1f1b_table_runs_every_microbatch_once_with_a_fixed_number_in_flight(sta
     # Stage s keeps microbatch inputs from tick f + s to f + 2S - 2 - s: 2(S - 1 - s) + 1 of them, whatever M.
     bound = [min(2 * (stages - 1 - s) + 1, microbatches) for s in range(stages)]
     assert pipeline_1f1b.in_flight(stages, microbatches).tolist() == bound
+    assert pipeline_1f1b.bubble_fraction(stages, microbatches) == pytest.approx((stages - 1) / (microbatches + stages - 1))
 
 
 @pytest.mark.parametrize(

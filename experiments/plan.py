@@ -13,6 +13,7 @@ activation figure as an estimate). Exit code 0 when it fits, 1 when it does not,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -24,6 +25,7 @@ from absl import app, flags
 
 from experiments import cli, run_spec, train_lib
 from lm import model as model_lib
+from lm import pipeline
 from sharding import mesh as mesh_lib
 from sharding import partition
 
@@ -44,7 +46,7 @@ def plan(config: ml_collections.ConfigDict, hbm_bytes: float, *, compile_step: b
     """
     spec = run_spec.build_run(config)
     shardings = spec.shardings
-    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
+    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules), pipeline.use_pipeline(spec.pipeline):
         state = train_lib.abstract_state(spec.model_def, spec.tx, shardings)
         if compile_step:
             batch = jax.ShapeDtypeStruct((config.batch_size, config.data.seq_len + 1), jax.numpy.int32, sharding=shardings.batch)
@@ -64,6 +66,8 @@ def plan(config: ml_collections.ConfigDict, hbm_bytes: float, *, compile_step: b
         "hbm_bytes": int(hbm_bytes),
         "state_only": not compile_step,
     }
+    if spec.mesh.shape.get(pipeline.STAGE_AXIS, 1) > 1:  # block parameters and their state split over stages
+        report["pipeline"] = dataclasses.asdict(spec.pipeline)
     if not compile_step:
         report["peak_bytes"] = report["params_bytes"] + report["gradients_bytes"] + report["optimizer_state_bytes"]
         report["fits"] = report["peak_bytes"] <= hbm_bytes
@@ -107,6 +111,7 @@ def format_report(report: dict) -> str:
         (
             f"{report['model']} ({report['num_params'] / 1e6:,.1f}M parameters, {report['num_active_params'] / 1e6:,.1f}M active) "
             f"on mesh {report['mesh']}: bytes per device"
+            + (f" (pipeline {report['pipeline']})" if "pipeline" in report else "")
         ),
         *(f"  {name:<{width}}  {value / GiB:10.3f} GiB" for name, value in rows),
     ]

@@ -20,7 +20,7 @@ from lm import config as model_config_lib
 from lm import context_attention, hf
 from lm import input_pipeline
 from lm import model as model_lib
-from lm import moe
+from lm import moe, pipeline
 from optim import build, registry
 from sharding import mesh as mesh_lib
 from sharding import partition
@@ -74,6 +74,11 @@ def balancing(config: ml_collections.ConfigDict) -> moe.Balancing:
     return moe.Balancing(**{field: block[key] for key, field in names.items() if key in block})
 
 
+def pipeline_of(config: ml_collections.ConfigDict) -> pipeline.Pipeline:
+    """The pipeline schedule of ``config.pipeline`` (defaults where a config has no such block)."""
+    return pipeline.Pipeline(**(config.get("pipeline") or {}))
+
+
 def run_meta(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConfig, replicas: int = 1) -> dict:
     """What a checkpoint must agree with to be resumed by this run.
 
@@ -109,6 +114,7 @@ class RunSpec:
     mesh: jax.sharding.Mesh
     rules: rules_lib.Rules
     shardings: train_lib.Shardings
+    pipeline: pipeline.Pipeline  # the schedule over a `stage` mesh axis (`lm.pipeline.use_pipeline`)
 
 
 def _check_replica_kernels(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:
@@ -170,10 +176,21 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
                 f"{n_batch_shards} batch shards of mesh {dict(mesh.shape)}; use a batch_size divisible by {n_batch_shards * config.grad_accum_steps}"
             )
         _check_context(cfg, config.data.seq_len, mesh, rules)
+        schedule = pipeline_of(config)
+        pipeline.check(
+            schedule, stages=mesh.shape.get(pipeline.STAGE_AXIS, 1), n_layers=cfg.n_layers,
+            batch=config.batch_size // config.grad_accum_steps, batch_shards=n_batch_shards,
+            scan_layers=cfg.scan_layers, aux=pipeline.uncarried_aux(cfg),
+        )  # fmt: skip
         _check_replicas_named(config, mesh)
         replica_axis = config.get("replicas") or None
         if replica_axis:
             _check_replica_kernels(config, mesh)
+            if mesh.shape.get(pipeline.STAGE_AXIS, 1) > 1:
+                raise ValueError(
+                    f"config.replicas={replica_axis} (a replica-local step, for {config.optimizer.name}) does not run beside "
+                    f"a stage axis yet (mesh {dict(mesh.shape)}); drop the stage axis or use an optimizer that is not replica-local"
+                )
         balancing(config)  # checked here so a bad value is a usage error
         model_def = model_lib.define(cfg)
         # The fused quantized-state kernel runs per shard of these specs (optim.quantize_state).
@@ -185,4 +202,4 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
         optimizer.check_layout(model_def.abstract_params, shardings.params, replica_axis)
     except (ValueError, KeyError) as e:
         raise UsageError(str(e).strip("'\"")) from e
-    return RunSpec(cfg, model_def, tx, mesh, rules, shardings)
+    return RunSpec(cfg, model_def, tx, mesh, rules, shardings, schedule)

@@ -35,6 +35,7 @@ import optax
 
 from lm import model as model_lib
 from lm import moe as moe_lib
+from lm import pipeline_1f1b
 from lm.loss import cross_entropy
 from optim import placement
 from sharding import partition
@@ -189,7 +190,14 @@ def make_train_step(
             routed |= {"moe_counts": moe_lib.batch_counts(stats, replica_axis), "moe_dropped": total(jnp.sum(stats["dropped_slots"]))}
         return loss, (metrics, routed)
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def grad_fn(params, tokens, prior_counts=None):
+        if pipeline_1f1b.active():  # the schedule computes loss and gradients itself (lm/pipeline_1f1b.py)
+            loss_of = lambda logits, targets: cross_entropy(logits, targets, z_loss=z_loss)  # noqa: E731
+            (loss, metrics), grads = pipeline_1f1b.value_and_grad(model_def, params, tokens, loss_of)
+            return (loss, (metrics, {})), grads
+        return value_and_grad(params, tokens, prior_counts)
 
     def accumulate(params, batch):
         if grad_accum_steps == 1:

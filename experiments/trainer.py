@@ -22,7 +22,7 @@ import numpy as np
 from experiments import checkpointing, hardware, metrics_io, train_lib
 from experiments.cli import UsageError
 from experiments.run_spec import RunSpec, balancing, build_run, run_meta
-from lm import data, hf, input_pipeline
+from lm import data, hf, input_pipeline, pipeline
 from lm.loss import flops_per_token
 from lm.model import count_params
 from optim import build
@@ -137,7 +137,7 @@ def run(
         except ValueError:  # not the main thread: no signal handling
             handlers = {}
     try:
-        with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
+        with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules), pipeline.use_pipeline(spec.pipeline):
             target = train_lib.abstract_state(spec.model_def, spec.tx, shardings)
             try:
                 restored = checkpointing.restore(mgr, target, meta, restore_step)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lm import kv_cache
+from lm import kv_cache, pipeline
 from lm import remat as remat_lib
 from lm.attention import Attention
 from lm.config import ModelConfig
@@ -66,6 +66,23 @@ def _block_fn(cfg: ModelConfig, segment_ids: jax.Array | None):
     return nnx.remat(call, policy=remat_lib.POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
 
 
+def document_segments(cfg: ModelConfig, tokens: jax.Array) -> jax.Array | None:
+    """Segment ids for document masking: segment k is the tokens from the k-th separator on (a separator opens its document)."""
+    return None if cfg.document_separator is None else jnp.cumsum(tokens == cfg.document_separator, axis=1)
+
+
+def scan_blocks(cfg: ModelConfig, blocks: Block, x: jax.Array, segment_ids: jax.Array | None):
+    """The stacked ``blocks`` (leading ``layers`` axis) scanned over ``x``: ``(x', per-layer aux)``."""
+    scan = nnx.scan(
+        _block_fn(cfg, segment_ids),
+        in_axes=(0, nnx.Carry),
+        out_axes=(nnx.Carry, 0),
+        unroll=cfg.scan_unroll,
+        transform_metadata={nnx.PARTITION_NAME: "layers"},
+    )
+    return scan(blocks, x)
+
+
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -101,19 +118,15 @@ class Transformer(nnx.Module):
         """
         cfg = self.cfg
         x = constrain(self.embed(tokens), ACTIVATION)
-        # Document masking: segment k is the tokens from the k-th separator on (a separator opens its document).
-        segment_ids = None if cfg.document_separator is None else jnp.cumsum(tokens == cfg.document_separator, axis=1)
-        run_block = _block_fn(cfg, segment_ids)
-        if cfg.scan_layers:
-            scan = nnx.scan(
-                run_block,
-                in_axes=(0, nnx.Carry),
-                out_axes=(nnx.Carry, 0),
-                unroll=cfg.scan_unroll,
-                transform_metadata={nnx.PARTITION_NAME: "layers"},
-            )
-            x, (max_logits, moe_stats) = scan(self.blocks, x)
+        segment_ids = document_segments(cfg, tokens)
+        if cfg.scan_layers and pipeline.stage_count() > 1:
+            run_group = lambda blocks, h, seg: scan_blocks(cfg, blocks, h, seg)[0]  # noqa: E731
+            x = pipeline.run_stack(self.blocks, x, segment_ids, run_group, aux=pipeline.uncarried_aux(cfg))
+            max_logits = moe_stats = None
+        elif cfg.scan_layers:
+            x, (max_logits, moe_stats) = scan_blocks(cfg, self.blocks, x, segment_ids)
         else:
+            run_block = _block_fn(cfg, segment_ids)
             per_layer = []
             for block in self.blocks:
                 x, layer_aux = run_block(block, x)

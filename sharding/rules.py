@@ -7,7 +7,7 @@ rule set maps each logical name to zero, one or several mesh axes. Mesh axes tha
 lacks are dropped, so one rule set serves every mesh: ``fsdp`` rules on a ``data:8`` mesh are plain
 data parallelism.
 
-Presets (mesh axis names ``data``, ``fsdp``, ``tensor``, ``seq``, ``expert``, ``context``):
+Presets (mesh axis names ``data``, ``fsdp``, ``tensor``, ``seq``, ``expert``, ``context``, ``stage``):
 
 - ``dp``: batch over ``data``; parameters replicated.
 - ``fsdp`` (default): batch over ``data``, ``fsdp`` and ``expert``; parameters, gradients and optimizer
@@ -29,6 +29,11 @@ is a data-parallel axis for everything but the routed experts, so the sharded pr
 rank of multi-head latent attention's down- and up-projections) takes ``fsdp`` and ``expert`` where
 free too, so MLA's up-projections ``(latent, heads)`` are split under FSDP while the down-projections
 ``(embed, latent)`` are split on ``embed``.
+
+Pipeline parallelism maps the scanned block stack's ``layers`` axis of every parameter (and so of its
+gradient and optimizer state) onto the ``stage`` axis in every preset: stage ``s`` holds the ``s``-th
+contiguous group of layers of the same ``[L, ...]`` arrays that every other mesh stores
+(`lm.pipeline`). Activations never take ``stage``.
 
 Optional mesh axes: a mesh axis written with a trailing ``?`` (``embed: ("fsdp", "expert?")``, or
 ``--config.rule_overrides=embed=fsdp+expert?``) is taken by a dimension only where no other dimension
@@ -70,15 +75,17 @@ _TENSOR = {"heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",), "v
 _ZERO3 = {"embed": ("fsdp", "expert?"), "latent": ("fsdp?", "expert?"), "experts": ("expert",)}
 
 _CONTEXT = {"seq": ("context",)}
+# Pipeline parallelism: the scanned block stack's layers split over `stage` (contiguous groups per stage).
+_STAGE = {"layers": ("stage",)}
 
 PRESETS: dict[str, dict[str, dict[str, MeshAxes]]] = {
-    "dp": {"params": {"experts": ("expert",)}, "activations": {"batch": _BATCH, "experts": ("expert",), **_CONTEXT}},
+    "dp": {"params": {"experts": ("expert",), **_STAGE}, "activations": {"batch": _BATCH, "experts": ("expert",), **_CONTEXT}},
     "fsdp": {
-        "params": _ZERO3,
+        "params": {**_ZERO3, **_STAGE},
         "activations": {"batch": _BATCH, "experts": ("expert",), **_CONTEXT},
     },
     "tp": {
-        "params": {**_ZERO3, **_TENSOR},
+        "params": {**_ZERO3, **_TENSOR, **_STAGE},
         "activations": {"batch": _BATCH, **_TENSOR, "experts": ("expert",), **_CONTEXT},
     },
 }

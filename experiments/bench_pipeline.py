@@ -1,0 +1,173 @@
+r"""Pipeline schedules measured: bubble, per-device memory, stage-to-stage bytes, and exactness.
+
+    python -m experiments.bench_pipeline --json_out=/tmp/pipeline.json
+
+On ``--devices`` fake CPU devices (default 8), for the `tiny` model with ``n_layers=8``:
+
+- **bubble**: the share of idle (tick, stage, slot) entries of each schedule's own tick table
+  (`lm.pipeline.forward_table`, `lm.pipeline_1f1b.tick_table`) next to its formula;
+- **memory**: `compiled.memory_analysis()` of the whole train step on ``stage:4,data:2`` at
+  ``M = 4, 8, 16``: temporaries per device (the activations a schedule keeps live among them);
+- **stage-to-stage bytes**: the collective-permutes of the compiled step (`experiments.bench_comm`'s
+  HLO counting: payload per execution and executions per step), next to one microbatch's activations;
+- **exactness**: ``--steps`` steps of AdamW and Muon on ``stage:4,data:2`` and
+  ``stage:2,fsdp:2,tensor:2`` against one device, the largest relative loss difference.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax
+import ml_collections
+import numpy as np
+from absl import app, flags
+
+from experiments import bench_comm, run_spec, train_lib
+from experiments.configs import default
+from lm import pipeline, pipeline_1f1b
+from sharding import partition
+
+SCHEDULES = ("gpipe", "circular", "1f1b")
+MESHES = (("stage:4,data:2", "fsdp"), ("stage:2,fsdp:2,tensor:2", "tp"))
+OPTIMIZERS = ("adamw", "muon")
+
+_FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command-line flags (defined under ``__main__`` only: scripts share absl's flag registry)."""
+    flags.DEFINE_integer("devices", 8, "Fake CPU devices.")
+    flags.DEFINE_integer("steps", 10, "Training steps of the exactness check; 0 skips it.")
+    flags.DEFINE_list("microbatches", ["4", "8", "16"], "Microbatch counts of the memory table (stage:4).")
+    flags.DEFINE_integer("seq_len", 32, "Sequence length.")
+    flags.DEFINE_string("json_out", None, "Also write the results as JSON here.")
+
+
+def _config(mesh: str, rules: str, schedule: str, microbatches: int, *, batch: int, optimizer: str = "adamw") -> ml_collections.ConfigDict:
+    config = default.get_config()
+    config.steps, config.batch_size, config.data.seq_len = max(_FLAGS.steps, 1), batch, _FLAGS.seq_len
+    config.model.update({"preset": "tiny", "n_layers": 8})
+    config.optimizer.name, config.optimizer.warmup_steps = optimizer, 1
+    config.mesh, config.rules = mesh, rules
+    config.pipeline.update({"schedule": schedule, "microbatches": microbatches, "repeats": 2 if schedule == "circular" else 1})
+    if mesh == "data:1":
+        config.devices = 1
+    return config
+
+
+def _compiled_step(config: ml_collections.ConfigDict):
+    spec = run_spec.build_run(config)
+    shardings = spec.shardings
+    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules), pipeline.use_pipeline(spec.pipeline):
+        state = train_lib.abstract_state(spec.model_def, spec.tx, shardings)
+        batch = jax.ShapeDtypeStruct((config.batch_size, config.data.seq_len + 1), np.int32, sharding=shardings.batch)
+        return spec, train_lib.jit_train_step(train_lib.make_train_step(spec.model_def, spec.tx), shardings).lower(state, batch).compile()
+
+
+def bubbles(stages: int = 4) -> list[dict]:
+    """Idle share of each schedule's tick table and its formula, at ``stages`` and several M."""
+    rows = []
+    for m in (4, 8, 16):
+        for schedule in SCHEDULES:
+            if schedule == "1f1b":
+                measured = pipeline_1f1b.bubble_fraction(stages, m)
+                formula, text = (stages - 1) / (m + stages - 1), "(S-1)/(M+S-1)"
+            else:
+                r = 2 if schedule == "circular" else 1
+                measured = pipeline.bubble_fraction(pipeline.forward_table(stages, m, r))
+                formula, text = (stages - 1) / (r * m + stages - 1), f"(S-1)/({r}M+S-1)"
+            rows.append({"schedule": schedule, "stages": stages, "microbatches": m, "bubble": measured, "formula": formula, "formula_text": text})
+    return rows
+
+
+def memory_and_bytes() -> list[dict]:
+    """Temporaries per device and stage-to-stage bytes of the compiled step on stage:4,data:2."""
+    rows = []
+    for m in (int(x) for x in _FLAGS.microbatches):
+        batch = 2 * m  # two rows per microbatch: one per data shard
+        for schedule in SCHEDULES:
+            if schedule == "circular" and m < 4:
+                continue
+            config = _config("stage:4,data:2", "fsdp", schedule, m, batch=batch)
+            spec, compiled = _compiled_step(config)
+            memory = compiled.memory_analysis()
+            permutes = [c for c in bench_comm.collectives(compiled.as_text(), spec.mesh.size) if c.kind == "collective-permute"]
+            activation = (batch // m // 2) * config.data.seq_len * spec.cfg.d_model * 4  # one microbatch's shard, fp32
+            rows.append({
+                "schedule": schedule, "microbatches": m, "batch": batch,
+                "temp_bytes": int(memory.temp_size_in_bytes), "argument_bytes": int(memory.argument_size_in_bytes),
+                "permute_bytes_per_step": sum(c.payload * c.count for c in permutes),
+                "permute_executions": sum(c.count for c in permutes),
+                "permute_payloads": sorted({c.payload for c in permutes}),
+                "microbatch_activation_bytes": activation,
+            })  # fmt: skip
+            print(f"compiled {schedule} M={m}: temp {rows[-1]['temp_bytes'] / 2**20:.2f} MiB", flush=True)
+    return rows
+
+
+def _losses(config: ml_collections.ConfigDict, batches: np.ndarray) -> np.ndarray:
+    spec = run_spec.build_run(config)
+    shardings = spec.shardings
+    losses = []
+    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules), pipeline.use_pipeline(spec.pipeline):
+        state = train_lib.init_state(spec.model_def, spec.tx, 0, shardings)
+        step = train_lib.jit_train_step(train_lib.make_train_step(spec.model_def, spec.tx), shardings)
+        for tokens in batches:
+            state, metrics = step(state, train_lib.global_batch(tokens, shardings))
+            losses.append(float(metrics["loss"]))
+    return np.array(losses)
+
+
+def exactness() -> list[dict]:
+    """Largest relative loss difference to one device over ``--steps`` train steps (the real train step)."""
+    batch, m = 16, 4
+    rng = np.random.default_rng(0)
+    batches = rng.integers(0, 256, (_FLAGS.steps, batch, _FLAGS.seq_len + 1), dtype=np.int32)
+    rows = []
+    for optimizer in OPTIMIZERS:
+        reference = _losses(_config("data:1", "fsdp", "gpipe", m, batch=batch, optimizer=optimizer), batches)
+        for mesh, rules in MESHES:
+            for schedule in SCHEDULES:
+                losses = _losses(_config(mesh, rules, schedule, m, batch=batch, optimizer=optimizer), batches)
+                error = float(np.max(np.abs(losses - reference) / np.abs(reference)))
+                rows.append({"optimizer": optimizer, "mesh": mesh, "schedule": schedule, "microbatches": m, "max_rel_loss_diff": error,
+                             "first_loss": float(losses[0]), "last_loss": float(losses[-1])})  # fmt: skip
+                print(f"{optimizer} {mesh} {schedule}: max rel loss diff {error:.2e}", flush=True)
+    return rows
+
+
+def main(argv) -> None:
+    del argv
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", _FLAGS.devices)
+    start = time.time()
+    results = {"bubbles": bubbles(), "memory": memory_and_bytes()}
+    print("\nschedule   S  M   bubble(table)  formula")
+    for row in results["bubbles"]:
+        print(f"{row['schedule']:9} {row['stages']:2} {row['microbatches']:3}   {row['bubble']:.3f}          {row['formula']:.3f} {row['formula_text']}")
+    print("\nschedule   M  temp MiB/device  permute execs  permute bytes/step  one microbatch bytes")
+    for row in results["memory"]:
+        print(
+            f"{row['schedule']:9} {row['microbatches']:3} {row['temp_bytes'] / 2**20:14.2f} {row['permute_executions']:14d} "
+            f"{row['permute_bytes_per_step']:19,d} {row['microbatch_activation_bytes']:20,d}"
+        )
+    by = {(r["schedule"], r["microbatches"]): r["temp_bytes"] for r in results["memory"]}
+    top = max(int(x) for x in _FLAGS.microbatches)
+    if ("gpipe", top) in by and ("1f1b", top) in by:
+        results["1f1b_over_gpipe_temp_at_max_m"] = by[("1f1b", top)] / by[("gpipe", top)]
+        print(f"\n1F1B / GPipe temporaries at M={top}: {results['1f1b_over_gpipe_temp_at_max_m']:.2f}")
+    if _FLAGS.steps:
+        results["exactness"] = exactness()
+        worst = max(r["max_rel_loss_diff"] for r in results["exactness"])
+        print(f"\n{_FLAGS.steps} steps, every schedule, mesh and optimizer: max relative loss difference to one device {worst:.2e}")
+    results["seconds"] = time.time() - start
+    if _FLAGS.json_out:
+        with open(_FLAGS.json_out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

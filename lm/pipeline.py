@@ -1,0 +1,226 @@
+"""Pipeline parallelism over the ``stage`` mesh axis, inside one SPMD program.
+
+The scanned block stack's parameters are ``[L, ...]`` arrays whose ``layers`` axis the rules map onto
+the ``stage`` mesh axis (`sharding.rules`), so the stored layout is the same on every mesh. With
+``S`` stages and ``R`` repeats the stack is cut into ``S R`` contiguous groups of ``K = L / (S R)``
+layers; stage ``s`` runs groups ``s, s + S, ..., s + (R-1) S`` (``R = 1``: one contiguous group per
+stage). The batch is split into ``M`` microbatches (row ``j`` of microbatch ``m`` is batch row
+``j M + m``, so every microbatch keeps the batch's data sharding).
+
+The loop is a `jax.lax.scan` over ticks inside a `jax.shard_map` that makes only ``stage`` manual (the
+other axes stay GSPMD-partitioned, as in `lm.context_attention`). On tick ``t`` stage ``s`` works on
+item ``i = t - s`` (microbatch ``i mod M``, repeat ``i // M``) when ``0 <= i < R M``; otherwise it
+runs on stale data whose result is never used (the bubble). After each tick every stage sends its
+output to stage ``s + 1`` with one collective-permute (`jax.lax.ppermute`); under ``circular`` the
+last stage's output goes round to stage 0, which keeps it until the item's next repeat. ``jax.grad``
+of the loop is the backward pipeline: the transposed permutes carry activation gradients from stage
+``s + 1`` back to ``s``. The schedule takes ``R M + S - 1`` ticks of ``R M`` useful ones per stage:
+
+    bubble = (S - 1) / (R M + S - 1)      (GPipe: R = 1; circular's R > 1 shrinks it)
+
+Embedding, final norm and head stay outside the pipeline, computed by GSPMD over the other axes and
+replicated over ``stage``; the last stage's outputs reach every stage by one all-reduce over ``stage``
+(its gradient is the same all-reduce's transpose). ``circular`` reorders the stored ``[L]`` axis into
+stage-major groups each step (an all-to-all of the block weights over ``stage``), so the checkpoint
+layout stays that of every other mesh.
+
+This module is the forward loop (``gpipe``, ``circular``) that ``jax.grad`` differentiates; the
+``1f1b`` schedule, which computes the gradients itself, is `lm.pipeline_1f1b`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lm.config import ModelConfig
+from sharding import partition
+
+STAGE_AXIS = "stage"
+SCHEDULES = ("gpipe", "circular", "1f1b")
+_MICRO = (None, "batch", "seq", "embed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """How the block stack runs over the ``stage`` mesh axis (``--config.pipeline.*``).
+
+    schedule: ``gpipe`` (one contiguous layer group per stage), ``circular`` (``repeats`` groups per
+      stage, microbatches loop ``repeats`` times round the stages) or ``1f1b`` (`lm.pipeline_1f1b`:
+      the train step's loss and gradients in their own tick loop; forward-only calls run as ``gpipe``).
+    microbatches: ``M``, microbatches per step (per gradient-accumulation micro-batch).
+    repeats: ``R``, layer groups per stage; 1 except for ``circular``.
+    """
+
+    schedule: str = "gpipe"
+    microbatches: int = 4
+    repeats: int = 1
+
+
+_PIPELINE: contextvars.ContextVar[Pipeline | None] = contextvars.ContextVar("pipeline", default=None)
+
+
+@contextlib.contextmanager
+def use_pipeline(pipeline: Pipeline) -> Iterator[None]:
+    """Makes ``pipeline`` the schedule that models use under a mesh with a ``stage`` axis inside the block."""
+    token = _PIPELINE.set(pipeline)
+    try:
+        yield
+    finally:
+        _PIPELINE.reset(token)
+
+
+def current() -> Pipeline:
+    """The schedule in force (`use_pipeline`; default `Pipeline()`). A jitted step reads it when it is traced."""
+    return _PIPELINE.get() or Pipeline()
+
+
+def stage_count() -> int:
+    """Size of the ``stage`` axis of the mesh in context (1 without one, or where it is already manual)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or STAGE_AXIS not in partition.auto_axes(mesh):
+        return 1
+    return mesh.shape[STAGE_AXIS]
+
+
+def check(
+    pipeline: Pipeline, *, stages: int, n_layers: int, batch: int, batch_shards: int = 1, scan_layers: bool, aux: str | None = None
+) -> None:
+    """Raises a one-line ValueError naming the sizes that work when ``pipeline`` cannot run.
+
+    ``batch``: rows per gradient-accumulation micro-batch, split over ``batch_shards`` devices; ``aux``:
+    the name of a model output the pipeline does not carry (`uncarried_aux`), if the model makes one.
+    """
+    if stages <= 1:
+        return
+    p = pipeline
+    if p.schedule not in SCHEDULES:
+        raise ValueError(f"pipeline.schedule={p.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if not scan_layers:
+        raise ValueError(f"a mesh with stage:{stages} pipelines the scanned block stack; set model.scan_layers=True")
+    if aux is not None:
+        raise ValueError(f"{aux} is not carried through the pipeline yet; turn it off or use a mesh without a stage axis")
+    if p.repeats < 1 or (p.schedule != "circular" and p.repeats != 1):
+        raise ValueError(f"pipeline.repeats={p.repeats}: {p.schedule} takes repeats=1, circular any repeats >= 1")
+    groups = stages * p.repeats
+    if n_layers % groups:
+        near = sorted({n for n in (groups * (n_layers // groups), groups * (n_layers // groups + 1)) if n > 0})
+        raise ValueError(
+            f"model.n_layers={n_layers} does not split into stage:{stages} x pipeline.repeats={p.repeats} = {groups} "
+            f"layer groups; use n_layers divisible by {groups} (e.g. {' or '.join(map(str, near))})"
+        )
+    if p.microbatches < 1 or batch % (p.microbatches * batch_shards):
+        working = [d for d in range(1, batch + 1) if batch % (d * batch_shards) == 0]
+        raise ValueError(
+            f"pipeline.microbatches={p.microbatches} does not split the micro-batch of {batch} sequences into microbatches "
+            f"that split over {batch_shards} batch shard(s); use microbatches in {working}"
+        )
+    if p.repeats > 1 and p.microbatches < stages:
+        raise ValueError(
+            f"pipeline.schedule=circular with repeats={p.repeats} needs microbatches >= stages ({p.microbatches} < "
+            f"{stages}): a microbatch must be back at stage 0 before its next repeat"
+        )
+
+
+def uncarried_aux(cfg: ModelConfig) -> str | None:
+    """The per-layer model output of ``cfg`` that the pipeline does not carry, if any (for `check`)."""
+    if cfg.track_attn_logits:
+        return "model.track_attn_logits (attention max logits, e.g. for muon_clip)"
+    if cfg.n_experts:
+        return "an MoE model's routing statistics"
+    return None
+
+
+def forward_table(stages: int, microbatches: int, repeats: int = 1) -> np.ndarray:
+    """``(ticks, stages)`` int table: the item (``repeat * M + microbatch``) each stage runs per tick, -1 in a bubble."""
+    items = repeats * microbatches
+    ticks = items + stages - 1
+    i = np.arange(ticks)[:, None] - np.arange(stages)[None, :]
+    return np.where((i >= 0) & (i < items), i, -1)
+
+
+def bubble_fraction(table: np.ndarray) -> float:
+    """The share of (tick, stage) slots of a tick table that do no work."""
+    return float(np.mean(table < 0))
+
+
+def to_microbatches(x: jax.Array, m: int) -> jax.Array:
+    """``(B, ...) -> (M, B / M, ...)``, microbatch ``m`` holding rows ``m, M + m, 2M + m, ...``."""
+    micro = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+    return partition.constrain(micro, _MICRO[: micro.ndim])
+
+
+def from_microbatches(micro: jax.Array) -> jax.Array:
+    """The inverse of `to_microbatches`."""
+    return micro.swapaxes(0, 1).reshape(-1, *micro.shape[2:])
+
+
+def run_stack(
+    blocks: nnx.Module,
+    x: jax.Array,
+    segment_ids: jax.Array | None,
+    run_layers: Callable[[nnx.Module, jax.Array, jax.Array | None], jax.Array],
+    pipeline: Pipeline | None = None,
+    *,
+    aux: str | None = None,
+) -> jax.Array:
+    """The block stack ``blocks`` (stacked ``[L, ...]`` parameters) on ``x`` ``(batch, seq, embed)``, pipelined.
+
+    ``run_layers(group, h, segment_ids)`` runs a stacked group of blocks (``[K, ...]`` parameters) on
+    one microbatch; the result equals ``run_layers(blocks, x, segment_ids)``. ``aux``: see `check`.
+    """
+    p = pipeline or current()
+    stages, m, r = stage_count(), p.microbatches, p.repeats
+    graphdef, state = nnx.split(blocks)
+    n_layers = jax.tree.leaves(state)[0].shape[0]
+    check(p, stages=stages, n_layers=n_layers, batch=x.shape[0], scan_layers=True, aux=aux)
+    k = n_layers // (stages * r)
+    # Layer l = (repeat * S + stage) * K + j, regrouped stage-major: [S, R, K, ...].
+    grouped = jax.tree.map(lambda w: w.reshape(r, stages, k, *w.shape[1:]).swapaxes(0, 1), state)
+    micro = to_microbatches(x, m)
+    segments = None if segment_ids is None else to_microbatches(segment_ids, m)
+    forward = [(s, s + 1) for s in range(stages - 1)] + ([(stages - 1, 0)] if r > 1 else [])
+
+    def per_stage(local, micro, segments):
+        local = jax.tree.map(lambda w: w[0], local)  # this stage's [R, K, ...]
+        stage = jax.lax.axis_index(STAGE_AXIS)
+
+        def tick(carry, t):
+            recv, kept = carry
+            item = t - stage
+            mb = jnp.mod(item, m)
+            if r > 1:  # stage 0 keeps what the last stage sent (item t - S) for its next repeat
+                back = t - stages
+                keep = (stage == 0) & (back >= 0)
+                slot = jnp.mod(back, m)
+                kept = jax.lax.dynamic_update_index_in_dim(kept, jnp.where(keep, recv, kept[slot]), slot, 0)
+                first = jnp.where(item // m > 0, kept[mb], micro[mb])
+            else:
+                first = micro[mb]
+            h = jnp.where(stage == 0, first, recv)
+            group = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, jnp.clip(item // m, 0, r - 1), 0, False), local)
+            y = run_layers(nnx.merge(graphdef, group), h, None if segments is None else segments[mb])
+            return (jax.lax.ppermute(y, STAGE_AXIS, forward), kept), y
+
+        kept = jnp.zeros_like(micro) if r > 1 else None
+        _, ys = jax.lax.scan(tick, (jnp.zeros_like(micro[0]), kept), jnp.arange(r * m + stages - 1))
+        last = ys[(r - 1) * m + stages - 1 :]  # the last stage's final-repeat outputs, microbatches 0 .. M-1
+        return jax.lax.psum(jnp.where(stage == stages - 1, last, jnp.zeros_like(last)), STAGE_AXIS)
+
+    stage_spec = jax.P(STAGE_AXIS)
+    out = jax.shard_map(
+        per_stage,
+        in_specs=(jax.tree.map(lambda _: stage_spec, grouped), jax.P(), jax.P()),
+        out_specs=jax.P(),
+        axis_names={STAGE_AXIS},
+        check_vma=False,
+    )(grouped, micro, segments)
+    return from_microbatches(out)
+

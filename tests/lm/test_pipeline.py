@@ -1,0 +1,226 @@
+"""Pipeline parallelism (`lm.pipeline`): every schedule equals one device on 8 CPU devices.
+
+Each case jits the model's loss and gradients once per mesh (`tiny` with 8 layers and packed
+documents) and steps AdamW and Muon on them from the same initial parameters, as
+`tests/sharding/test_checkpoint_any_mesh.py` does: the first step's gradients must equal one
+device's to fp32 rounding and three steps' losses agree within 1e-5 (10 steps: the check in
+`experiments/bench_pipeline.py`). To keep the suite short, Muon steps on one mesh and circular and
+1F1B are checked on their gradients.
+"""
+
+import functools
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from experiments import checkpointing, run_spec, train_lib
+from experiments.cli import UsageError
+from experiments.configs import default
+from lm import model as model_lib
+from lm import pipeline, pipeline_1f1b
+from lm.loss import cross_entropy
+from optim import registry
+from sharding import partition
+
+pytestmark = pytest.mark.devices(8)
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+SEPARATOR, BATCH, SEQ_LEN, STEPS = 7, 8, 16, 3
+ONE_DEVICE = {"mesh": "data:1", "devices": 1}
+# placement, optimizers stepped on it (none: the first step's gradients only, to keep the suite short)
+CASES = {
+    "gpipe-stage4-data2": ({"mesh": "stage:4,data:2", "pipeline.microbatches": 4}, ("adamw", "muon")),
+    "circular-stage2-data4": (
+        {"mesh": "stage:2,data:4", "pipeline.schedule": "circular", "pipeline.repeats": 2, "pipeline.microbatches": 2},
+        (),
+    ),
+    "1f1b-stage2-fsdp2-tensor2": (
+        {"mesh": "stage:2,fsdp:2,tensor:2", "rules": "tp", "pipeline.schedule": "1f1b", "pipeline.microbatches": 4},
+        (),
+    ),
+}
+OPTIMIZERS = ("adamw", "muon")
+
+
+def _config(placement, optimizer="adamw"):
+    config = default.get_config()
+    config.steps, config.batch_size, config.data.seq_len = STEPS, BATCH, SEQ_LEN
+    config.model.update({"preset": "tiny", "n_layers": 8, "document_separator": SEPARATOR})
+    config.optimizer.name, config.optimizer.warmup_steps = optimizer, 1
+    for key, value in placement.items():
+        *block, name = key.split(".")
+        (config[block[0]] if block else config)[name] = value
+    return config
+
+
+def _batches():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (STEPS, BATCH, SEQ_LEN + 1), dtype=np.int32)
+    tokens[:, :, rng.integers(1, SEQ_LEN, 6)] = SEPARATOR  # documents that cross microbatch rows and stages
+    return tokens
+
+
+@functools.cache
+def _initial_params():
+    spec = run_spec.build_run(_config(ONE_DEVICE))
+    with jax.set_mesh(spec.mesh):
+        return jax.device_get(model_lib.init_params(spec.model_def, 0, spec.shardings.params))
+
+
+@functools.cache
+def _run(case):
+    """Gradients of the first batch and ``{optimizer: (losses, final state)}`` of `STEPS` steps on one placement."""
+    placement, optimizers = (ONE_DEVICE, OPTIMIZERS) if case is None else CASES[case]
+    specs = {name: run_spec.build_run(_config(placement, name)) for name in optimizers}
+    spec = run_spec.build_run(_config(placement))
+    shardings = spec.shardings
+
+    def loss_fn(params, tokens):
+        return cross_entropy(model_lib.apply(spec.model_def, params, tokens[:, :-1]), tokens[:, 1:])[0]
+
+    def loss_and_grads(params, tokens):
+        if pipeline_1f1b.active():
+            (loss, _), grads = pipeline_1f1b.value_and_grad(spec.model_def, params, tokens, cross_entropy)
+            return loss, grads
+        return jax.value_and_grad(loss_fn)(params, tokens)
+
+    batches, out, initial = _batches(), {}, _initial_params()
+    with jax.set_mesh(spec.mesh), pipeline.use_pipeline(spec.pipeline), partition.use_rules(spec.rules):
+        grad_fn = jax.jit(
+            loss_and_grads, in_shardings=(shardings.params, shardings.batch), out_shardings=(None, shardings.params), compiler_options=FAST_COMPILE
+        )  # fmt: skip
+        params = jax.device_put(initial, shardings.params)
+        first_grads = jax.device_get(grad_fn(params, train_lib.global_batch(batches[0], shardings))[1])
+        for name, s in specs.items():
+            tx = s.tx
+
+            def apply(p, o, g, tx=tx):
+                u, o = tx.update(g, o, p)
+                return optax.apply_updates(p, u), o
+
+            update = jax.jit(apply, out_shardings=(s.shardings.params, s.shardings.state["opt_state"]), compiler_options=FAST_COMPILE)
+            init = jax.jit(tx.init, out_shardings=s.shardings.state["opt_state"], compiler_options=FAST_COMPILE)
+            state = {"params": params, "opt_state": init(params)}
+            losses = []
+            for tokens in batches:
+                loss, grads = grad_fn(state["params"], train_lib.global_batch(tokens, shardings))
+                state["params"], state["opt_state"] = update(state["params"], state["opt_state"], grads)
+                losses.append(float(loss))
+            out[name] = (np.array(losses), state)
+    return first_grads, out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_schedule_equals_one_device(case):
+    grads_1, runs_1 = _run(None)
+    grads, runs = _run(case)
+    for (path, g), g_1 in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_1), strict=True):
+        error = np.linalg.norm(g - g_1) / np.linalg.norm(g_1)
+        assert error < 1e-5, (jax.tree_util.keystr(path), error)
+    for name in CASES[case][1]:
+        np.testing.assert_allclose(runs[name][0], runs_1[name][0], rtol=1e-5, err_msg=name)
+        assert runs[name][0][-1] < runs[name][0][0]  # it trained
+
+
+def test_block_parameters_and_state_split_over_stage():
+    _, runs = _run("gpipe-stage4-data2")
+    state = runs["adamw"][1]
+    kernel = state["params"]["blocks"]["mlp"]["down_proj"]["kernel"]
+    assert kernel.sharding.spec[0] == "stage" and kernel.shape[0] == 8
+    moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim == 3 and x.shape == kernel.shape]
+    assert moments and all(m.sharding.spec[0] == "stage" for m in moments)
+
+
+@pytest.mark.parametrize("saved_on, restored_on", [("gpipe-stage4-data2", None), (None, "1f1b-stage2-fsdp2-tensor2")])
+def test_checkpoint_moves_between_pipeline_and_plain_meshes(tmp_path, saved_on, restored_on):
+    state = _run(saved_on)[1]["muon"][1]
+    mgr = checkpointing.manager(tmp_path, keep=1, every=1)
+    checkpointing.save(mgr, STEPS, state, {}, {"optimizer": "muon"}, force=True)
+    mgr.wait_until_finished()
+    spec = run_spec.build_run(_config(ONE_DEVICE if restored_on is None else CASES[restored_on][0], "muon"))
+    target = train_lib.abstract_state(spec.model_def, spec.tx, spec.shardings)
+    target = {"params": target["params"], "opt_state": target["opt_state"]}
+    with jax.set_mesh(spec.mesh):
+        step, restored, _ = checkpointing.restore(mgr, target, {"optimizer": "muon"})
+    assert step == STEPS
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored["params"]), jax.device_get(state["params"]))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored["opt_state"]), jax.device_get(state["opt_state"]))
+    stages = spec.mesh.shape.get("stage", 1)
+    assert restored["params"]["blocks"]["attn"]["q_proj"]["kernel"].sharding.shard_shape((8, 128, 128))[0] == 8 // stages
+
+
+@pytest.mark.parametrize(
+    "keys, match",
+    [
+        ({"model.n_layers": 6}, r"n_layers=6 does not split into stage:4 x pipeline.repeats=1 = 4 layer groups; use n_layers divisible by 4 \(e.g. 4 or 8\)"),
+        ({"pipeline.microbatches": 3}, r"microbatches in \[1, 2, 4\]"),
+        ({"pipeline.schedule": "circular", "pipeline.repeats": 2, "pipeline.microbatches": 2}, "needs microbatches >= stages"),
+        ({"model.scan_layers": False}, "set model.scan_layers=True"),
+        ({"optimizer.name": "muon_clip"}, "track_attn_logits"),
+        ({"pipeline.schedule": "pipedream"}, "is not one of gpipe, circular, 1f1b"),
+        ({"optimizer.name": "diloco", "replicas": "data"}, "does not run beside a stage axis"),
+    ],
+)
+def test_run_spec_names_what_does_not_run(keys, match):
+    config = _config({"mesh": "stage:4,data:2", **keys}, keys.get("optimizer.name", "adamw"))
+    with pytest.raises(UsageError, match=match):
+        run_spec.build_run(config)
+
+
+@pytest.mark.parametrize("stages, microbatches, repeats", [(4, 4, 1), (4, 16, 1), (2, 8, 1), (4, 4, 2), (4, 8, 3)])
+def test_tick_table_bubble_matches_the_formula(stages, microbatches, repeats):
+    table = pipeline.forward_table(stages, microbatches, repeats)
+    assert pipeline.bubble_fraction(table) == pytest.approx((stages - 1) / (repeats * microbatches + stages - 1))
+    for stage in range(stages):  # every item once per stage, in order
+        assert table[:, stage][table[:, stage] >= 0].tolist() == list(range(repeats * microbatches))
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 2), (4, 4), (4, 16), (8, 32)])
+def test_1f1b_table_runs_every_microbatch_once_with_a_fixed_number_in_flight(stages, microbatches):
+    forward, backward = pipeline_1f1b.tick_table(stages, microbatches)
+    for stage in range(stages):
+        assert forward[:, stage][forward[:, stage] >= 0].tolist() == list(range(microbatches))
+        assert backward[:, stage][backward[:, stage] >= 0].tolist() == list(range(microbatches))
+        for m in range(microbatches):  # backward after forward, and after the next stage's backward
+            assert np.argmax(backward[:, stage] == m) >= np.argmax(forward[:, stage] == m)
+            if stage + 1 < stages:
+                assert np.argmax(backward[:, stage] == m) > np.argmax(backward[:, stage + 1] == m)
+    # Stage s keeps microbatch inputs from tick f + s to f + 2S - 2 - s: 2(S - 1 - s) + 1 of them, whatever M.
+    bound = [min(2 * (stages - 1 - s) + 1, microbatches) for s in range(stages)]
+    assert pipeline_1f1b.in_flight(stages, microbatches).tolist() == bound
+    assert pipeline_1f1b.bubble_fraction(stages, microbatches) == pytest.approx((stages - 1) / (microbatches + stages - 1))
+
+
+@pytest.mark.parametrize(
+    "name", sorted(n for n, c in registry.OPTIMIZERS.items() if not c.replica_local and "attn_max_logits" not in c.extra_args)
+)
+def test_every_optimizer_places_its_state_with_its_stage(name):
+    """Under ``stage:4,data:2`` the state of a block parameter is split over ``stage`` like the parameter.
+
+    Replica-local optimizers and those that need the attention logits are usage errors beside a
+    ``stage`` axis (`test_run_spec_names_what_does_not_run`)."""
+    spec = run_spec.build_run(_config({"mesh": "stage:4,data:2"}, name))
+    kernel = spec.shardings.params["blocks"]["mlp"]["up_proj"]["kernel"]
+    assert kernel.spec[0] == "stage"
+    state = jax.tree_util.tree_leaves_with_path(spec.shardings.state["opt_state"])
+    mirrors = [s for path, s in state if "up_proj" in jax.tree_util.keystr(path) and s.spec and s.spec[0] == "stage"]
+    assert mirrors, [(jax.tree_util.keystr(p), s.spec) for p, s in state if "up_proj" in jax.tree_util.keystr(p)]
+
+
+@pytest.mark.parametrize("schedule, ticks", [("gpipe", 4 + 4 - 1), ("1f1b", 4 + 2 * 4 - 2)])
+def test_train_step_runs_the_schedule_in_force(schedule, ticks):
+    """`train_lib.make_train_step` takes 1F1B's own loss and gradients (a loop of M + 2S - 2 ticks) and
+    differentiates GPipe's forward loop (M + S - 1 ticks); evaluation runs the forward loop under both."""
+    spec = run_spec.build_run(_config({"mesh": "stage:4,data:2", "pipeline.schedule": schedule}))
+    batch = jax.ShapeDtypeStruct((BATCH, SEQ_LEN + 1), np.int32, sharding=spec.shardings.batch)
+    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules), pipeline.use_pipeline(spec.pipeline):
+        state = train_lib.abstract_state(spec.model_def, spec.tx, spec.shardings)
+        step = jax.make_jaxpr(train_lib.make_train_step(spec.model_def, spec.tx))(state, batch)
+        evaluation = jax.make_jaxpr(train_lib.make_eval_step(spec.model_def))(state["params"], batch)
+    loops = lambda jaxpr: {int(n) for n in re.findall(r"length=(\d+)", str(jaxpr))}  # noqa: E731
+    gpipe_ticks = 4 + 4 - 1
+    assert ticks in loops(step) and (gpipe_ticks in loops(step)) == (schedule == "gpipe")
+    assert gpipe_ticks in loops(evaluation)

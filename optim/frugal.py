@@ -32,6 +32,11 @@ experiments), its BAdam-like ``BlockOptimizer`` (a fraction of whole tensors sta
 anew every T steps: which tensors are state-full changes the state's shapes, which a jitted step
 cannot), and its "full" two-sided projection. State per matrix: ``B`` (``r q``), ``M`` and ``V``
 (``2 r p``, ``p`` the other side): ``3 density`` of AdamW's two moments for a square matrix.
+
+Sharding: state leaves take their parameter's mesh axes where they divide
+(`sharding.partition.state_shardings`). Under FSDP the compiled step (8 CPU devices, all three
+bases) gathers the bases (``r x q``, small) and, where the projected side is the sharded one,
+all-reduces the coordinates ``L``; this communication is not optimised yet.
 """
 
 from __future__ import annotations

@@ -84,12 +84,11 @@ class NumpyMicroAdam:
         self.indices[slot] = top
         self.values[slot] = kept.astype(ml_dtypes.bfloat16).astype(np.float32)
         first, second = np.zeros_like(a), np.zeros_like(a)
-        for j in range(self.m):
+        for j in range(self.m):  # a slot's indices are distinct within each block
             age = (self.t - 1 - j) % self.m
-            for pos in np.ndindex(a.shape[:-1]):
-                for i, v in zip(self.indices[j][pos], self.values[j][pos]):
-                    first[pos][i] += np.float32(self.b1**age) * v
-                    second[pos][i] += np.float32(self.b2**age) * v * v
+            i, v = self.indices[j], self.values[j]
+            np.put_along_axis(first, i, np.take_along_axis(first, i, -1) + np.float32(self.b1**age) * v, -1)
+            np.put_along_axis(second, i, np.take_along_axis(second, i, -1) + np.float32(self.b2**age) * v * v, -1)
         c1 = (1 - self.b1) / (1 - self.b1**self.t)
         c2 = (1 - self.b2) / (1 - self.b2**self.t)
         u = np_untiles(c1 * first / (np.sqrt(c2 * second) + self.eps), self.tile, self.shape)

@@ -65,6 +65,28 @@ def check(cfg: ModelConfig, seq_len: int, shards: int, head_shards: int) -> None
         )
 
 
+def layer_bytes(cfg: ModelConfig, batch: int, seq_len: int) -> tuple[int, int]:
+    """``(KV, A)``: bytes of one layer's whole-sequence keys and values, and of q, k, v and the output.
+
+    MLA counts its per-head keys (``head_dim + rope_head_dim`` wide) and values (``v_head_dim``).
+    """
+    item = np.dtype(cfg.compute_dtype).itemsize
+    kv_heads = cfg.n_heads if cfg.attention_type == "mla" else cfg.n_kv_heads
+    k_dim = cfg.head_dim + (cfg.rope_head_dim if cfg.attention_type == "mla" else 0)
+    kv = batch * seq_len * kv_heads * (k_dim + cfg.value_head_dim) * item
+    return kv, kv + batch * seq_len * cfg.n_heads * (k_dim + cfg.value_head_dim) * item
+
+
+def in_flight_bytes(mode: str, cfg: ModelConfig, batch: int, seq_len: int, shards: int) -> float:
+    """Bytes of one layer a device holds beyond its own shard while attending (``batch`` on this device).
+
+    all-gather: the whole sequence's K and V; ring: two K/V blocks (the one in use, the one arriving);
+    Ulysses: q, k, v and the output of the whole sequence for ``heads / C`` heads.
+    """
+    kv, activations = layer_bytes(cfg, batch, seq_len)
+    return {"all_gather": kv, "ring": 2 * kv / shards, "ulysses": activations / shards}[mode]
+
+
 def zigzag_order(seq_len: int, shards: int) -> np.ndarray:
     """Global positions in zig-zag layout: with ``2C`` equal chunks, shard ``i`` holds chunks ``i`` and ``2C-1-i``."""
     if seq_len % (2 * shards):

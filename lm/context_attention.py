@@ -27,6 +27,10 @@ the attention is the XLA math (float32 logits and statistics); the Pallas kernel
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,13 +195,13 @@ def _pad_front(result, rows: int):
     return pad(out, 0.0), pad(lse, -jnp.inf), pad(row_max, -jnp.inf)
 
 
-def _all_gather(axes, q, k, v, pos, seg):
+def _all_gather(axes, q, kv, expand, pos, seg):
     gather = lambda x, axis: jax.lax.all_gather(x, axes, axis=axis, tiled=True)  # noqa: E731
     k_seg = None if seg is None else gather(seg, 1)
-    return _block(q, gather(k, 1), gather(v, 1), pos, gather(pos, 0), seg, k_seg)
+    return _block(q, *expand(*(gather(x, 1) for x in kv)), pos, gather(pos, 0), seg, k_seg)
 
 
-def _ring(axes, q, k, v, pos, seg):
+def _ring(axes, q, kv, expand, pos, seg):
     shards = jax.lax.axis_size(axes)
     first_key_half_only = jnp.asarray(ring_schedule(shards)[:, :, 0, 0])[jax.lax.axis_index(axes)]
     first = lambda x, axis: None if x is None else _halves(x, axis)[0]  # noqa: E731
@@ -207,13 +211,14 @@ def _ring(axes, q, k, v, pos, seg):
 
     def partial_at(hop, blocks):
         """The partial result over the keys that arrived on ``hop``: only the half pairs `ring_schedule` keeps."""
-        k_t, v_t, pos_t, seg_t = blocks
+        kv_t, pos_t, seg_t = blocks
 
         def all_queries_first_key_half():
-            return _block(q, first(k_t, 1), first(v_t, 1), pos, first(pos_t, 0), seg, first(seg_t, 1))
+            k_t, v_t = expand(*(first(x, 1) for x in kv_t))
+            return _block(q, k_t, v_t, pos, first(pos_t, 0), seg, first(seg_t, 1))
 
         def second_query_half_all_keys():
-            partial = _block(second(q, 1), k_t, v_t, second(pos, 0), pos_t, second(seg, 1), seg_t)
+            partial = _block(second(q, 1), *expand(*kv_t), second(pos, 0), pos_t, second(seg, 1), seg_t)
             return _pad_front(partial, q.shape[1] // 2)
 
         return jax.lax.cond(first_key_half_only[hop], all_queries_first_key_half, second_query_half_all_keys)
@@ -223,8 +228,8 @@ def _ring(axes, q, k, v, pos, seg):
         upcoming = send(arrived)  # independent of this hop's compute, so the transfer can overlap it
         return _merge(result, partial_at(t, arrived)), upcoming
 
-    local = _block(q, k, v, pos, pos, seg, seg)
-    result, last = jax.lax.fori_loop(1, shards - 1, hop, (local, send((k, v, pos, seg))))
+    local = _block(q, *expand(*kv), pos, pos, seg, seg)
+    result, last = jax.lax.fori_loop(1, shards - 1, hop, (local, send((kv, pos, seg))))
     return _merge(result, partial_at(shards - 1, last))
 
 
@@ -244,6 +249,29 @@ def _ulysses(axes, q, k, v, seg, *, track_max_logits: bool):
     if max_logits is not None:
         max_logits = jax.lax.all_gather(max_logits, axes, tiled=True)
     return out, max_logits
+
+
+@dataclasses.dataclass(frozen=True)
+class Compressed:
+    """Keys and values that cross the wire compressed and are expanded on each shard.
+
+    ``expand(*params, *sources) -> (k, v)`` maps per-token ``sources`` (each ``(batch, seq, ...)``)
+    to ``(batch, seq, kv_heads, dim)`` keys and values, per token and linear in nothing but itself, so
+    expanding a shard of the sources gives that shard of K and V. ``params`` are what it reads beside
+    (replicated over ``context``); the logical names place both inside the `jax.shard_map`.
+    """
+
+    sources: tuple[jax.Array, ...]
+    source_logical: tuple[tuple[str | None, ...], ...]
+    params: tuple[jax.Array, ...]
+    param_logical: tuple[tuple[str | None, ...], ...]
+    expand: Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def sequence_split() -> bool:
+    """Whether the mesh in context splits the sequence over a ``context`` axis of more than one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.shape.get(CONTEXT_AXIS, 1) > 1 and CONTEXT_AXIS in partition.logical_mesh_axes("seq")
 
 
 def attend(
@@ -267,31 +295,50 @@ def attend(
     Returns:
       ``(out, max_logits or None)``, out ``(batch, seq, heads, v_head_dim)`` in q's dtype.
     """
+    reference.check_shapes(q, k, v, segment_ids)
+    kv = Compressed((k, v), (_KV, _KV), (), (), lambda k, v: (k, v))
+    return attend_compressed(q, kv, mode=mode, track_max_logits=track_max_logits, segment_ids=segment_ids)
+
+
+def attend_compressed(
+    q: jax.Array,
+    kv: Compressed,
+    *,
+    mode: str,
+    track_max_logits: bool = False,
+    segment_ids: jax.Array | None = None,
+):
+    """`attend` with keys and values sent as ``kv.sources`` and expanded per shard (all-gather, ring).
+
+    Ulysses exchanges heads, which a compressed source does not have: it expands first and sends K and V.
+    """
     if mode not in MODES:
         raise ValueError(f"model.context_parallel={mode!r} must be one of {', '.join(MODES)}")
-    reference.check_shapes(q, k, v, segment_ids)
     seq_axes = partition.logical_mesh_axes("seq")
     shards = int(np.prod([jax.sharding.get_abstract_mesh().shape[a] for a in seq_axes]))
     if q.shape[1] % shards:
         raise ValueError(f"seq_len={q.shape[1]} does not split over {shards} context shards; use a multiple of {shards}")
     order = zigzag_order(q.shape[1], shards) if mode == "ring" else np.arange(q.shape[1])
     reduce_axes = (*partition.logical_mesh_axes("batch"), *seq_axes)
+    n_sources, n_params = len(kv.sources), len(kv.params)
 
-    def per_shard(q, k, v, pos, *seg):
+    def per_shard(q, *rest):
+        sources, params, (pos, *seg) = rest[:n_sources], rest[n_sources : n_sources + n_params], rest[n_sources + n_params :]
         seg = seg[0] if seg else None
+        expand = functools.partial(kv.expand, *params)
         if mode == "ulysses":
-            out, max_logits = _ulysses(seq_axes, q, k, v, seg, track_max_logits=track_max_logits)
+            out, max_logits = _ulysses(seq_axes, q, *expand(*sources), seg, track_max_logits=track_max_logits)
             batch_axes = partition.logical_mesh_axes("batch")
             if max_logits is not None and batch_axes:
                 max_logits = jax.lax.pmax(max_logits, batch_axes)
         else:
             if mode == "ring":
-                q, k, v = (_to_zigzag(x, seq_axes, 1) for x in (q, k, v))
+                q, *sources = (_to_zigzag(x, seq_axes, 1) for x in (q, *sources))
                 seg = None if seg is None else _to_zigzag(seg, seq_axes, 1)
             run = _ring if mode == "ring" else _all_gather
-            out, _, row_max = run(seq_axes, q, k, v, pos, seg)
-            b, kv, group, s, dv = out.shape
-            out = out.transpose(0, 3, 1, 2, 4).reshape(b, s, kv * group, dv).astype(q.dtype)
+            out, _, row_max = run(seq_axes, q, tuple(sources), expand, pos, seg)
+            b, kv_heads, group, s, dv = out.shape
+            out = out.transpose(0, 3, 1, 2, 4).reshape(b, s, kv_heads * group, dv).astype(q.dtype)
             if mode == "ring":
                 out = _from_zigzag(out, seq_axes, 1)
             max_logits = None
@@ -299,7 +346,8 @@ def attend(
                 max_logits = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(row_max, axis=(0, 3)).reshape(-1)), reduce_axes)
         return (out, max_logits) if track_max_logits else out
 
-    args, specs = [q, k, v, jnp.asarray(order, jnp.int32)], [_Q, _KV, _KV, ("seq",)]
+    args = [q, *kv.sources, *kv.params, jnp.asarray(order, jnp.int32)]
+    specs = [_Q, *kv.source_logical, *kv.param_logical, ("seq",)]
     if segment_ids is not None:
         args, specs = [*args, segment_ids], [*specs, ("batch", "seq")]
     out_logical = (_Q, ("heads",)) if track_max_logits else _Q

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import run_spec
+from experiments import bench_comm, run_spec
 from experiments.cli import UsageError
 from experiments.configs import default
 from lm import config as config_lib
@@ -20,12 +20,17 @@ MESHES = [("context:4,data:2", "fsdp"), ("context:2,fsdp:2,tensor:2", "tp")]
 SEPARATOR = 7
 
 
-def _model(mode: str):
+def _model(mode: str, **overrides):
     """`tiny` with packed documents, reporting its attention max logits (all three are compared)."""
     # Ulysses splits each device's heads over the context shards: tiny's 2 kv heads would not split 4 ways.
     heads = {"n_kv_heads": 4} if mode == "ulysses" else {}
-    cfg = config_lib.from_preset("tiny", context_parallel=mode, track_attn_logits=True, document_separator=SEPARATOR, **heads)
+    cfg = config_lib.from_preset(
+        "tiny", context_parallel=mode, track_attn_logits=True, document_separator=SEPARATOR, **heads, **overrides
+    )
     return model_lib.define(cfg)
+
+
+MLA = {"attention_type": "mla", "kv_lora_rank": 24, "v_head_dim": 20}
 
 
 def _tokens(model_def):
@@ -77,6 +82,39 @@ def one_device():
 def test_mode_equals_one_device(one_device, mode, spec, rules_name):
     expected = one_device["ulysses" if mode == "ulysses" else "all_gather"]
     _assert_same(loss_and_grads(_model(mode), spec, rules_name), expected)
+
+
+@pytest.fixture(scope="module")
+def one_device_mla():
+    return loss_and_grads(_model("all_gather", **MLA))
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("mode, spec, rules_name", [("all_gather", *MESHES[1]), ("ring", *MESHES[0])])
+def test_mla_equals_one_device(one_device_mla, mode, spec, rules_name):
+    _assert_same(loss_and_grads(_model(mode, **MLA), spec, rules_name), one_device_mla)
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("mode", ["all_gather", "ring"])
+def test_mla_sends_the_latent_not_per_head_keys(mode):
+    """The compiled forward moves each layer's latent and RoPE key (and positions), never per-head K/V."""
+    model_def = _model(mode, **MLA)
+    cfg, shards = model_def.config, 8
+    mesh, rules = mesh_lib.make_mesh(f"context:{shards}"), rules_lib.make_rules("fsdp")
+    tokens = jax.ShapeDtypeStruct((1, SEQ_LEN), np.int32)
+    with jax.set_mesh(mesh), partition.use_rules(rules):
+        hlo = jax.jit(lambda p, t: model_lib.apply(model_def, p, t)).lower(model_def.abstract_params, tokens).compile().as_text()
+    # Inside the scanned layers (positions and segment ids are loop-invariant: gathered once, before).
+    per_layer = [c for c in bench_comm.collectives(hlo, shards) if c.count % cfg.n_layers == 0]
+    sent = sum(c.ring * c.count for c in per_layer) / cfg.n_layers
+    shard = SEQ_LEN // shards
+    latent = shard * (cfg.kv_lora_rank + cfg.rope_head_dim) * 4
+    per_head_kv = cfg.n_heads * (cfg.head_dim + cfg.rope_head_dim + cfg.value_head_dim) * shard * 4
+    if mode == "all_gather":  # one latent + RoPE key shard from each other device
+        assert sent == (shards - 1) * latent
+    else:  # C - 1 hops of a shard, plus the zig-zag relayout of q, the sources and the output
+        assert (shards - 1) * latent < sent < (shards - 1) * per_head_kv / 2
 
 
 @pytest.mark.parametrize("shards", [2, 4, 8])

@@ -29,17 +29,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas import backends
+from kernels_pallas.attention import api as attention_api
 from kernels_pallas.attention import reference
+from lm import ring_attention
 from lm.config import ModelConfig
 from sharding import partition
 
 CONTEXT_AXIS = "context"
+_log = logging.getLogger(__name__)
+_LOGGED: set[str] = set()
 MODES = ("all_gather", "ring", "ulysses")
 
 _Q = ("batch", "seq", "heads", "head_dim")
@@ -53,8 +59,6 @@ def check(cfg: ModelConfig, seq_len: int, shards: int, head_shards: int) -> None
     """
     if shards <= 1:
         return
-    if cfg.attention not in ("auto", "xla"):
-        raise ValueError(f"model.attention={cfg.attention!r} does not run per context shard yet; use model.attention=xla or auto")
     chunks = 2 * shards if cfg.context_parallel == "ring" else shards
     if seq_len % chunks:
         raise ValueError(
@@ -174,25 +178,9 @@ def _block(q, k, v, q_pos, k_pos, q_seg, k_seg):
     return out / safe_total[..., None], lse, row_max
 
 
-def _merge(a, b):
-    """The log-sum-exp combination of two partial results ``(out, lse, row_max)``; ``a``'s lse is finite."""
-    (out_a, lse_a, max_a), (out_b, lse_b, max_b) = a, b
-    top = jax.lax.stop_gradient(jnp.maximum(lse_a, lse_b))
-    lse = top + jnp.log(jnp.exp(lse_a - top) + jnp.exp(lse_b - top))
-    out = out_a * jnp.exp(lse_a - lse)[..., None] + out_b * jnp.exp(lse_b - lse)[..., None]
-    return out, lse, jnp.maximum(max_a, max_b)
-
-
 def _halves(x, axis: int):
     half = x.shape[axis] // 2
     return jax.lax.slice_in_dim(x, 0, half, axis=axis), jax.lax.slice_in_dim(x, half, None, axis=axis)
-
-
-def _pad_front(result, rows: int):
-    """A partial result for the second query half, extended with 'sees nothing' rows for the first."""
-    out, lse, row_max = result
-    pad = lambda x, value: jnp.concatenate([jnp.full((*x.shape[:3], rows, *x.shape[4:]), value, x.dtype), x], axis=3)  # noqa: E731
-    return pad(out, 0.0), pad(lse, -jnp.inf), pad(row_max, -jnp.inf)
 
 
 def _all_gather(axes, q, kv, expand, pos, seg):
@@ -201,39 +189,7 @@ def _all_gather(axes, q, kv, expand, pos, seg):
     return _block(q, *expand(*(gather(x, 1) for x in kv)), pos, gather(pos, 0), seg, k_seg)
 
 
-def _ring(axes, q, kv, expand, pos, seg):
-    shards = jax.lax.axis_size(axes)
-    first_key_half_only = jnp.asarray(ring_schedule(shards)[:, :, 0, 0])[jax.lax.axis_index(axes)]
-    first = lambda x, axis: None if x is None else _halves(x, axis)[0]  # noqa: E731
-    second = lambda x, axis: None if x is None else _halves(x, axis)[1]  # noqa: E731
-    step = [(i, (i + 1) % shards) for i in range(shards)]
-    send = lambda blocks: jax.tree.map(lambda x: jax.lax.ppermute(x, axes, step), blocks)  # noqa: E731
-
-    def partial_at(hop, blocks):
-        """The partial result over the keys that arrived on ``hop``: only the half pairs `ring_schedule` keeps."""
-        kv_t, pos_t, seg_t = blocks
-
-        def all_queries_first_key_half():
-            k_t, v_t = expand(*(first(x, 1) for x in kv_t))
-            return _block(q, k_t, v_t, pos, first(pos_t, 0), seg, first(seg_t, 1))
-
-        def second_query_half_all_keys():
-            partial = _block(second(q, 1), *expand(*kv_t), second(pos, 0), pos_t, second(seg, 1), seg_t)
-            return _pad_front(partial, q.shape[1] // 2)
-
-        return jax.lax.cond(first_key_half_only[hop], all_queries_first_key_half, second_query_half_all_keys)
-
-    def hop(t, carry):
-        result, arrived = carry
-        upcoming = send(arrived)  # independent of this hop's compute, so the transfer can overlap it
-        return _merge(result, partial_at(t, arrived)), upcoming
-
-    local = _block(q, *expand(*kv), pos, pos, seg, seg)
-    result, last = jax.lax.fori_loop(1, shards - 1, hop, (local, send((kv, pos, seg))))
-    return _merge(result, partial_at(shards - 1, last))
-
-
-def _ulysses(axes, q, k, v, seg, *, track_max_logits: bool):
+def _ulysses(axes, q, k, v, seg, *, implementation: str, track_max_logits: bool):
     shards = jax.lax.axis_size(axes)
     heads, kv_heads = q.shape[2], k.shape[2]
     if heads % shards or kv_heads % shards:
@@ -243,8 +199,9 @@ def _ulysses(axes, q, k, v, seg, *, track_max_logits: bool):
         )
     to_heads = lambda x: jax.lax.all_to_all(x, axes, split_axis=2, concat_axis=1, tiled=True)  # noqa: E731
     seg = None if seg is None else jax.lax.all_gather(seg, axes, axis=1, tiled=True)
-    result = reference.attention(to_heads(q), to_heads(k), to_heads(v), segment_ids=seg, return_max_logits=track_max_logits)
-    out, max_logits = result if track_max_logits else (result, None)
+    out, max_logits = attention_api.attention(
+        to_heads(q), to_heads(k), to_heads(v), implementation=implementation, track_max_logits=track_max_logits, segment_ids=seg
+    )
     out = jax.lax.all_to_all(out, axes, split_axis=1, concat_axis=2, tiled=True)
     if max_logits is not None:
         max_logits = jax.lax.all_gather(max_logits, axes, tiled=True)
@@ -268,6 +225,12 @@ class Compressed:
     expand: Callable[..., tuple[jax.Array, jax.Array]]
 
 
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        _log.warning(message)
+
+
 def sequence_split() -> bool:
     """Whether the mesh in context splits the sequence over a ``context`` axis of more than one device."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -280,6 +243,7 @@ def attend(
     v: jax.Array,
     *,
     mode: str,
+    implementation: str = "xla",
     track_max_logits: bool = False,
     segment_ids: jax.Array | None = None,
 ):
@@ -289,6 +253,10 @@ def attend(
       q: ``(batch, seq, heads, head_dim)``; k, v: ``(batch, seq, kv_heads, head_dim)``, at global
         positions ``0 .. seq-1`` (rotary embeddings already applied).
       mode: ``all_gather``, ``ring`` or ``ulysses``.
+      implementation: ``model.attention`` per shard: Ulysses runs the attention op on whole sequences
+        (any implementation); the ring runs `kernels_pallas.attention.partial` blocks (``pallas`` or
+        ``xla``, `attention_api.block_implementation`); all-gather runs XLA (its queries sit at an
+        offset into the gathered keys, which the kernels do not take; logged once).
       track_max_logits: also return the per-head maximum unmasked logit, ``(heads,)``.
       segment_ids: ``(batch, seq)`` int or None (packed documents).
 
@@ -297,7 +265,9 @@ def attend(
     """
     reference.check_shapes(q, k, v, segment_ids)
     kv = Compressed((k, v), (_KV, _KV), (), (), lambda k, v: (k, v))
-    return attend_compressed(q, kv, mode=mode, track_max_logits=track_max_logits, segment_ids=segment_ids)
+    return attend_compressed(
+        q, kv, mode=mode, implementation=implementation, track_max_logits=track_max_logits, segment_ids=segment_ids
+    )
 
 
 def attend_compressed(
@@ -305,6 +275,7 @@ def attend_compressed(
     kv: Compressed,
     *,
     mode: str,
+    implementation: str = "xla",
     track_max_logits: bool = False,
     segment_ids: jax.Array | None = None,
 ):
@@ -318,35 +289,48 @@ def attend_compressed(
     shards = int(np.prod([jax.sharding.get_abstract_mesh().shape[a] for a in seq_axes]))
     if q.shape[1] % shards:
         raise ValueError(f"seq_len={q.shape[1]} does not split over {shards} context shards; use a multiple of {shards}")
-    order = zigzag_order(q.shape[1], shards) if mode == "ring" else np.arange(q.shape[1])
+    if mode == "ring" and q.shape[1] % (2 * shards):
+        raise ValueError(f"context_parallel=ring lays seq_len={q.shape[1]} out in 2 x {shards} chunks; use a multiple of {2 * shards}")
     reduce_axes = (*partition.logical_mesh_axes("batch"), *seq_axes)
     n_sources, n_params = len(kv.sources), len(kv.params)
+    target = backends.platform()
+    block = attention_api.block_implementation(implementation, target, q.dtype)
+    if mode == "all_gather" and implementation not in ("auto", "xla"):
+        _log_once(
+            f"model.attention={implementation} with context_parallel=all_gather runs XLA per shard: the shard's queries sit "
+            "at an offset into the gathered keys, which the kernels do not take; context_parallel=ring runs the kernel"
+        )
 
     def per_shard(q, *rest):
         sources, params, (pos, *seg) = rest[:n_sources], rest[n_sources : n_sources + n_params], rest[n_sources + n_params :]
         seg = seg[0] if seg else None
         expand = functools.partial(kv.expand, *params)
         if mode == "ulysses":
-            out, max_logits = _ulysses(seq_axes, q, *expand(*sources), seg, track_max_logits=track_max_logits)
+            out, max_logits = _ulysses(
+                seq_axes, q, *expand(*sources), seg, implementation=implementation, track_max_logits=track_max_logits
+            )
             batch_axes = partition.logical_mesh_axes("batch")
             if max_logits is not None and batch_axes:
                 max_logits = jax.lax.pmax(max_logits, batch_axes)
+            return (out, max_logits) if track_max_logits else out
+        if mode == "ring":
+            q, *sources = (_to_zigzag(x, seq_axes, 1) for x in (q, *sources))
+            seg = None if seg is None else _to_zigzag(seg, seq_axes, 1)
+            out, row_max = ring_attention.ring(
+                q, tuple(sources), params, seg, axes=seq_axes, past=ring_schedule(shards)[:, :, 0, 0], expand=kv.expand,
+                implementation=block, interpret=target == "cpu",
+            )
+            out = _from_zigzag(out.astype(q.dtype), seq_axes, 1)
+            row_max = jnp.max(row_max, axis=(0, 2))
         else:
-            if mode == "ring":
-                q, *sources = (_to_zigzag(x, seq_axes, 1) for x in (q, *sources))
-                seg = None if seg is None else _to_zigzag(seg, seq_axes, 1)
-            run = _ring if mode == "ring" else _all_gather
-            out, _, row_max = run(seq_axes, q, tuple(sources), expand, pos, seg)
+            out, _, row_max = _all_gather(seq_axes, q, tuple(sources), expand, pos, seg)
             b, kv_heads, group, s, dv = out.shape
             out = out.transpose(0, 3, 1, 2, 4).reshape(b, s, kv_heads * group, dv).astype(q.dtype)
-            if mode == "ring":
-                out = _from_zigzag(out, seq_axes, 1)
-            max_logits = None
-            if track_max_logits:
-                max_logits = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(row_max, axis=(0, 3)).reshape(-1)), reduce_axes)
+            row_max = jnp.max(row_max, axis=(0, 3)).reshape(-1)
+        max_logits = jax.lax.pmax(jax.lax.stop_gradient(row_max), reduce_axes) if track_max_logits else None
         return (out, max_logits) if track_max_logits else out
 
-    args = [q, *kv.sources, *kv.params, jnp.asarray(order, jnp.int32)]
+    args = [q, *kv.sources, *kv.params, jnp.arange(q.shape[1], dtype=jnp.int32)]
     specs = [_Q, *kv.source_logical, *kv.param_logical, ("seq",)]
     if segment_ids is not None:
         args, specs = [*args, segment_ids], [*specs, ("batch", "seq")]

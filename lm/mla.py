@@ -102,13 +102,14 @@ class MultiHeadLatentAttention(nnx.Module):
         q_nope, q_rope = self._queries(x, positions)
         latent, k_rope = self._latent(x, positions)
         q = checkpoint_name(constrain(jnp.concatenate([q_nope, q_rope], axis=-1), _HEADS), remat.ATTN_Q)
-        if context_attention.sequence_split() and cfg.attention in ("auto", "xla"):
+        if context_attention.sequence_split():
             up = tuple(w.kernel[...].astype(latent.dtype) for w in (self.k_up, self.v_up))
             compressed = context_attention.Compressed(
                 (latent, k_rope), (_SOURCE, _SOURCE), up, ((None, "heads"),) * 2, functools.partial(_expand, cfg.head_dim)
             )
             out, max_logits = context_attention.attend_compressed(
-                q, compressed, mode=cfg.context_parallel, track_max_logits=cfg.track_attn_logits, segment_ids=segment_ids
+                q, compressed, mode=cfg.context_parallel, implementation=cfg.attention, track_max_logits=cfg.track_attn_logits,
+                segment_ids=segment_ids,
             )
         else:
             k_nope = split_heads(self.k_up(latent), cfg.n_heads, _HEADS)

@@ -270,6 +270,33 @@ def choose(
     raise AssertionError(f"ORDER[{platform!r}] ends in an implementation that can refuse a call")
 
 
+_NO_LSE = (
+    "cuDNN's fused attention (jax.nn.dot_product_attention) returns no log-sum-exp, which ring attention needs to "
+    "merge its blocks"
+)
+
+
+def block_implementation(implementation: str, platform: str, dtype) -> str:
+    """Which per-block attention with log-sum-exp (`partial`: ``xla`` or ``pallas``) serves ``implementation``.
+
+    Ring attention merges blocks by their lse: ``pallas`` and ``xla`` return it, cuDNN cannot, so
+    ``cudnn`` falls back (logged once) to what ``auto`` takes: the kernel on TPUs and for bf16/fp16 on
+    GPUs, XLA otherwise.
+    """
+    if implementation not in ("auto", *IMPLEMENTATIONS):
+        raise ValueError(f"unknown attention implementation {implementation!r}; use one of auto, {', '.join(IMPLEMENTATIONS)}")
+    if implementation in ("xla", "pallas"):
+        return implementation
+    kernel = platform == "tpu" or (platform in _GPU_PLATFORMS and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
+    chosen = "pallas" if kernel else "xla"
+    if implementation == "cudnn":
+        reason = f"{_NO_LSE}; using {chosen} per ring block"
+        if reason not in _LOGGED:
+            _LOGGED.add(reason)
+            _log.warning("model.attention=cudnn: %s", reason)
+    return chosen
+
+
 def attention(
     q: jax.Array,
     k: jax.Array,

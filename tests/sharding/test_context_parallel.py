@@ -1,12 +1,14 @@
 """Context parallelism (`lm.context_attention`): each mode equals one device; the ring's causal work is balanced."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from experiments import bench_comm, run_spec
 from experiments.cli import UsageError
 from experiments.configs import default
+from kernels_pallas.attention import reference
 from lm import config as config_lib
 from lm import context_attention
 from lm import loss as loss_lib
@@ -160,11 +162,29 @@ def test_ulysses_names_heads_that_do_not_split():
 
 
 @pytest.mark.devices(8)
-def test_pallas_under_context_is_an_error():
-    model_def = model_lib.define(config_lib.from_preset("tiny", attention="pallas"))
-    mesh, rules = mesh_lib.make_mesh("context:4,data:2"), rules_lib.make_rules("fsdp")
-    with jax.set_mesh(mesh), partition.use_rules(rules), pytest.raises(ValueError, match="model.attention='pallas'"):
-        jax.eval_shape(lambda p: model_lib.apply(model_def, p, np.zeros((2, 32), np.int32)), model_def.abstract_params)
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_ring_blocks_and_hand_written_backward_equal_the_reference(implementation):
+    """The ring's custom_vjp, with XLA blocks or the Triton kernel (interpret mode), against whole-sequence attention."""
+    rng = np.random.default_rng(3)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    q, k, v, d_out = normal(2, 64, 4, 16), normal(2, 64, 2, 16), normal(2, 64, 2, 16), normal(2, 64, 4, 16)
+    seg = jnp.asarray(np.sort(rng.integers(0, 4, (2, 64)), axis=1), jnp.int32)
+
+    def expected(q, k, v):
+        return reference.attention(q, k, v, segment_ids=seg, return_max_logits=True)
+
+    def ring(q, k, v):
+        return context_attention.attend(q, k, v, mode="ring", implementation=implementation, track_max_logits=True, segment_ids=seg)
+
+    (want, want_max), vjp = jax.vjp(expected, q, k, v)
+    want_grads = vjp((d_out, jnp.zeros_like(want_max)))
+    with jax.set_mesh(mesh_lib.make_mesh("context:4,data:2")), partition.use_rules(rules_lib.make_rules("fsdp")):
+        (got, got_max), vjp = jax.vjp(jax.jit(ring), q, k, v)
+        got_grads = vjp((d_out, jnp.zeros_like(got_max)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_max, want_max, rtol=1e-6)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.devices(8)

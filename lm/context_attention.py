@@ -14,15 +14,19 @@ mode below is a `jax.shard_map` (`sharding.partition.logical_shard_map`) over th
   Inside the call the shards are re-laid out zig-zag by two ppermutes of half a shard each way
   (`zigzag_pairs`; device ``i`` then holds chunks ``i`` and ``2C-1-i`` of ``2C``), so every hop from
   another device costs each device half a block (`ring_schedule`): the causal work is equal on every
-  device. The backward pass is `jax.grad` of the hop loop (the transposed ppermutes carry
-  dK/dV back around the ring); a hand-written ring backward is not here yet.
+  device. The hops and their hand-written backward (dK/dV travel back around the ring) are
+  `lm.ring_attention`; each block is `kernels_pallas.attention.partial` (XLA, or the Pallas kernel
+  returning its log-sum-exp).
 - ``ulysses`` (DeepSpeed-Ulysses, arXiv:2309.14509): an all-to-all turns sequence-split q, k, v into
-  head-split ones over the whole sequence, `reference.attention` runs per device, and a second
-  all-to-all turns the output back. Needs the per-device head counts to divide by ``C``.
+  head-split ones over the whole sequence, the attention op (`kernels_pallas.attention.api`, any
+  implementation) runs per device, and a second all-to-all turns the output back. Needs the
+  per-device head counts to divide by ``C``.
 
 Keys and values travel with their ``n_kv_heads`` (grouped-query attention is never repeated before the
-wire). Masks use global positions, and segment ids (packed documents) travel with the keys. Per shard
-the attention is the XLA math (float32 logits and statistics); the Pallas kernel per shard is not here.
+wire), or compressed (`Compressed`: MLA's latent and RoPE key, expanded per shard). Masks use global
+positions, and segment ids (packed documents) travel with the keys. All-gather runs the XLA math per
+shard (float32 logits and statistics): its queries sit at an offset into the gathered keys, which the
+kernels do not take.
 """
 
 from __future__ import annotations

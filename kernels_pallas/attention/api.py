@@ -17,6 +17,9 @@ takes the first implementation whose ``unsupported`` check gives no reason; the 
 over the others are logged once each. On GPUs that is cuDNN wherever it serves, then our kernel for
 bf16/fp16, and XLA for float32.
 
+`block_implementation` picks the attention over one key block that returns its log-sum-exp
+(`partial`: XLA or our kernel; never cuDNN, which cannot) for ring attention's blocks.
+
 `flash_attention` is one `custom_vjp` over every backend's kernels. The backend follows the platform:
 ``triton`` on GPUs, ``mosaic_tpu`` on TPUs. On a CPU either backend runs in interpret mode only
 (``interpret=True``), which is how the tests check them. The math, the recurrences and the masking are
@@ -41,7 +44,9 @@ from kernels_pallas.backends import platform
 
 BACKENDS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
 
-__all__ = ["BACKENDS", "IMPLEMENTATIONS", "ORDER", "BlockSizes", "attention", "choose", "flash_attention", "platform"]
+__all__ = [
+    "BACKENDS", "IMPLEMENTATIONS", "ORDER", "BlockSizes", "attention", "block_implementation", "choose", "flash_attention", "platform",
+]
 
 _log = logging.getLogger(__name__)
 _LOGGED: set[str] = set()

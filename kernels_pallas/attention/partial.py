@@ -91,7 +91,7 @@ def _xla_backward(q, k, v, q_seg, kv_seg, out, lse, d_out, causal: bool, sm_scal
     return dq, dk, dv
 
 
-def _spec(q, sm_scale: float, causal: bool, interpret) -> base.Spec:
+def _spec(sm_scale: float, causal: bool, interpret) -> base.Spec:
     return base.Spec(causal=causal, sm_scale=sm_scale, block_sizes=base.BlockSizes(), interpret=interpret, return_row_max=True)
 
 
@@ -127,7 +127,7 @@ def forward(
         return _xla_forward(q, k, v, q_segment_ids, kv_segment_ids, causal, scale)
     _check_square(q, k)
     name = backends.choose("flash_attention", backends.platform(), backend, interpret, tuple(_BACKENDS), "use implementation='xla'")
-    out, row_max, residuals = _BACKENDS[name].forward(q, k, v, _segments(q_segment_ids, kv_segment_ids), _spec(q, scale, causal, interpret))
+    out, row_max, residuals = _BACKENDS[name].forward(q, k, v, _segments(q_segment_ids, kv_segment_ids), _spec(scale, causal, interpret))
     return out.astype(jnp.float32), residuals[-1] / base.LOG2E, row_max
 
 
@@ -154,7 +154,7 @@ def backward(
     _check_square(q, k)
     name = backends.choose("flash_attention", backends.platform(), backend, interpret, tuple(_BACKENDS), "use implementation='xla'")
     residuals = (q, k, v, _segments(q_segment_ids, kv_segment_ids), out.astype(q.dtype), lse * base.LOG2E)
-    grads = _BACKENDS[name].backward(residuals, d_out.astype(q.dtype), _spec(q, scale, causal, interpret))
+    grads = _BACKENDS[name].backward(residuals, d_out.astype(q.dtype), _spec(scale, causal, interpret))
     return tuple(g.astype(jnp.float32) for g in grads)
 
 

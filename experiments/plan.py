@@ -9,6 +9,9 @@ for a 50B-parameter model on hundreds of fake devices) and checks the state alon
 as many fake CPU devices as the mesh needs, so a laptop can plan a pod slice; XLA:CPU's buffer
 assignment then stands in for the accelerator's, which fuses and lays out differently (treat the
 activation figure as an estimate). Exit code 0 when it fits, 1 when it does not, 2 for bad input.
+
+With a ``context`` mesh axis (long sequences, `lm.context_attention`) the report adds the context
+shards, the mode, each device's share of a sequence and the K/V one layer holds in flight.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import ml_collections
 from absl import app, flags
 
 from experiments import cli, run_spec, train_lib
+from lm import context_attention
 from lm import model as model_lib
 from lm import pipeline
 from sharding import mesh as mesh_lib
@@ -36,6 +40,22 @@ def _state_bytes(abstract_tree) -> int:
     return sum(
         math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract_tree)
     )
+
+
+def _context(config: ml_collections.ConfigDict, spec: run_spec.RunSpec) -> dict | None:
+    """The context-parallel part of the report, or None without a ``context`` axis splitting ``seq``."""
+    shards = spec.mesh.shape.get(context_attention.CONTEXT_AXIS, 1)
+    if shards == 1 or context_attention.CONTEXT_AXIS not in dict(spec.rules.activations).get("seq", ()):
+        return None
+    batch_axes = dict(spec.rules.activations).get("batch", ())
+    rows = config.batch_size // config.grad_accum_steps // math.prod(spec.mesh.shape.get(a, 1) for a in batch_axes)
+    mode, seq_len = spec.cfg.context_parallel, config.data.seq_len
+    return {
+        "mode": mode,
+        "shards": shards,
+        "tokens_per_device": rows * seq_len // shards,
+        "kv_in_flight_bytes_per_layer": int(context_attention.in_flight_bytes(mode, spec.cfg, rows, seq_len, shards)),
+    }
 
 
 def plan(config: ml_collections.ConfigDict, hbm_bytes: float, *, compile_step: bool = True) -> dict:
@@ -65,6 +85,7 @@ def plan(config: ml_collections.ConfigDict, hbm_bytes: float, *, compile_step: b
         "optimizer_state_bytes": _state_bytes(state["opt_state"]),
         "hbm_bytes": int(hbm_bytes),
         "state_only": not compile_step,
+        "context": _context(config, spec),
     }
     if spec.mesh.shape.get(pipeline.STAGE_AXIS, 1) > 1:  # block parameters and their state split over stages
         report["pipeline"] = dataclasses.asdict(spec.pipeline)
@@ -105,6 +126,9 @@ def format_report(report: dict) -> str:
             ("activations + temporaries (compiled, less gradients)", report["activations_estimate_bytes"]),
             ("peak of one train step (compiled)", report["peak_bytes"]),
         ]
+    context = report.get("context")
+    if context:
+        rows.append((f"K/V in flight per layer ({context['mode']} over {context['shards']} context shards)", context["kv_in_flight_bytes_per_layer"]))
     rows.append(("device memory (--hbm_gb)", report["hbm_bytes"]))
     width = max(len(name) for name, _ in rows)
     lines = [
@@ -115,12 +139,14 @@ def format_report(report: dict) -> str:
         ),
         *(f"  {name:<{width}}  {value / GiB:10.3f} GiB" for name, value in rows),
     ]
+    if context:
+        lines.insert(1, f"  context parallelism: {context['tokens_per_device']:,} tokens per device per micro-batch")
     if report["fits"]:
         lines.append(f"FITS: the step needs {report['peak_bytes'] / report['hbm_bytes']:.0%} of device memory.")
     else:
         lines.append(
             f"DOES NOT FIT: the step needs {report['peak_bytes'] / GiB:.2f} GiB per device, {report['hbm_bytes'] / GiB:.2f} GiB "
-            "available. Shard more (a larger fsdp axis), set --config.model.remat=full (or a lighter policy, lm/remat.py), use gradient accumulation "
+            "available. Shard more (a larger fsdp axis; a context axis for long sequences), set --config.model.remat=full (or a lighter policy, lm/remat.py), use gradient accumulation "
             "(--config.grad_accum_steps) or a smaller batch."
         )
     return "\n".join(lines)

@@ -79,14 +79,10 @@ def attend(
       None unless tracked.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.shape.get(context_attention.CONTEXT_AXIS, 1) > 1 and context_attention.CONTEXT_AXIS in partition.logical_mesh_axes("seq"):
-        if implementation not in ("auto", "xla"):
-            raise ValueError(
-                f"model.attention={implementation!r} does not run per context shard yet; use model.attention=xla "
-                "(or auto) with a context mesh axis"
-            )
+    if context_attention.sequence_split():
         return context_attention.attend(
-            q, k, v, mode=context_parallel, track_max_logits=track_max_logits, segment_ids=segment_ids
+            q, k, v, mode=context_parallel, implementation=implementation, track_max_logits=track_max_logits,
+            segment_ids=segment_ids,
         )
     return attention_api.attention(
         q,

@@ -14,28 +14,42 @@ mode below is a `jax.shard_map` (`sharding.partition.logical_shard_map`) over th
   Inside the call the shards are re-laid out zig-zag by two ppermutes of half a shard each way
   (`zigzag_pairs`; device ``i`` then holds chunks ``i`` and ``2C-1-i`` of ``2C``), so every hop from
   another device costs each device half a block (`ring_schedule`): the causal work is equal on every
-  device. The backward pass is `jax.grad` of the hop loop (the transposed ppermutes carry
-  dK/dV back around the ring); a hand-written ring backward is not here yet.
+  device. The hops and their hand-written backward (dK/dV travel back around the ring) are
+  `lm.ring_attention`; each block is `kernels_pallas.attention.partial` (XLA, or the Pallas kernel
+  returning its log-sum-exp).
 - ``ulysses`` (DeepSpeed-Ulysses, arXiv:2309.14509): an all-to-all turns sequence-split q, k, v into
-  head-split ones over the whole sequence, `reference.attention` runs per device, and a second
-  all-to-all turns the output back. Needs the per-device head counts to divide by ``C``.
+  head-split ones over the whole sequence, the attention op (`kernels_pallas.attention.api`, any
+  implementation) runs per device, and a second all-to-all turns the output back. Needs the
+  per-device head counts to divide by ``C``.
 
 Keys and values travel with their ``n_kv_heads`` (grouped-query attention is never repeated before the
-wire). Masks use global positions, and segment ids (packed documents) travel with the keys. Per shard
-the attention is the XLA math (float32 logits and statistics); the Pallas kernel per shard is not here.
+wire), or compressed (`Compressed`: MLA's latent and RoPE key, expanded per shard). Masks use global
+positions, and segment ids (packed documents) travel with the keys. All-gather runs the XLA math per
+shard (float32 logits and statistics): its queries sit at an offset into the gathered keys, which the
+kernels do not take.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas import backends
+from kernels_pallas.attention import api as attention_api
 from kernels_pallas.attention import reference
+from lm import ring_attention
 from lm.config import ModelConfig
 from sharding import partition
 
 CONTEXT_AXIS = "context"
+_log = logging.getLogger(__name__)
+_LOGGED: set[str] = set()
 MODES = ("all_gather", "ring", "ulysses")
 
 _Q = ("batch", "seq", "heads", "head_dim")
@@ -49,8 +63,6 @@ def check(cfg: ModelConfig, seq_len: int, shards: int, head_shards: int) -> None
     """
     if shards <= 1:
         return
-    if cfg.attention not in ("auto", "xla"):
-        raise ValueError(f"model.attention={cfg.attention!r} does not run per context shard yet; use model.attention=xla or auto")
     chunks = 2 * shards if cfg.context_parallel == "ring" else shards
     if seq_len % chunks:
         raise ValueError(
@@ -63,6 +75,28 @@ def check(cfg: ModelConfig, seq_len: int, shards: int, head_shards: int) -> None
             f"context_parallel=ulysses splits {cfg.n_heads} query and {kv_heads} key/value heads over {head_shards} head "
             f"shard(s) x {shards} context shards; use head counts divisible by {shards * head_shards} or context_parallel=ring"
         )
+
+
+def layer_bytes(cfg: ModelConfig, batch: int, seq_len: int) -> tuple[int, int]:
+    """``(KV, A)``: bytes of one layer's whole-sequence keys and values, and of q, k, v and the output.
+
+    MLA counts its per-head keys (``head_dim + rope_head_dim`` wide) and values (``v_head_dim``).
+    """
+    item = np.dtype(cfg.compute_dtype).itemsize
+    kv_heads = cfg.n_heads if cfg.attention_type == "mla" else cfg.n_kv_heads
+    k_dim = cfg.head_dim + (cfg.rope_head_dim if cfg.attention_type == "mla" else 0)
+    kv = batch * seq_len * kv_heads * (k_dim + cfg.value_head_dim) * item
+    return kv, kv + batch * seq_len * cfg.n_heads * (k_dim + cfg.value_head_dim) * item
+
+
+def in_flight_bytes(mode: str, cfg: ModelConfig, batch: int, seq_len: int, shards: int) -> float:
+    """Bytes of one layer a device holds beyond its own shard while attending (``batch`` on this device).
+
+    all-gather: the whole sequence's K and V; ring: two K/V blocks (the one in use, the one arriving);
+    Ulysses: q, k, v and the output of the whole sequence for ``heads / C`` heads.
+    """
+    kv, activations = layer_bytes(cfg, batch, seq_len)
+    return {"all_gather": kv, "ring": 2 * kv / shards, "ulysses": activations / shards}[mode]
 
 
 def zigzag_order(seq_len: int, shards: int) -> np.ndarray:
@@ -148,65 +182,18 @@ def _block(q, k, v, q_pos, k_pos, q_seg, k_seg):
     return out / safe_total[..., None], lse, row_max
 
 
-def _merge(a, b):
-    """The log-sum-exp combination of two partial results ``(out, lse, row_max)``; ``a``'s lse is finite."""
-    (out_a, lse_a, max_a), (out_b, lse_b, max_b) = a, b
-    top = jax.lax.stop_gradient(jnp.maximum(lse_a, lse_b))
-    lse = top + jnp.log(jnp.exp(lse_a - top) + jnp.exp(lse_b - top))
-    out = out_a * jnp.exp(lse_a - lse)[..., None] + out_b * jnp.exp(lse_b - lse)[..., None]
-    return out, lse, jnp.maximum(max_a, max_b)
-
-
 def _halves(x, axis: int):
     half = x.shape[axis] // 2
     return jax.lax.slice_in_dim(x, 0, half, axis=axis), jax.lax.slice_in_dim(x, half, None, axis=axis)
 
 
-def _pad_front(result, rows: int):
-    """A partial result for the second query half, extended with 'sees nothing' rows for the first."""
-    out, lse, row_max = result
-    pad = lambda x, value: jnp.concatenate([jnp.full((*x.shape[:3], rows, *x.shape[4:]), value, x.dtype), x], axis=3)  # noqa: E731
-    return pad(out, 0.0), pad(lse, -jnp.inf), pad(row_max, -jnp.inf)
-
-
-def _all_gather(axes, q, k, v, pos, seg):
+def _all_gather(axes, q, kv, expand, pos, seg):
     gather = lambda x, axis: jax.lax.all_gather(x, axes, axis=axis, tiled=True)  # noqa: E731
     k_seg = None if seg is None else gather(seg, 1)
-    return _block(q, gather(k, 1), gather(v, 1), pos, gather(pos, 0), seg, k_seg)
+    return _block(q, *expand(*(gather(x, 1) for x in kv)), pos, gather(pos, 0), seg, k_seg)
 
 
-def _ring(axes, q, k, v, pos, seg):
-    shards = jax.lax.axis_size(axes)
-    first_key_half_only = jnp.asarray(ring_schedule(shards)[:, :, 0, 0])[jax.lax.axis_index(axes)]
-    first = lambda x, axis: None if x is None else _halves(x, axis)[0]  # noqa: E731
-    second = lambda x, axis: None if x is None else _halves(x, axis)[1]  # noqa: E731
-    step = [(i, (i + 1) % shards) for i in range(shards)]
-    send = lambda blocks: jax.tree.map(lambda x: jax.lax.ppermute(x, axes, step), blocks)  # noqa: E731
-
-    def partial_at(hop, blocks):
-        """The partial result over the keys that arrived on ``hop``: only the half pairs `ring_schedule` keeps."""
-        k_t, v_t, pos_t, seg_t = blocks
-
-        def all_queries_first_key_half():
-            return _block(q, first(k_t, 1), first(v_t, 1), pos, first(pos_t, 0), seg, first(seg_t, 1))
-
-        def second_query_half_all_keys():
-            partial = _block(second(q, 1), k_t, v_t, second(pos, 0), pos_t, second(seg, 1), seg_t)
-            return _pad_front(partial, q.shape[1] // 2)
-
-        return jax.lax.cond(first_key_half_only[hop], all_queries_first_key_half, second_query_half_all_keys)
-
-    def hop(t, carry):
-        result, arrived = carry
-        upcoming = send(arrived)  # independent of this hop's compute, so the transfer can overlap it
-        return _merge(result, partial_at(t, arrived)), upcoming
-
-    local = _block(q, k, v, pos, pos, seg, seg)
-    result, last = jax.lax.fori_loop(1, shards - 1, hop, (local, send((k, v, pos, seg))))
-    return _merge(result, partial_at(shards - 1, last))
-
-
-def _ulysses(axes, q, k, v, seg, *, track_max_logits: bool):
+def _ulysses(axes, q, k, v, seg, *, implementation: str, track_max_logits: bool):
     shards = jax.lax.axis_size(axes)
     heads, kv_heads = q.shape[2], k.shape[2]
     if heads % shards or kv_heads % shards:
@@ -216,12 +203,42 @@ def _ulysses(axes, q, k, v, seg, *, track_max_logits: bool):
         )
     to_heads = lambda x: jax.lax.all_to_all(x, axes, split_axis=2, concat_axis=1, tiled=True)  # noqa: E731
     seg = None if seg is None else jax.lax.all_gather(seg, axes, axis=1, tiled=True)
-    result = reference.attention(to_heads(q), to_heads(k), to_heads(v), segment_ids=seg, return_max_logits=track_max_logits)
-    out, max_logits = result if track_max_logits else (result, None)
+    out, max_logits = attention_api.attention(
+        to_heads(q), to_heads(k), to_heads(v), implementation=implementation, track_max_logits=track_max_logits, segment_ids=seg
+    )
     out = jax.lax.all_to_all(out, axes, split_axis=1, concat_axis=2, tiled=True)
     if max_logits is not None:
         max_logits = jax.lax.all_gather(max_logits, axes, tiled=True)
     return out, max_logits
+
+
+@dataclasses.dataclass(frozen=True)
+class Compressed:
+    """Keys and values that cross the wire compressed and are expanded on each shard.
+
+    ``expand(*params, *sources) -> (k, v)`` maps per-token ``sources`` (each ``(batch, seq, ...)``)
+    to ``(batch, seq, kv_heads, dim)`` keys and values, per token and linear in nothing but itself, so
+    expanding a shard of the sources gives that shard of K and V. ``params`` are what it reads beside
+    (replicated over ``context``); the logical names place both inside the `jax.shard_map`.
+    """
+
+    sources: tuple[jax.Array, ...]
+    source_logical: tuple[tuple[str | None, ...], ...]
+    params: tuple[jax.Array, ...]
+    param_logical: tuple[tuple[str | None, ...], ...]
+    expand: Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        _log.warning(message)
+
+
+def sequence_split() -> bool:
+    """Whether the mesh in context splits the sequence over a ``context`` axis of more than one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.shape.get(CONTEXT_AXIS, 1) > 1 and CONTEXT_AXIS in partition.logical_mesh_axes("seq")
 
 
 def attend(
@@ -230,6 +247,7 @@ def attend(
     v: jax.Array,
     *,
     mode: str,
+    implementation: str = "xla",
     track_max_logits: bool = False,
     segment_ids: jax.Array | None = None,
 ):
@@ -239,45 +257,85 @@ def attend(
       q: ``(batch, seq, heads, head_dim)``; k, v: ``(batch, seq, kv_heads, head_dim)``, at global
         positions ``0 .. seq-1`` (rotary embeddings already applied).
       mode: ``all_gather``, ``ring`` or ``ulysses``.
+      implementation: ``model.attention`` per shard: Ulysses runs the attention op on whole sequences
+        (any implementation); the ring runs `kernels_pallas.attention.partial` blocks (``pallas`` or
+        ``xla``, `attention_api.block_implementation`); all-gather runs XLA (its queries sit at an
+        offset into the gathered keys, which the kernels do not take; logged once).
       track_max_logits: also return the per-head maximum unmasked logit, ``(heads,)``.
       segment_ids: ``(batch, seq)`` int or None (packed documents).
 
     Returns:
       ``(out, max_logits or None)``, out ``(batch, seq, heads, v_head_dim)`` in q's dtype.
     """
+    reference.check_shapes(q, k, v, segment_ids)
+    kv = Compressed((k, v), (_KV, _KV), (), (), lambda k, v: (k, v))
+    return attend_compressed(
+        q, kv, mode=mode, implementation=implementation, track_max_logits=track_max_logits, segment_ids=segment_ids
+    )
+
+
+def attend_compressed(
+    q: jax.Array,
+    kv: Compressed,
+    *,
+    mode: str,
+    implementation: str = "xla",
+    track_max_logits: bool = False,
+    segment_ids: jax.Array | None = None,
+):
+    """`attend` with keys and values sent as ``kv.sources`` and expanded per shard (all-gather, ring).
+
+    Ulysses exchanges heads, which a compressed source does not have: it expands first and sends K and V.
+    """
     if mode not in MODES:
         raise ValueError(f"model.context_parallel={mode!r} must be one of {', '.join(MODES)}")
-    reference.check_shapes(q, k, v, segment_ids)
     seq_axes = partition.logical_mesh_axes("seq")
     shards = int(np.prod([jax.sharding.get_abstract_mesh().shape[a] for a in seq_axes]))
     if q.shape[1] % shards:
         raise ValueError(f"seq_len={q.shape[1]} does not split over {shards} context shards; use a multiple of {shards}")
-    order = zigzag_order(q.shape[1], shards) if mode == "ring" else np.arange(q.shape[1])
+    if mode == "ring" and q.shape[1] % (2 * shards):
+        raise ValueError(f"context_parallel=ring lays seq_len={q.shape[1]} out in 2 x {shards} chunks; use a multiple of {2 * shards}")
     reduce_axes = (*partition.logical_mesh_axes("batch"), *seq_axes)
+    n_sources, n_params = len(kv.sources), len(kv.params)
+    target = backends.platform()
+    block = attention_api.block_implementation(implementation, target, q.dtype)
+    if mode == "all_gather" and implementation not in ("auto", "xla"):
+        _log_once(
+            f"model.attention={implementation} with context_parallel=all_gather runs XLA per shard: the shard's queries sit "
+            "at an offset into the gathered keys, which the kernels do not take; context_parallel=ring runs the kernel"
+        )
 
-    def per_shard(q, k, v, pos, *seg):
+    def per_shard(q, *rest):
+        sources, params, (pos, *seg) = rest[:n_sources], rest[n_sources : n_sources + n_params], rest[n_sources + n_params :]
         seg = seg[0] if seg else None
+        expand = functools.partial(kv.expand, *params)
         if mode == "ulysses":
-            out, max_logits = _ulysses(seq_axes, q, k, v, seg, track_max_logits=track_max_logits)
+            out, max_logits = _ulysses(
+                seq_axes, q, *expand(*sources), seg, implementation=implementation, track_max_logits=track_max_logits
+            )
             batch_axes = partition.logical_mesh_axes("batch")
             if max_logits is not None and batch_axes:
                 max_logits = jax.lax.pmax(max_logits, batch_axes)
+            return (out, max_logits) if track_max_logits else out
+        if mode == "ring":
+            q, *sources = (_to_zigzag(x, seq_axes, 1) for x in (q, *sources))
+            seg = None if seg is None else _to_zigzag(seg, seq_axes, 1)
+            out, row_max = ring_attention.ring(
+                q, tuple(sources), params, seg, axes=seq_axes, past=ring_schedule(shards)[:, :, 0, 0], expand=kv.expand,
+                implementation=block, interpret=target == "cpu",
+            )
+            out = _from_zigzag(out.astype(q.dtype), seq_axes, 1)
+            row_max = jnp.max(row_max, axis=(0, 2))
         else:
-            if mode == "ring":
-                q, k, v = (_to_zigzag(x, seq_axes, 1) for x in (q, k, v))
-                seg = None if seg is None else _to_zigzag(seg, seq_axes, 1)
-            run = _ring if mode == "ring" else _all_gather
-            out, _, row_max = run(seq_axes, q, k, v, pos, seg)
-            b, kv, group, s, dv = out.shape
-            out = out.transpose(0, 3, 1, 2, 4).reshape(b, s, kv * group, dv).astype(q.dtype)
-            if mode == "ring":
-                out = _from_zigzag(out, seq_axes, 1)
-            max_logits = None
-            if track_max_logits:
-                max_logits = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(row_max, axis=(0, 3)).reshape(-1)), reduce_axes)
+            out, _, row_max = _all_gather(seq_axes, q, tuple(sources), expand, pos, seg)
+            b, kv_heads, group, s, dv = out.shape
+            out = out.transpose(0, 3, 1, 2, 4).reshape(b, s, kv_heads * group, dv).astype(q.dtype)
+            row_max = jnp.max(row_max, axis=(0, 3)).reshape(-1)
+        max_logits = jax.lax.pmax(jax.lax.stop_gradient(row_max), reduce_axes) if track_max_logits else None
         return (out, max_logits) if track_max_logits else out
 
-    args, specs = [q, k, v, jnp.asarray(order, jnp.int32)], [_Q, _KV, _KV, ("seq",)]
+    args = [q, *kv.sources, *kv.params, jnp.arange(q.shape[1], dtype=jnp.int32)]
+    specs = [_Q, *kv.source_logical, *kv.param_logical, ("seq",)]
     if segment_ids is not None:
         args, specs = [*args, segment_ids], [*specs, ("batch", "seq")]
     out_logical = (_Q, ("heads",)) if track_max_logits else _Q

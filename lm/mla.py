@@ -12,7 +12,10 @@ separate, decoupled RoPE part shared by all heads. With ``H`` heads, no-RoPE wid
     o    = concat_h softmax(q_h k_h^T / sqrt(d_n + d_r)) v_h  W_o
 
 Training materialises ``k_h, v_h`` and runs the shared attention implementations (`lm.attention.attend`,
-``model.attention``: XLA, cuDNN or the Pallas flash kernel, which takes ``d_v != d_n + d_r``).
+``model.attention``: XLA, cuDNN or the Pallas flash kernel, which takes ``d_v != d_n + d_r``). With the
+sequence split over a ``context`` axis, the latent ``c`` and the RoPE key ``k_r`` (``r + d_r`` numbers
+per token instead of ``H (d_n + d_r + d_v)``) are what the all-gather or the ring sends; each shard
+expands the block it holds (`lm.context_attention.Compressed`).
 Decoding absorbs the up-projections (Sec. 2.1.3): ``q_h . k_h = (q_n^h W_uk^h^T) . c + q_r^h . k_r`` and
 ``p v_h = (p c) W_uv^h``, so attention runs against the cached latents and no per-head key or value is
 ever formed. The equations are the paper's (9)-(19); the latent and the RoPE key come from two matrices
@@ -21,12 +24,14 @@ here (``kv_down``, ``k_rope_proj``) rather than one concatenated projection, so 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from lm import kv_cache, remat
+from lm import context_attention, kv_cache, remat
 from lm.attention import attend
 from lm.config import ModelConfig
 from lm.layers import RMSNorm, linear, rotary_embedding, split_heads
@@ -34,6 +39,20 @@ from sharding.partition import constrain
 
 _HEADS = ("batch", "seq", "heads", "head_dim")
 _LATENT = ("batch", "seq", "latent")
+_SOURCE = ("batch", "seq", None)  # a latent or the RoPE key, whole on each context shard
+
+
+def _expand(head_dim: int, w_uk: jax.Array, w_uv: jax.Array, latent: jax.Array, k_rope: jax.Array):
+    """Per-head ``(k, v)`` of a shard from its latents and RoPE keys: ``k_h = [c W_uk^h ; k_r]``, ``v_h = c W_uv^h``.
+
+    ``w_uk`` ``(r, heads * head_dim)`` and ``w_uv`` ``(r, heads * v_head_dim)`` hold this shard's heads.
+    """
+    b, s, _ = latent.shape
+    heads = w_uk.shape[1] // head_dim
+    k_nope = jnp.einsum("bsr,rn->bsn", latent, w_uk).reshape(b, s, heads, head_dim)
+    v = jnp.einsum("bsr,rn->bsn", latent, w_uv).reshape(b, s, heads, -1)
+    k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (b, s, heads, k_rope.shape[-1]))
+    return jnp.concatenate([k_nope, k_rope], axis=-1), v
 
 
 class MultiHeadLatentAttention(nnx.Module):
@@ -72,27 +91,41 @@ class MultiHeadLatentAttention(nnx.Module):
         return latent, k_rope
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None):
-        """``(out, max_logits)`` for ``x`` ``(batch, seq, d_model)``, with materialised keys and values."""
+        """``(out, max_logits)`` for ``x`` ``(batch, seq, d_model)``.
+
+        Keys and values are materialised per head, except with the sequence split over a ``context``
+        axis: then the latent and the RoPE key cross the wire and each shard expands them (`_expand`).
+        """
         cfg = self.cfg
         b, s = x.shape[:2]
         positions = jnp.arange(s)
         q_nope, q_rope = self._queries(x, positions)
         latent, k_rope = self._latent(x, positions)
-        k_nope = split_heads(self.k_up(latent), cfg.n_heads, _HEADS)
-        v = split_heads(self.v_up(latent), cfg.n_heads, _HEADS)
-        q = constrain(jnp.concatenate([q_nope, q_rope], axis=-1), _HEADS)
-        k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (b, s, cfg.n_heads, cfg.rope_head_dim))
-        k = constrain(jnp.concatenate([k_nope, k_rope], axis=-1), _HEADS)
-        q, k, v = checkpoint_name(q, remat.ATTN_Q), checkpoint_name(k, remat.ATTN_K), checkpoint_name(v, remat.ATTN_V)
-        out, max_logits = attend(
-            q,
-            k,
-            v,
-            implementation=cfg.attention,
-            track_max_logits=cfg.track_attn_logits,
-            segment_ids=segment_ids,
-            context_parallel=cfg.context_parallel,
-        )
+        q = checkpoint_name(constrain(jnp.concatenate([q_nope, q_rope], axis=-1), _HEADS), remat.ATTN_Q)
+        if context_attention.sequence_split():
+            up = tuple(w.kernel[...].astype(latent.dtype) for w in (self.k_up, self.v_up))
+            compressed = context_attention.Compressed(
+                (latent, k_rope), (_SOURCE, _SOURCE), up, ((None, "heads"),) * 2, functools.partial(_expand, cfg.head_dim)
+            )
+            out, max_logits = context_attention.attend_compressed(
+                q, compressed, mode=cfg.context_parallel, implementation=cfg.attention, track_max_logits=cfg.track_attn_logits,
+                segment_ids=segment_ids,
+            )
+        else:
+            k_nope = split_heads(self.k_up(latent), cfg.n_heads, _HEADS)
+            v = split_heads(self.v_up(latent), cfg.n_heads, _HEADS)
+            k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (b, s, cfg.n_heads, cfg.rope_head_dim))
+            k = constrain(jnp.concatenate([k_nope, k_rope], axis=-1), _HEADS)
+            k, v = checkpoint_name(k, remat.ATTN_K), checkpoint_name(v, remat.ATTN_V)
+            out, max_logits = attend(
+                q,
+                k,
+                v,
+                implementation=cfg.attention,
+                track_max_logits=cfg.track_attn_logits,
+                segment_ids=segment_ids,
+                context_parallel=cfg.context_parallel,
+            )
         out = checkpoint_name(out, remat.ATTN_CONTEXT)
         return self.o_proj(out.reshape(b, s, -1)), max_logits
 

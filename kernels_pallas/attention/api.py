@@ -17,6 +17,9 @@ takes the first implementation whose ``unsupported`` check gives no reason; the 
 over the others are logged once each. On GPUs that is cuDNN wherever it serves, then our kernel for
 bf16/fp16, and XLA for float32.
 
+`block_implementation` picks the attention over one key block that returns its log-sum-exp
+(`partial`: XLA or our kernel; never cuDNN, which cannot) for ring attention's blocks.
+
 `flash_attention` is one `custom_vjp` over every backend's kernels. The backend follows the platform:
 ``triton`` on GPUs, ``mosaic_tpu`` on TPUs. On a CPU either backend runs in interpret mode only
 (``interpret=True``), which is how the tests check them. The math, the recurrences and the masking are
@@ -41,7 +44,9 @@ from kernels_pallas.backends import platform
 
 BACKENDS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
 
-__all__ = ["BACKENDS", "IMPLEMENTATIONS", "ORDER", "BlockSizes", "attention", "choose", "flash_attention", "platform"]
+__all__ = [
+    "BACKENDS", "IMPLEMENTATIONS", "ORDER", "BlockSizes", "attention", "block_implementation", "choose", "flash_attention", "platform",
+]
 
 _log = logging.getLogger(__name__)
 _LOGGED: set[str] = set()
@@ -268,6 +273,33 @@ def choose(
         if reason not in reasons:
             reasons.append(reason)
     raise AssertionError(f"ORDER[{platform!r}] ends in an implementation that can refuse a call")
+
+
+_NO_LSE = (
+    "cuDNN's fused attention (jax.nn.dot_product_attention) returns no log-sum-exp, which ring attention needs to "
+    "merge its blocks"
+)
+
+
+def block_implementation(implementation: str, platform: str, dtype) -> str:
+    """Which per-block attention with log-sum-exp (`partial`: ``xla`` or ``pallas``) serves ``implementation``.
+
+    Ring attention merges blocks by their lse: ``pallas`` and ``xla`` return it, cuDNN cannot, so
+    ``cudnn`` falls back (logged once) to what ``auto`` takes: the kernel on TPUs and for bf16/fp16 on
+    GPUs, XLA otherwise.
+    """
+    if implementation not in ("auto", *IMPLEMENTATIONS):
+        raise ValueError(f"unknown attention implementation {implementation!r}; use one of auto, {', '.join(IMPLEMENTATIONS)}")
+    if implementation in ("xla", "pallas"):
+        return implementation
+    kernel = platform == "tpu" or (platform in _GPU_PLATFORMS and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
+    chosen = "pallas" if kernel else "xla"
+    if implementation == "cudnn":
+        reason = f"{_NO_LSE}; using {chosen} per ring block"
+        if reason not in _LOGGED:
+            _LOGGED.add(reason)
+            _log.warning("model.attention=cudnn: %s", reason)
+    return chosen
 
 
 def attention(

@@ -61,8 +61,9 @@ def _segment_args(segment_ids, q_len: int, kv_len: int, block_q: int, block_kv: 
     """Query ids broadcast over lanes ``(batch, seq, 128)``, key ids over sublanes ``(batch, 8, seq)``."""
     if segment_ids is None:
         return (), []
-    q_ids = base.pad_axis(segment_ids, 1, q_len)
-    kv_ids = base.pad_axis(segment_ids, 1, kv_len)
+    q_ids, kv_ids = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)  # one array or a pair
+    q_ids = base.pad_axis(q_ids, 1, q_len)
+    kv_ids = base.pad_axis(kv_ids, 1, kv_len)
     args = (
         jnp.broadcast_to(q_ids[:, :, None], (*q_ids.shape, LANES)),
         jnp.broadcast_to(kv_ids[:, None, :], (kv_ids.shape[0], SUBLANES, kv_len)),

@@ -179,10 +179,14 @@ def _dkdv_kernel(
 
 
 def _segment_args(segment_ids, q_len: int, kv_len: int, q_spec: pl.BlockSpec, kv_spec: pl.BlockSpec):
-    """Segment ids padded for the query and the key side, with their block specs (nothing without ids)."""
+    """Segment ids padded for the query and the key side, with their block specs (nothing without ids).
+
+    ``segment_ids``: one ``(batch, seq)`` array for both sides, or a ``(query ids, key ids)`` pair.
+    """
     if segment_ids is None:
         return (), []
-    return (base.pad_axis(segment_ids, 1, q_len), base.pad_axis(segment_ids, 1, kv_len)), [q_spec, kv_spec]
+    q_ids, kv_ids = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
+    return (base.pad_axis(q_ids, 1, q_len), base.pad_axis(kv_ids, 1, kv_len)), [q_spec, kv_spec]
 
 
 def forward(q, k, v, segment_ids, spec: base.Spec):

@@ -1,12 +1,14 @@
 """Context parallelism (`lm.context_attention`): each mode equals one device; the ring's causal work is balanced."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import run_spec
+from experiments import bench_comm, run_spec
 from experiments.cli import UsageError
 from experiments.configs import default
+from kernels_pallas.attention import reference
 from lm import config as config_lib
 from lm import context_attention
 from lm import loss as loss_lib
@@ -20,12 +22,17 @@ MESHES = [("context:4,data:2", "fsdp"), ("context:2,fsdp:2,tensor:2", "tp")]
 SEPARATOR = 7
 
 
-def _model(mode: str):
+def _model(mode: str, **overrides):
     """`tiny` with packed documents, reporting its attention max logits (all three are compared)."""
     # Ulysses splits each device's heads over the context shards: tiny's 2 kv heads would not split 4 ways.
     heads = {"n_kv_heads": 4} if mode == "ulysses" else {}
-    cfg = config_lib.from_preset("tiny", context_parallel=mode, track_attn_logits=True, document_separator=SEPARATOR, **heads)
+    cfg = config_lib.from_preset(
+        "tiny", context_parallel=mode, track_attn_logits=True, document_separator=SEPARATOR, **heads, **overrides
+    )
     return model_lib.define(cfg)
+
+
+MLA = {"attention_type": "mla", "kv_lora_rank": 24, "v_head_dim": 20}
 
 
 def _tokens(model_def):
@@ -79,6 +86,39 @@ def test_mode_equals_one_device(one_device, mode, spec, rules_name):
     _assert_same(loss_and_grads(_model(mode), spec, rules_name), expected)
 
 
+@pytest.fixture(scope="module")
+def one_device_mla():
+    return loss_and_grads(_model("all_gather", **MLA))
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("mode, spec, rules_name", [("all_gather", *MESHES[1]), ("ring", *MESHES[0])])
+def test_mla_equals_one_device(one_device_mla, mode, spec, rules_name):
+    _assert_same(loss_and_grads(_model(mode, **MLA), spec, rules_name), one_device_mla)
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("mode", ["all_gather", "ring"])
+def test_mla_sends_the_latent_not_per_head_keys(mode):
+    """The compiled forward moves each layer's latent and RoPE key (and positions), never per-head K/V."""
+    model_def = _model(mode, **MLA)
+    cfg, shards = model_def.config, 8
+    mesh, rules = mesh_lib.make_mesh(f"context:{shards}"), rules_lib.make_rules("fsdp")
+    tokens = jax.ShapeDtypeStruct((1, SEQ_LEN), np.int32)
+    with jax.set_mesh(mesh), partition.use_rules(rules):
+        hlo = jax.jit(lambda p, t: model_lib.apply(model_def, p, t)).lower(model_def.abstract_params, tokens).compile().as_text()
+    # Inside the scanned layers (positions and segment ids are loop-invariant: gathered once, before).
+    per_layer = [c for c in bench_comm.collectives(hlo, shards) if c.count % cfg.n_layers == 0]
+    sent = sum(c.ring * c.count for c in per_layer) / cfg.n_layers
+    shard = SEQ_LEN // shards
+    latent = shard * (cfg.kv_lora_rank + cfg.rope_head_dim) * 4
+    per_head_kv = cfg.n_heads * (cfg.head_dim + cfg.rope_head_dim + cfg.value_head_dim) * shard * 4
+    if mode == "all_gather":  # one latent + RoPE key shard from each other device
+        assert sent == (shards - 1) * latent
+    else:  # C - 1 hops of a shard, plus the zig-zag relayout of q, the sources and the output
+        assert (shards - 1) * latent < sent < (shards - 1) * per_head_kv / 2
+
+
 @pytest.mark.parametrize("shards", [2, 4, 8])
 def test_ring_schedule_covers_every_causal_block_with_equal_work(shards):
     """Zig-zag ring: each device computes the same number of half-chunk blocks, and every skipped block is fully masked."""
@@ -122,11 +162,31 @@ def test_ulysses_names_heads_that_do_not_split():
 
 
 @pytest.mark.devices(8)
-def test_pallas_under_context_is_an_error():
-    model_def = model_lib.define(config_lib.from_preset("tiny", attention="pallas"))
-    mesh, rules = mesh_lib.make_mesh("context:4,data:2"), rules_lib.make_rules("fsdp")
-    with jax.set_mesh(mesh), partition.use_rules(rules), pytest.raises(ValueError, match="model.attention='pallas'"):
-        jax.eval_shape(lambda p: model_lib.apply(model_def, p, np.zeros((2, 32), np.int32)), model_def.abstract_params)
+def test_ring_kernel_blocks_and_hand_written_backward_equal_the_reference():
+    """The ring's custom_vjp with the Triton kernel (interpret mode) against whole-sequence attention.
+
+    (With XLA blocks the ring is `test_mode_equals_one_device`'s.)
+    """
+    rng = np.random.default_rng(3)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    q, k, v, d_out = normal(2, 64, 4, 16), normal(2, 64, 2, 16), normal(2, 64, 2, 16), normal(2, 64, 4, 16)
+    seg = jnp.asarray(np.sort(rng.integers(0, 4, (2, 64)), axis=1), jnp.int32)
+
+    def expected(q, k, v):
+        return reference.attention(q, k, v, segment_ids=seg, return_max_logits=True)
+
+    def ring(q, k, v):
+        return context_attention.attend(q, k, v, mode="ring", implementation="pallas", track_max_logits=True, segment_ids=seg)
+
+    (want, want_max), vjp = jax.vjp(expected, q, k, v)
+    want_grads = vjp((d_out, jnp.zeros_like(want_max)))
+    with jax.set_mesh(mesh_lib.make_mesh("context:4,data:2")), partition.use_rules(rules_lib.make_rules("fsdp")):
+        (got, got_max), vjp = jax.vjp(jax.jit(ring), q, k, v)
+        got_grads = vjp((d_out, jnp.zeros_like(got_max)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_max, want_max, rtol=1e-6)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.devices(8)

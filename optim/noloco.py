@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp

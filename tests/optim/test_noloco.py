@@ -24,6 +24,11 @@ def test_round_robin_pairs_every_two_replicas_once(replicas):
         noloco.round_robin_partners(3)
 
 
+def _pair_mean(x, partner):
+    """Per replica, the mean of its value and its partner's."""
+    return (x + x[partner]) / 2
+
+
 def _reference(w0, grads, lr, h, alpha, beta, gamma):
     """The paper's rule in float64, inner SGD: ``(W, T, ...)`` parameters after each step."""
     replicas, steps = grads.shape[:2]
@@ -36,8 +41,7 @@ def _reference(w0, grads, lr, h, alpha, beta, gamma):
         if t % h == 0:
             partner = schedule[(t // h - 1) % len(schedule)]
             outer_grad = phi - theta
-            pair_mean = lambda x: (x + x[partner]) / 2  # noqa: E731
-            delta = alpha * delta - beta * pair_mean(outer_grad) - gamma * (phi - pair_mean(phi))
+            delta = alpha * delta - beta * _pair_mean(outer_grad, partner) - gamma * (phi - _pair_mean(phi, partner))
             phi = phi + delta
             theta = phi.copy()
         out.append(theta)

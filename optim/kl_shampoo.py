@@ -60,7 +60,13 @@ def kl_outer_products(
 class KLShampooDirection(ShampooDirection):
     """KL-Shampoo's direction: `optim.shampoo.ShampooDirection` with the KL factor statistics (module docstring)."""
 
-    def outer_products(self, stack, blocks, preconds, precision):
+    def outer_products(
+        self,
+        stack: blocking.StackLayout,
+        blocks: list[list[jax.Array] | None],
+        preconds: blocking.BlockStacks,
+        precision: jax.lax.Precision,
+    ) -> blocking.BlockStacks:
         return kl_outer_products(stack, blocks, preconds, precision)
 
 
@@ -68,11 +74,11 @@ class KLShampooDirection(ShampooDirection):
 class KLShampoo(KLShampooDirection, common.MatrixOptimizer):
     """KL-Shampoo on hidden matrices, AdamW elsewhere; hyperparameters and defaults as `optim.shampoo.shampoo`
     (the reference's KL-Shampoo is a preconditioner choice inside distributed Shampoo, whose defaults
-    it keeps; the paper's setting is ``exponent_override=2, graft_type="none"``). Not swept here."""
+    it keeps; ``exponent_override=2, graft_type="none"`` is the paper's two-sided form without Adam
+    grafting). Learning rate Shampoo's, not swept."""
 
     learning_rate: optax.ScalarOrSchedule = 3e-3
     weight_decay: float = 0.0
-
 
 
 scale_by_kl_shampoo = spec.function(

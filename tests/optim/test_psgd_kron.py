@@ -117,8 +117,9 @@ def np_kron_run(params, grads_seq, noises, *, lr, wd, prob, momentum_into, trian
     for k, p in params.items():
         layers = p.shape[0] if k in stacked else None
         inner = p.shape[1:] if layers else p.shape
-        make = lambda: NpKron(inner, triangular=triangular(inner), scale=scale)  # noqa: E731
-        opts[k] = [make() for _ in range(layers)] if layers else make()
+        count = layers or 1
+        made = [NpKron(inner, triangular=triangular(inner), scale=scale) for _ in range(count)]
+        opts[k] = made if layers else made[0]
     counter, history = 0, []
     for t, grads in enumerate(grads_seq):
         counter += 1
@@ -161,7 +162,7 @@ def triangular_rule(case):
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_matches_pytorch_optimizer_kron_step_by_step(case, tmp_path):
-    probe = subprocess.run([TORCH_PYTHON, "-c", "import torch, pytorch_optimizer"], capture_output=True)
+    probe = subprocess.run([TORCH_PYTHON, "-c", "import torch, pytorch_optimizer"], capture_output=True, check=False)
     if probe.returncode:
         pytest.skip(f"{TORCH_PYTHON} has no torch / pytorch_optimizer; set SPMDLAB_TORCH_PYTHON to one that does")
     params, grads_seq, tx = case_inputs(case)

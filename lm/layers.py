@@ -36,42 +36,20 @@ def linear(
 
 
 def project(x, kernel, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None):
-    """``x @ kernel`` over ``x``'s last axis (`nnx.Linear`'s ``dot_general``), with the backward pass written out.
+    """``x @ kernel`` over ``x``'s last axis (`nnx.Linear`'s ``dot_general``), as one ``(tokens, in)`` product.
 
-    The gradients are those of autodiff, ``dx = g kernel^T`` and ``dkernel = x^T g`` (summed over
-    every leading axis), but ``dkernel`` is one product of ``x`` and ``g`` flattened to ``(tokens, features)``,
-    contracted over the tokens. Autodiff writes it as ``(g^T x)^T``, and XLA:CPU then stores ``g`` transposed,
-    ``(hidden, tokens)``, before the product: on the `tiny` step that copy, fused into SwiGLU's
-    backward, cost more than the MLP's weight-gradient products themselves.
+    The value is `jax.lax.dot_general`'s. Flattening the leading axes first makes autodiff's kernel
+    gradient ``x^T g`` a plain product of two ``(tokens, features)`` matrices over their rows; on the
+    ``(batch, seq, features)`` arrays it is ``(g^T x)^T`` over two axes, which XLA:CPU computes after
+    storing ``g`` transposed, ``(features, tokens)``: on the `tiny` step those copies, fused into
+    SwiGLU's backward, took longer than the MLP's weight-gradient products themselves.
     """
     (contract_x, contract_k), batch = dimension_numbers
-    if batch != ((), ()) or contract_x != (x.ndim - 1,) or contract_k != (0,) or kernel.ndim != 2:
-        return jax.lax.dot_general(
-            x, kernel, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type,
-            out_sharding=out_sharding,
-        )  # fmt: skip
-    return _project(x, kernel, precision, preferred_element_type)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _project(x, kernel, precision, preferred_element_type):
-    return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision, preferred_element_type=preferred_element_type)
-
-
-def _project_fwd(x, kernel, precision, preferred_element_type):
-    return _project(x, kernel, precision, preferred_element_type), (x, kernel)
-
-
-def _project_bwd(precision, preferred_element_type, residuals, g):
-    del preferred_element_type
-    x, kernel = residuals
-    dx = jax.lax.dot_general(g, kernel, (((g.ndim - 1,), (1,)), ((), ())), precision=precision)
-    rows = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
-    dkernel = jax.lax.dot_general(rows(x), rows(g), (((0,), (0,)), ((), ())), precision=precision)
-    return dx.astype(x.dtype), dkernel.astype(kernel.dtype)
-
-
-_project.defvjp(_project_fwd, _project_bwd)
+    kwargs = dict(precision=precision, preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+    if batch != ((), ()) or contract_x != (x.ndim - 1,) or contract_k != (0,) or kernel.ndim != 2 or x.ndim == 2:
+        return jax.lax.dot_general(x, kernel, dimension_numbers, **kwargs)
+    y = jax.lax.dot_general(x.reshape(-1, x.shape[-1]), kernel, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=preferred_element_type)
+    return jax.lax.reshape(y, (*x.shape[:-1], kernel.shape[-1]), out_sharding=out_sharding)
 
 
 class RMSNorm(nnx.Module):

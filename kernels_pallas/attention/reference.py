@@ -21,6 +21,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+# The name of `attention`'s saved output and log-sum-exp, for remat policies that keep attention (`lm.remat`).
+RESIDUAL_NAME = "xla_attention_residual"
 
 
 def check_shapes(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> None:
@@ -118,8 +122,8 @@ def _attention(q, k, v, segment_ids, causal: bool, scale: float):
 
 def _attention_fwd(q, k, v, segment_ids, causal: bool, scale: float):
     probs, row_max, lse = _probabilities(q, k, segment_ids, causal, scale)
-    out = jnp.einsum("bkmt,bktd->bkmd", probs.astype(v.dtype), v)
-    return (out, row_max), (q, k, v, segment_ids, out, lse)
+    out = checkpoint_name(jnp.einsum("bkmt,bktd->bkmd", probs.astype(v.dtype), v), RESIDUAL_NAME)
+    return (out, row_max), (q, k, v, segment_ids, out, checkpoint_name(lse, RESIDUAL_NAME))
 
 
 def _attention_bwd(causal: bool, scale: float, residuals, cotangents):

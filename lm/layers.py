@@ -30,8 +30,26 @@ def linear(
         dtype=dtype,
         param_dtype=jnp.float32,
         kernel_init=nnx.with_partitioning(init, names),
+        dot_general=project,
         rngs=rngs,
     )
+
+
+def project(x, kernel, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None):
+    """``x @ kernel`` over ``x``'s last axis (`nnx.Linear`'s ``dot_general``), as one ``(tokens, in)`` product.
+
+    The value is `jax.lax.dot_general`'s. Flattening the leading axes first makes autodiff's kernel
+    gradient ``x^T g`` a plain product of two ``(tokens, features)`` matrices over their rows; on the
+    ``(batch, seq, features)`` arrays it is ``(g^T x)^T`` over two axes, which XLA:CPU computes after
+    storing ``g`` transposed, ``(features, tokens)``: on the `tiny` step those copies, fused into
+    SwiGLU's backward, took longer than the MLP's weight-gradient products themselves.
+    """
+    (contract_x, contract_k), batch = dimension_numbers
+    kwargs = dict(precision=precision, preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+    if batch != ((), ()) or contract_x != (x.ndim - 1,) or contract_k != (0,) or kernel.ndim != 2 or x.ndim == 2:
+        return jax.lax.dot_general(x, kernel, dimension_numbers, **kwargs)
+    y = jax.lax.dot_general(x.reshape(-1, x.shape[-1]), kernel, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=preferred_element_type)
+    return jax.lax.reshape(y, (*x.shape[:-1], kernel.shape[-1]), out_sharding=out_sharding)
 
 
 class RMSNorm(nnx.Module):

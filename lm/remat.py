@@ -14,8 +14,9 @@ Sublinear Memory Cost", arXiv:1604.06174; `jax.checkpoint` policies):
 - ``dots_saveable``: every matmul output, attention scores included.
 - ``dots_with_no_batch_dims_saveable``: the outputs of matmuls against weights (the projections and
   the MLP), not attention's score and value products; norms, RoPE, SwiGLU and attention recompute.
-- ``save_attention``: attention's inputs (q, k, v after RoPE) and output, and the outputs of fused
-  attention kernels (their softmax statistics), so attention never runs again; the rest recomputes.
+- ``save_attention``: attention's inputs (q, k, v after RoPE) and output, and the softmax statistics
+  (the XLA attention's log-sum-exp, the outputs of fused attention kernels), so attention's forward
+  pass never runs again; the rest recomputes.
 - ``dots_and_attention``: ``dots_with_no_batch_dims_saveable`` plus ``save_attention``: only
   elementwise work (norms, RoPE, SwiGLU's gate) recomputes.
 
@@ -29,8 +30,11 @@ from collections.abc import Callable
 
 import jax
 
+from kernels_pallas.attention import reference
+
 ATTN_Q, ATTN_K, ATTN_V, ATTN_CONTEXT = "attn_q", "attn_k", "attn_v", "attn_context"
-ATTENTION_NAMES = (ATTN_Q, ATTN_K, ATTN_V, ATTN_CONTEXT)
+# With the XLA attention, also its backward pass's own residuals (its output and log-sum-exp).
+ATTENTION_NAMES = (ATTN_Q, ATTN_K, ATTN_V, ATTN_CONTEXT, reference.RESIDUAL_NAME)
 
 # Forward primitives of fused attention kernels whose outputs (context and softmax statistics) are
 # their backward pass's residuals: cuDNN's through `jax.nn.dot_product_attention`, and Pallas calls.

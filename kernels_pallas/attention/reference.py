@@ -17,8 +17,14 @@ through it. This materialises the ``(batch, heads, T, T)`` logits; the kernels n
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+# The name of `attention`'s saved output and log-sum-exp, for remat policies that keep attention (`lm.remat`).
+RESIDUAL_NAME = "xla_attention_residual"
 
 
 def check_shapes(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> None:
@@ -76,16 +82,71 @@ def attention(
     b, t, h, d = q.shape
     kv = k.shape[2]
     scale = d**-0.5 if sm_scale is None else sm_scale
-    grouped = q.reshape(b, t, kv, h // kv, d)
-    logits = jnp.einsum("bskgd,btkd->bkgst", grouped, k, preferred_element_type=jnp.float32) * scale
-    allowed = mask(t, causal=causal, segment_ids=segment_ids)
-    if allowed is not None:
-        logits = jnp.where(allowed[:, None, None], logits, -jnp.inf)
-    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgst,btkd->bskgd", weights, v).reshape(b, t, h, v.shape[-1]).astype(q.dtype)
+    # Query head h = k * G + g becomes row g * T + i of its kv head's block: one (G T, d) x (d, T)
+    # product per (batch, kv head), with no copy of the keys per query head.
+    grouped = q.reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, h // kv * t, d)
+    out, row_max = _attention(grouped, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), segment_ids, causal, float(scale))
+    out = out.reshape(b, kv, h // kv, t, -1).transpose(0, 3, 1, 2, 4).reshape(b, t, h, v.shape[-1]).astype(q.dtype)
     if not return_max_logits:
         return out
-    return out, jax.lax.stop_gradient(jnp.max(logits, axis=(0, 3, 4)).reshape(h))
+    return out, jax.lax.stop_gradient(jnp.max(row_max.reshape(b, h, t), axis=(0, 2)))
+
+
+def _probabilities(q, k, segment_ids, causal: bool, scale: float, lse=None):
+    """Softmax of the masked logits of grouped ``q`` ``(batch, kv, G T, d)`` against ``k`` ``(batch, kv, T, d)``.
+
+    Normalised by ``lse`` when given (the backward pass), else by the rows' own statistics; returns
+    ``(probabilities, row maxima, log-sum-exp)``, all float32.
+    """
+    b, kv, rows, _ = q.shape
+    t = k.shape[2]
+    logits = jnp.einsum("bkmd,bktd->bkmt", q, k, preferred_element_type=jnp.float32) * scale
+    allowed = mask(t, causal=causal, segment_ids=segment_ids)
+    if allowed is not None:
+        logits = logits.reshape(b, kv, rows // t, t, t)
+        logits = jnp.where(allowed[:, None, None], logits, -jnp.inf).reshape(b, kv, rows, t)
+    if lse is not None:
+        return jnp.exp(logits - lse[..., None]), None, lse
+    row_max = jnp.max(logits, axis=-1)
+    unnormalised = jnp.exp(logits - row_max[..., None])
+    total = jnp.sum(unnormalised, axis=-1)
+    return unnormalised / total[..., None], row_max, row_max + jnp.log(total)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(q, k, v, segment_ids, causal: bool, scale: float):
+    """``(softmax(q k^T) v, row maxima)`` on grouped heads (`attention`); no gradient flows through the maxima."""
+    probs, row_max, _ = _probabilities(q, k, segment_ids, causal, scale)
+    return jnp.einsum("bkmt,bktd->bkmd", probs.astype(v.dtype), v), row_max
+
+
+def _attention_fwd(q, k, v, segment_ids, causal: bool, scale: float):
+    probs, row_max, lse = _probabilities(q, k, segment_ids, causal, scale)
+    out = checkpoint_name(jnp.einsum("bkmt,bktd->bkmd", probs.astype(v.dtype), v), RESIDUAL_NAME)
+    return (out, row_max), (q, k, v, segment_ids, out, checkpoint_name(lse, RESIDUAL_NAME))
+
+
+def _attention_bwd(causal: bool, scale: float, residuals, cotangents):
+    """The softmax backward from the saved log-sum-exp (FlashAttention-2, arXiv:2307.08691, without tiling).
+
+    ``p = exp(s - lse)`` is recomputed, so no ``T x T`` array is kept between the passes;
+    ``ds = p * (dp - rowsum(dO * O))``. The key and value gradients contract the ``T x T`` operand
+    over its rows, an order XLA:CPU's products take without transposing it.
+    """
+    q, k, v, segment_ids, out, lse = residuals
+    d_out = cotangents[0]
+    probs, _, _ = _probabilities(q, k, segment_ids, causal, scale, lse)
+    f32 = jnp.float32
+    dv = jnp.einsum("bkmt,bkmd->bktd", probs.astype(d_out.dtype), d_out, preferred_element_type=f32)
+    dp = jnp.einsum("bkmd,bktd->bkmt", d_out, v, preferred_element_type=f32)
+    delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)
+    ds = probs * (dp - delta[..., None]) * scale
+    dq = jnp.einsum("bkmt,bktd->bkmd", ds.astype(k.dtype), k, preferred_element_type=f32)
+    dk = jnp.einsum("bkmt,bkmd->bktd", ds.astype(q.dtype), q, preferred_element_type=f32)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def max_logits(

@@ -157,15 +157,16 @@ def _dot_products(jaxpr) -> int:
 # Products each policy runs again in the backward pass of one block (XLA attention). A block has 9:
 # q, k, v, o projections, attention's scores and values, gate, up, down. `full` reruns all but
 # `down`, whose output no gradient reads; `dots_with_no_batch_dims_saveable` reruns attention's two;
-# `save_attention` keeps q, k, v and the context but reruns the scores (for the softmax), o (the
-# MLP norm's input needs it), gate and up; `dots_and_attention` reruns only the scores.
+# `save_attention` keeps q, k, v, the context and the softmax's log-sum-exp (`reference.RESIDUAL_NAME`)
+# but reruns o (the MLP norm's input needs it), gate and up; `dots_and_attention` reruns nothing.
+# (Attention's backward pass recomputes the scores from the log-sum-exp under every policy.)
 RECOMPUTED_PER_BLOCK = {
     "none": 0,
     "full": 8,
     "dots_saveable": 0,
     "dots_with_no_batch_dims_saveable": 2,
-    "save_attention": 4,
-    "dots_and_attention": 1,
+    "save_attention": 3,
+    "dots_and_attention": 0,
 }
 
 

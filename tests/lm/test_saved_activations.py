@@ -41,5 +41,6 @@ def test_bf16_backward_keeps_no_float32_activation(scan_layers):
 
 def test_swiglu_keeps_its_two_projections_and_its_output_only():
     cfg = config_lib.from_preset("tiny", dtype="bfloat16", scan_layers=False)
-    hidden = [r for r in _residuals(cfg) if r.shape == (BATCH, SEQ, cfg.mlp_dim)]
+    # (batch, seq, mlp), or (batch * seq, mlp) where a projection's input is kept flattened (`lm.layers.project`)
+    hidden = [r for r in _residuals(cfg) if r.shape in ((BATCH, SEQ, cfg.mlp_dim), (BATCH * SEQ, cfg.mlp_dim))]
     assert len(hidden) == 3 * cfg.n_layers  # gate(x), up(x) and silu(gate) * up for the down projection

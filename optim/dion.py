@@ -147,7 +147,7 @@ class DionDirection:
 class Dion(DionDirection, common.MatrixOptimizer):
     """Dion on hidden matrices, AdamW elsewhere (module docstring); AdamW group: `optim.common.AdamGroup`."""
 
-    # Unswept: Jordan-scaled Muon's learning rate (the same sqrt(fan_out / fan_in) scale); the reference's decay
+    # Swept on the default job (docs/benchmarks.md 1b): 1e-2 2.127, 2e-2 2.003, 4e-2 1.998, 8e-2 2.076; the reference's decay
     learning_rate: optax.ScalarOrSchedule = 0.02
     weight_decay: float = 0.01
     adam_lr_ratio: float = spec.param(0.15, valid="[0, inf)")  # AdamW group at 3e-3, the AdamW default

@@ -18,7 +18,9 @@ step towards Muon's orthogonalised update that keeps Adam's adaptivity. ``V`` is
 ``Q`` is refreshed (as in the reference). Only the basis's side is stored: ``min(fan_in,
 fan_out)^2`` floats per matrix besides Adam's two moments.
 
-Reference matched step by step (tests/optim/test_conda.py, a float64 NumPy transcription):
+Reference matched step by step (tests/optim/test_conda.py: the installed implementation itself, float64
+PyTorch, where an interpreter with it exists, to 1e-4 of the weights' movement over 6 steps; and a
+float64 NumPy transcription that always runs):
 pytorch-optimizer's ``Conda`` (kozistr/pytorch_optimizer ``optimizer/conda.py`` with its
 ``GaLoreProjector(rank=None, projection_type="std")``). Its PyTorch ``(out, in)`` weights are the
 transpose of the repo's, so its "right" projection on tall weights is the row rotation here; both

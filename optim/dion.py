@@ -23,16 +23,18 @@ random draw is ``jax.random.normal`` from ``seed`` (the reference draws ``torch.
 the reference's ``mu = 0.95`` and ``eps``; ``rank_fraction = 0.25`` where the reference class takes
 full rank, since a low rank is Dion's point (the paper runs 1/4 to 1/16). With ``state_bits=8`` a
 full-rank ``Q`` of a square matrix has the parameter's shape and is stored in 8 bits like the
-moments (a perturbed warm start of the power iteration, not a wrong step). Sharded (the paper's
-Algorithm 3; microsoft/dion's ``dion_update_fsdp`` moves the same r-wide factors, but reduces
-``P`` onto one owner per matrix for a randomized Cholesky QR, where here every device runs the plain
-QR on the reduced ``P``): ``B`` and ``M`` stay in the weight's layout and only the r-wide factors move (`low_rank` pins them for GSPMD): fan-in split,
-``B^T Q`` all-reduces ``fan_out x r`` partial sums; fan-out split, ``B^T Q``'s rows are gathered
-(``fan_out x r``) for the QR and ``B P`` all-reduces ``fan_in x r``; the column norms all-reduce
-``r`` floats. Measured from the compiled HLO (experiments/bench_optimizer_comm.py): at ``r = d/8``
-a `tiny` step moves 1.10x AdamW's bytes on ``fsdp:8`` (GSPMD unpinned: 1.57x, gathering whole
-matrices). Under
-`optax.inject_hyperparams` pass ``static_args=STATIC_ARGS`` (the rank sets ``Q``'s shape).
+moments (a perturbed warm start of the power iteration, not a wrong step).
+
+Sharded, the paper's Algorithm 3: ``B`` and ``M`` stay in the weight's layout and only r-wide
+factors move (`low_rank` pins them for GSPMD). Fan-in split: ``B^T Q`` all-reduces ``fan_out x r``
+partial sums. Fan-out split: ``B^T Q``'s rows are gathered (``fan_out x r``) for the QR and ``B P``
+all-reduces ``fan_in x r``. The column norms all-reduce ``r`` floats. microsoft/dion's
+``dion_update_fsdp`` moves the same factors but reduces ``P`` onto one owner per matrix for a
+randomized Cholesky QR; here every device runs the plain QR on the reduced ``P``. From the compiled
+HLO (experiments/bench_optimizer_comm.py, docs/benchmarks.md 6a): at ``r = d/8`` a `tiny` step moves
+1.10x AdamW's collective bytes on ``fsdp:8`` (unpinned, GSPMD gathered whole matrices: 1.57x).
+
+Under `optax.inject_hyperparams` pass ``static_args=STATIC_ARGS`` (the rank sets ``Q``'s shape).
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ class DionDirection:
 class Dion(DionDirection, common.MatrixOptimizer):
     """Dion on hidden matrices, AdamW elsewhere (module docstring); AdamW group: `optim.common.AdamGroup`."""
 
-    # Unswept: Jordan-scaled Muon's learning rate (the same sqrt(fan_out / fan_in) scale); the reference's decay
+    # Swept on the default job (docs/benchmarks.md 1b): 1e-2 2.127, 2e-2 2.003, 4e-2 1.998, 8e-2 2.076; the reference's decay
     learning_rate: optax.ScalarOrSchedule = 0.02
     weight_decay: float = 0.01
     adam_lr_ratio: float = spec.param(0.15, valid="[0, inf)")  # AdamW group at 3e-3, the AdamW default

@@ -1,5 +1,6 @@
 """Dion2: orthonormal updates on a selected fraction of the momentum's rows, with error feedback
-(microsoft/dion ``dion/dion2.py``, the successor of Dion, arXiv:2504.05295, `optim.dion`).
+(arXiv:2512.16928; microsoft/dion ``dion/dion2.py``), the successor of Dion (arXiv:2504.05295,
+`optim.dion`).
 
 For each hidden matrix ``W`` (layout ``(*batch, fan_in, fan_out)``, per matrix) with gradient ``G``,
 written for PyTorch's ``X = W^T`` (``(fan_out, fan_in)``) as the reference does, slices taken along

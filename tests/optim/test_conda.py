@@ -3,8 +3,13 @@
 Jit, inject_hyperparams, bf16, 8 devices, state_bits, checkpoints: test_common.py.
 """
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
+import optax
 import muon_reference as ref
 import numpy as np
 import pytest
@@ -70,3 +75,53 @@ def test_basis_is_the_shorter_side_and_refreshes_on_schedule():
 
 def test_converges_on_matrix_regression():
     assert ref.regression_loss_ratio(conda(0.05, update_proj_gap=10)) < 0.05
+
+
+TORCH_SCRIPT = """
+import sys
+try:
+    import numpy as np, torch, pytorch_optimizer
+except ImportError:
+    sys.exit(3)
+data = np.load(sys.argv[1])
+out = {}
+for name in ("wide", "tall"):
+    p = torch.nn.Parameter(torch.tensor(data[name + "_w0"].T.copy(), dtype=torch.float64))
+    opt = pytorch_optimizer.Conda([p], lr=0.01, betas=(0.9, 0.99), update_proj_gap=3, weight_decay=0.0)
+    steps = []
+    for g in data[name + "_grads"]:
+        p.grad = torch.tensor(g.T.copy(), dtype=torch.float64)
+        opt.step()
+        steps.append(p.detach().numpy().T.copy())
+    out[name] = np.stack(steps)
+np.savez(sys.argv[2], **out)
+"""
+
+
+def test_matches_pytorch_optimizer_conda_when_installed(tmp_path):
+    """Against the installed implementation (float64 PyTorch), run in the interpreter named by
+    ``SPMDLAB_TORCH_PYTHON`` (default: this interpreter); skipped where there is none."""
+    python = os.environ.get("SPMDLAB_TORCH_PYTHON", sys.executable)
+    missing = f"no interpreter with torch and pytorch_optimizer at {python} (set SPMDLAB_TORCH_PYTHON)"
+    if not os.path.exists(python):
+        pytest.skip(missing)
+    rng = np.random.default_rng(8)
+    data = {}
+    for name, shape in (("wide", (16, 24)), ("tall", (24, 16))):  # W layout (fan_in, fan_out): both sides rotated
+        data[name + "_w0"], data[name + "_grads"] = 0.1 * rng.standard_normal(shape), rng.standard_normal((6, *shape))
+    np.savez(tmp_path / "in.npz", **data)
+    (tmp_path / "run.py").write_text(TORCH_SCRIPT)
+    run = subprocess.run([python, tmp_path / "run.py", tmp_path / "in.npz", tmp_path / "out.npz"], check=False, capture_output=True, timeout=300)
+    if run.returncode == 3:
+        pytest.skip(missing)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    expected = np.load(tmp_path / "out.npz")
+    for name in ("wide", "tall"):
+        tx = optax.chain(scale_by_conda(b2=0.99, update_proj_gap=3), optax.scale(-0.01))
+        w = jnp.float32(data[name + "_w0"])
+        state, update = tx.init(w), jax.jit(tx.update)
+        for t, g in enumerate(data[name + "_grads"]):
+            u, state = update(jnp.float32(g), state)
+            w = w + u
+            moved = np.abs(expected[name][t] - data[name + "_w0"]).max()
+            np.testing.assert_allclose(np.asarray(w), expected[name][t], rtol=0, atol=1e-4 * moved)

@@ -9,9 +9,9 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import optax
 import muon_reference as ref
 import numpy as np
+import optax
 import pytest
 
 from optim.conda import conda, scale_by_conda

@@ -44,7 +44,7 @@ from lm.config import ModelConfig
 from sharding import partition
 
 STAGE_AXIS = "stage"
-SCHEDULES = ("gpipe", "circular", "1f1b")
+SCHEDULES = ("gpipe", "circular", "1f1b", "zb_h1")
 _MICRO = (None, "batch", "seq", "embed")
 
 

@@ -1,24 +1,31 @@
-"""The 1F1B pipeline schedule: loss and gradients of one batch in an explicit tick loop over ``stage``.
+"""The 1F1B and ZB-H1 pipeline schedules: loss and gradients of one batch in a tick loop over ``stage``.
 
 GPipe (`lm.pipeline`) runs every microbatch forward and lets ``jax.grad`` run them all backward, so
 each stage keeps the activations of all ``M`` microbatches. 1F1B (PipeDream-Flush, Narayanan et al.
 2021) starts a microbatch's backward pass as soon as the last stage has its loss, so a stage holds
-only the microbatches in flight. Here each tick of one SPMD program gives every stage one forward
-slot and one backward slot (masked where the table has no work):
+only the microbatches in flight; ZB-H1 (Qi et al. 2023, arXiv 2401.10241) splits that backward into
+the input gradient B, on the critical path, and the weight gradient W, which fills the cool-down.
 
-- forward: stage ``s`` runs microbatch ``f = t - s`` on tick ``t`` and keeps its *input* in a ring
-  buffer; the last stage also runs the final norm, head and loss of ``f`` and their `jax.vjp`;
-- backward: stage ``s`` runs microbatch ``b = t - (2S - 2 - s)``: `jax.vjp` of its layer group at
-  the kept input (the forward recomputed, as under full remat) gives the weight gradient, which
-  accumulates, and the input gradient, which goes to stage ``s - 1`` by a collective-permute.
+Both run one executor over the schedule's unit-time tick table (`lm.pipeline_schedule`): on every
+tick each stage runs exactly one op of its own row (a `jax.lax.switch` on the table entry at
+``(tick, stage index)``), then two collective-permutes move every stage's output to ``s + 1`` and
+its input gradient to ``s - 1`` (zeros where the op made none; the receiver's row of the arrival
+tables says whether it keeps what came):
 
-Microbatch ``f`` enters stage ``s`` on tick ``f + s`` and leaves it on tick ``f + 2S - 2 - s``, so the
-buffer holds at most ``2(S - 1 - s) + 1 <= 2S - 1`` inputs whatever ``M`` is, and the loop's carry is
-all the step stores: activation memory is flat in ``M``. The loop takes ``M + 2S - 2`` ticks; no
-stage has a forward slot's work after tick ``M + S - 2`` nor a backward slot's before tick ``S - 1``,
-so every device skips those slots (a `jax.lax.cond` on the tick alone) and the step costs
-``(M + S - 1)`` forward and ``(M + S - 1)`` backward slots per stage, as GPipe's: idle share
-``(S - 1) / (M + S - 1)``. The backward slot recomputes the stage's forward (as under full remat).
+- forward: the layer group on the microbatch's input, which the stage keeps (stage 0 reads it from the
+  batch); the last stage also runs the final norm, head and loss and their `jax.vjp`, whose output
+  gradient it keeps;
+- backward (1F1B): `jax.vjp` of the layer group at the kept input and output gradient: the weight
+  gradient accumulates, the input gradient goes to ``s - 1``;
+- B and W (ZB-H1): the same `jax.vjp` taken w.r.t. the input only, and w.r.t. the weights only (the
+  output gradient kept until W).
+
+Each backward op recomputes the stage's forward from the kept input (as under full remat), so a stage
+keeps one input (and under ZB-H1 one output gradient) per microbatch in flight: ring buffers of the
+table's own maximum (`pipeline_schedule.buffer_slots`: ``S`` inputs for both schedules, 1 / ``S``
+output gradients), whatever ``M`` is, so activation memory is flat in ``M``. The ticks run in lock
+step, so a tick lasts as long as the slowest op any stage runs on it; the tables' idle shares,
+``(S - 1) / (M + S - 1)`` (1F1B) and ``(S - 1) / (3M + S - 1)`` (ZB-H1), count unit-time ops.
 
 Embedding stays outside (GSPMD over the other axes; its gradient from stage 0's input gradients by
 the embedding's own `jax.vjp`); norm, head and loss run on the last stage (their parameters are
@@ -29,7 +36,7 @@ block parameters is the one every mesh uses (`lm.pipeline`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,51 +44,34 @@ import numpy as np
 from flax import nnx
 
 from lm import pipeline as pipeline_lib
+from lm import pipeline_schedule
 from lm.model import ModelDef
 from lm.transformer import ACTIVATION, document_segments, scan_blocks
 from sharding import partition
 
-SCHEDULES = ("1f1b",)
+SCHEDULES = pipeline_schedule.SCHEDULES
 LossFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, dict]]
+_FORWARD_LOSS = max(pipeline_schedule.BACKWARD_WEIGHT, pipeline_schedule.BACKWARD) + 1  # the last stage's forward
 
 
 def active() -> bool:
-    """Whether the step in context runs the 1F1B schedule (a ``stage`` axis and such a schedule)."""
+    """Whether the step in context runs a tick-table schedule (a ``stage`` axis and ``1f1b`` or ``zb_h1``)."""
     return pipeline_lib.stage_count() > 1 and pipeline_lib.current().schedule in SCHEDULES
 
 
-def tick_table(stages: int, microbatches: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(forward, backward)`` ``(ticks, stages)`` tables of the microbatch each slot runs, -1 where idle."""
-    ticks = microbatches + 2 * stages - 2
-    t, s = np.arange(ticks)[:, None], np.arange(stages)[None, :]
-    valid = lambda i: np.where((i >= 0) & (i < microbatches), i, -1)  # noqa: E731
-    return valid(t - s), valid(t - (2 * stages - 2 - s))
+class _Result(NamedTuple):
+    """What one op of a tick produces (zeros where the op makes no such thing)."""
 
-
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """Idle share of the slots the loop runs: forward slots on ticks ``< M + S - 1``, backward slots on ticks ``>= S - 1``.
-
-    Every device skips the other slots (`value_and_grad`), so this is ``(S - 1) / (M + S - 1)``, GPipe's.
-    """
-    forward, backward = tick_table(stages, microbatches)
-    t = np.arange(forward.shape[0])
-    ran = np.concatenate([forward[t < microbatches + stages - 1], backward[t >= stages - 1]])
-    return float(np.mean(ran < 0))
-
-
-def in_flight(stages: int, microbatches: int) -> np.ndarray:
-    """Per stage, the most microbatches whose input is kept (forward run, backward not yet) at once."""
-    forward, backward = tick_table(stages, microbatches)
-    most = np.zeros(stages, int)
-    for s in range(stages):
-        started = np.cumsum(forward[:, s] >= 0)
-        finished = np.concatenate([[0], np.cumsum(backward[:, s] >= 0)[:-1]])
-        most[s] = np.max(started - finished)
-    return most
+    y: jax.Array  # the stage's output, sent to stage s + 1
+    dh: jax.Array  # the gradient at the stage's input, sent to stage s - 1
+    dy: jax.Array  # the last stage's output gradient from the loss
+    d_local: Any  # the gradient of the stage's layer group
+    d_rest: Any  # the gradient of the parameters outside the stack (the head's, on the last stage)
+    totals: Any  # (loss, metrics) of the microbatch, on the last stage
 
 
 def value_and_grad(model_def: ModelDef, params: dict, tokens: jax.Array, loss_fn: LossFn) -> tuple[tuple[jax.Array, dict], dict]:
-    """``((loss, metrics), grads)`` of ``loss_fn(logits, targets)`` on ``tokens`` ``(batch, seq + 1)``, under 1F1B.
+    """``((loss, metrics), grads)`` of ``loss_fn(logits, targets)`` on ``tokens`` ``(batch, seq + 1)``, by the schedule's table.
 
     ``loss`` and ``metrics`` are means over the microbatches (equal-sized, so the batch means).
     """
@@ -91,6 +81,14 @@ def value_and_grad(model_def: ModelDef, params: dict, tokens: jax.Array, loss_fn
         p, stages=stages, n_layers=cfg.n_layers, batch=tokens.shape[0], scan_layers=cfg.scan_layers,
         aux=pipeline_lib.uncarried_aux(cfg),
     )  # fmt: skip
+    ops, micro = pipeline_schedule.tick_table(p.schedule, stages, m)
+    arrived_f, arrived_b = pipeline_schedule.arrivals(ops, micro)
+    input_slots, grad_slots = pipeline_schedule.buffer_slots(ops, micro)
+    ops = ops.copy()
+    ops[:, -1] = np.where(ops[:, -1] == pipeline_schedule.FORWARD, _FORWARD_LOSS, ops[:, -1])
+    used = np.unique(ops)  # one `lax.switch` branch per op the table runs
+    branch = np.searchsorted(used, ops).astype(np.int32)
+
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     blocks, rest = params["blocks"], {k: v for k, v in params.items() if k != "blocks"}
     model = lambda rest: nnx.merge(model_def.graphdef, {**rest, "blocks": blocks})  # noqa: E731
@@ -103,12 +101,10 @@ def value_and_grad(model_def: ModelDef, params: dict, tokens: jax.Array, loss_fn
     micro_seg = None if segments is None else pipeline_lib.to_microbatches(segments, m)
     k = cfg.n_layers // stages
     grouped = jax.tree.map(lambda w: w.reshape(stages, k, *w.shape[1:]), blocks)
-    slots = 2 * stages - 1
 
-    def per_stage(local, rest, micro_x, micro_t, micro_seg):
+    def per_stage(local, rest, micro_x, micro_t, micro_seg, table):
         local = jax.tree.map(lambda w: w[0], local)
         stage = jax.lax.axis_index(pipeline_lib.STAGE_AXIS)
-        last = stage == stages - 1
         run = lambda w, h, i: scan_blocks(cfg, nnx.merge(block_graph, w), h, None if micro_seg is None else micro_seg[i])[0]  # noqa: E731
 
         def head(rest, y, i):
@@ -117,68 +113,79 @@ def value_and_grad(model_def: ModelDef, params: dict, tokens: jax.Array, loss_fn
             logits = partition.constrain(model(rest)._logits(y), ("batch", "seq", None))
             return loss_fn(logits, micro_t[i])
 
-        def tick(carry, t):
-            recv_f, recv_b, kept, grads, head_grads, dx, totals = carry
-            f, b = t - stage, t - (2 * stages - 2 - stage)
-            f_ok, b_ok = (f >= 0) & (f < m), (b >= 0) & (b < m)
-            fi, bi = jnp.clip(f, 0, m - 1), jnp.clip(b, 0, m - 1)
-
-            def forward_slot():
-                h = jnp.where(stage == 0, micro_x[fi], recv_f)
-                y = run(local, h, fi)
-                loss, head_vjp, metrics = jax.vjp(lambda r, y: head(r, y, fi), rest, y, has_aux=True)
-                d_rest, dy = head_vjp(jnp.float32(1.0 / m))
-                return h, y, dy, d_rest, (loss, metrics)
-
-            # No stage has forward work after tick M + S - 2, nor backward work before tick S - 1: those
-            # slots are skipped on every device alike (the predicate depends on the tick only).
-            h, y, dy, d_rest, loss_metrics = _unless(t >= m + stages - 1, forward_slot)
-            kept = jax.lax.dynamic_update_index_in_dim(kept, jnp.where(f_ok, h, kept[fi % slots]), fi % slots, 0)
-            use_head = last & f_ok  # on the last stage b == f: its backward starts from this tick's loss
-
-            def backward_slot():
-                _, block_vjp = jax.vjp(lambda w, h: run(w, h, bi), local, kept[bi % slots])
-                return block_vjp(jnp.where(last, dy, recv_b).astype(y.dtype))
-
-            d_local, dh = _unless(t < stages - 1, backward_slot)
-            add = lambda acc, g, ok: jax.tree.map(lambda a, g: a + jnp.where(ok, g, jnp.zeros_like(g)), acc, g)  # noqa: E731
-            grads, head_grads = add(grads, d_local, b_ok), add(head_grads, d_rest, use_head)
-            totals = add(totals, loss_metrics, use_head)
-            dx = jax.lax.dynamic_update_index_in_dim(dx, jnp.where((stage == 0) & b_ok, dh, dx[bi]), bi, 0)
-            forward = [(s, s + 1) for s in range(stages - 1)]
-            backward = [(s + 1, s) for s in range(stages - 1)]
-            sent = (jax.lax.ppermute(y, pipeline_lib.STAGE_AXIS, forward), jax.lax.ppermute(dh, pipeline_lib.STAGE_AXIS, backward))
-            return (*sent, kept, grads, head_grads, dx, totals), None
-
         zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
-        metric_shapes = jax.eval_shape(lambda: head(rest, micro_x[0], 0))
-        init = (
-            jnp.zeros_like(micro_x[0]), jnp.zeros_like(micro_x[0]), jnp.zeros((slots, *micro_x.shape[1:]), micro_x.dtype),
-            zeros(local), zeros(rest), jnp.zeros_like(micro_x), zeros(metric_shapes),
-        )  # fmt: skip
-        carry, _ = jax.lax.scan(tick, init, jnp.arange(m + 2 * stages - 2))
-        _, _, _, grads, head_grads, dx, totals = carry
+        nothing = _Result(*(zeros(micro_x[0]),) * 3, zeros(local), zeros(rest), zeros(jax.eval_shape(lambda: head(rest, micro_x[0], 0))))
+
+        def tick(carry, row):
+            recv_f, recv_b, kept_x, kept_dy, grads, head_grads, dx, totals = carry
+            op, i, got_f, got_b = (r[stage] for r in row)
+            kept_x = _store(kept_x, got_f % input_slots, recv_f, got_f >= 0)
+            kept_dy = _store(kept_dy, got_b % grad_slots, recv_b, got_b >= 0)
+            i = jnp.maximum(i, 0)
+            h, dy = jnp.where(stage == 0, micro_x[i], kept_x[i % input_slots]), kept_dy[i % grad_slots]
+
+            def forward():
+                return nothing._replace(y=run(local, h, i))
+
+            def forward_loss():  # the last stage: its forward, the loss and the loss's gradient at the output
+                y = run(local, h, i)
+                loss, head_vjp, metrics = jax.vjp(lambda r, y: head(r, y, i), rest, y, has_aux=True)
+                d_rest, dy = head_vjp(jnp.float32(1.0 / m))
+                return nothing._replace(dy=dy.astype(y.dtype), d_rest=d_rest, totals=(loss, metrics))
+
+            def backward():
+                d_local, dh = jax.vjp(lambda w, h: run(w, h, i), local, h)[1](dy)
+                return nothing._replace(dh=dh, d_local=d_local)
+
+            def backward_input():
+                return nothing._replace(dh=jax.vjp(lambda h: run(local, h, i), h)[1](dy)[0])
+
+            def backward_weight():
+                return nothing._replace(d_local=jax.vjp(lambda w: run(w, h, i), local)[1](dy)[0])
+
+            fns = {
+                pipeline_schedule.IDLE: lambda: nothing, pipeline_schedule.FORWARD: forward, _FORWARD_LOSS: forward_loss,
+                pipeline_schedule.BACKWARD: backward, pipeline_schedule.BACKWARD_INPUT: backward_input,
+                pipeline_schedule.BACKWARD_WEIGHT: backward_weight,
+            }  # fmt: skip
+            out = jax.lax.switch(op, [fns[int(c)] for c in used])
+            code = jnp.asarray(used)[op]
+            kept_dy = _store(kept_dy, i % grad_slots, out.dy, code == _FORWARD_LOSS)
+            sends_dx = (stage == 0) & jnp.isin(code, jnp.asarray(pipeline_schedule.SENDS_GRADIENT))
+            dx = _store(dx, i, out.dh, sends_dx)
+            grads, head_grads, totals = jax.tree.map(jnp.add, (grads, head_grads, totals), (out.d_local, out.d_rest, out.totals))
+            forward_pairs = [(s, s + 1) for s in range(stages - 1)]
+            backward_pairs = [(s + 1, s) for s in range(stages - 1)]
+            sent = (
+                jax.lax.ppermute(out.y, pipeline_lib.STAGE_AXIS, forward_pairs),
+                jax.lax.ppermute(out.dh, pipeline_lib.STAGE_AXIS, backward_pairs),
+            )
+            return (*sent, kept_x, kept_dy, grads, head_grads, dx, totals), None
+
+        buffer = lambda slots: jnp.zeros((slots, *micro_x.shape[1:]), micro_x.dtype)  # noqa: E731
+        init = (*nothing[:2], buffer(input_slots), buffer(grad_slots), *nothing[3:5], jnp.zeros_like(micro_x), nothing.totals)
+        carry, _ = jax.lax.scan(tick, init, table)
+        _, _, _, _, grads, head_grads, dx, totals = carry
         total = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, pipeline_lib.STAGE_AXIS), tree)  # noqa: E731
         loss, metrics = jax.tree.map(lambda a: a / m, total(totals))
         return loss, metrics, jax.tree.map(lambda g: g[None], grads), total(head_grads), total(dx)
 
     stage_spec = jax.P(pipeline_lib.STAGE_AXIS)
     replicated = lambda tree: jax.tree.map(lambda _: jax.P(), tree)  # noqa: E731
+    table = tuple(jnp.asarray(t) for t in (branch, micro, arrived_f, arrived_b))
     loss, metrics, block_grads, head_grads, dx = jax.shard_map(
         per_stage,
-        in_specs=(jax.tree.map(lambda _: stage_spec, grouped), replicated(rest), jax.P(), jax.P(), jax.P()),
+        in_specs=(jax.tree.map(lambda _: stage_spec, grouped), replicated(rest), jax.P(), jax.P(), jax.P(), replicated(table)),
         out_specs=(jax.P(), jax.P(), jax.tree.map(lambda _: stage_spec, grouped), replicated(rest), jax.P()),
         axis_names={pipeline_lib.STAGE_AXIS},
         check_vma=False,
-    )(grouped, rest, micro_x, micro_t, micro_seg)
+    )(grouped, rest, micro_x, micro_t, micro_seg, table)
     (embed_grads,) = embed_vjp(pipeline_lib.from_microbatches(dx))
     grads = jax.tree.map(jnp.add, head_grads, embed_grads)
     grads["blocks"] = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), block_grads)
     return (loss, metrics), grads
 
 
-
-def _unless(skip: jax.Array, fn: Callable[[], Any]) -> Any:
-    """``fn()``, or zeros of its result's shapes where the scalar ``skip`` is true (`jax.lax.cond`)."""
-    shapes = jax.eval_shape(fn)
-    return jax.lax.cond(skip, lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), fn)
+def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array, write: jax.Array) -> jax.Array:
+    """``buffer`` with ``value`` in row ``slot`` where the scalar ``write`` is true."""
+    return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(write, value, buffer[slot]), slot, 0)

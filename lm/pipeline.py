@@ -25,7 +25,8 @@ stage-major groups each step (an all-to-all of the block weights over ``stage``)
 layout stays that of every other mesh.
 
 This module is the forward loop (``gpipe``, ``circular``) that ``jax.grad`` differentiates; the
-``1f1b`` schedule, which computes the gradients itself, is `lm.pipeline_1f1b`.
+``1f1b`` and ``zb_h1`` schedules, which compute the gradients themselves from a tick table
+(`lm.pipeline_schedule`), are `lm.pipeline_1f1b`.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Pipeline:
     """How the block stack runs over the ``stage`` mesh axis (``--config.pipeline.*``).
 
     schedule: ``gpipe`` (one contiguous layer group per stage), ``circular`` (``repeats`` groups per
-      stage, microbatches loop ``repeats`` times round the stages) or ``1f1b`` (`lm.pipeline_1f1b`:
+      stage, microbatches loop ``repeats`` times round the stages), ``1f1b`` or ``zb_h1`` (`lm.pipeline_1f1b`:
       the train step's loss and gradients in their own tick loop; forward-only calls run as ``gpipe``).
     microbatches: ``M``, microbatches per step (per gradient-accumulation micro-batch).
     repeats: ``R``, layer groups per stage; 1 except for ``circular``.

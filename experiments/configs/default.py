@@ -85,7 +85,7 @@ def get_config() -> ml_collections.ConfigDict:
     # A mesh axis (e.g. "data") whose slices are replicas that each keep their own gradients and state
     # (replica-local step, for DeMo / DiLoCo / PowerSGD); empty: gradients averaged by GSPMD.
     config.replicas = ""
-    # Pipeline schedule over a "stage" mesh axis (lm/pipeline.py): schedule gpipe | circular, microbatches, repeats.
+    # Pipeline schedule over a "stage" mesh axis (lm/pipeline.py): schedule gpipe | circular | 1f1b | zb_h1, microbatches, repeats.
     config.pipeline = blocks.dataclass_block(pipeline.Pipeline)
 
     config.eval_every = 100

@@ -4,14 +4,15 @@ Each case jits the model's loss and gradients once per mesh (`tiny` with 8 layer
 documents) and steps AdamW and Muon on them from the same initial parameters, as
 `tests/sharding/test_checkpoint_any_mesh.py` does: the first step's gradients must equal one
 device's to fp32 rounding and three steps' losses agree within 1e-5 (10 steps: the check in
-`experiments/bench_pipeline.py`). To keep the suite short, Muon steps on one mesh and circular and
-1F1B are checked on their gradients.
+`experiments/bench_pipeline.py`). To keep the suite short, AdamW and Muon step under ZB-H1 on
+`stage:4,data:2` and the other cases are checked on their gradients.
 """
 
 import functools
 import re
 
 import jax
+import jax.extend
 import numpy as np
 import optax
 import pytest
@@ -20,7 +21,7 @@ from experiments import checkpointing, run_spec, train_lib
 from experiments.cli import UsageError
 from experiments.configs import default
 from lm import model as model_lib
-from lm import pipeline, pipeline_1f1b
+from lm import pipeline, pipeline_1f1b, pipeline_schedule
 from lm.loss import cross_entropy
 from optim import registry
 from sharding import partition
@@ -32,13 +33,18 @@ SEPARATOR, BATCH, SEQ_LEN, STEPS = 7, 8, 16, 3
 ONE_DEVICE = {"mesh": "data:1", "devices": 1}
 # placement, optimizers stepped on it (none: the first step's gradients only, to keep the suite short)
 CASES = {
-    "gpipe-stage4-data2": ({"mesh": "stage:4,data:2", "pipeline.microbatches": 4}, ("adamw", "muon")),
+    "gpipe-stage4-data2": ({"mesh": "stage:4,data:2", "pipeline.microbatches": 4}, ()),
     "circular-stage2-data4": (
         {"mesh": "stage:2,data:4", "pipeline.schedule": "circular", "pipeline.repeats": 2, "pipeline.microbatches": 2},
         (),
     ),
     "1f1b-stage2-fsdp2-tensor2": (
         {"mesh": "stage:2,fsdp:2,tensor:2", "rules": "tp", "pipeline.schedule": "1f1b", "pipeline.microbatches": 4},
+        (),
+    ),
+    "zb_h1-stage4-data2": ({"mesh": "stage:4,data:2", "pipeline.schedule": "zb_h1", "pipeline.microbatches": 4}, ("adamw", "muon")),
+    "zb_h1-stage2-fsdp2-tensor2": (
+        {"mesh": "stage:2,fsdp:2,tensor:2", "rules": "tp", "pipeline.schedule": "zb_h1", "pipeline.microbatches": 4},
         (),
     ),
 }
@@ -126,7 +132,7 @@ def test_schedule_equals_one_device(case):
 
 
 def test_block_parameters_and_state_split_over_stage():
-    _, runs = _run("gpipe-stage4-data2")
+    _, runs = _run("zb_h1-stage4-data2")
     state = runs["adamw"][1]
     kernel = state["params"]["blocks"]["mlp"]["down_proj"]["kernel"]
     assert kernel.sharding.spec[0] == "stage" and kernel.shape[0] == 8
@@ -134,7 +140,7 @@ def test_block_parameters_and_state_split_over_stage():
     assert moments and all(m.sharding.spec[0] == "stage" for m in moments)
 
 
-@pytest.mark.parametrize("saved_on, restored_on", [("gpipe-stage4-data2", None), (None, "1f1b-stage2-fsdp2-tensor2")])
+@pytest.mark.parametrize("saved_on, restored_on", [("zb_h1-stage4-data2", None), (None, "1f1b-stage2-fsdp2-tensor2")])
 def test_checkpoint_moves_between_pipeline_and_plain_meshes(tmp_path, saved_on, restored_on):
     state = _run(saved_on)[1]["muon"][1]
     mgr = checkpointing.manager(tmp_path, keep=1, every=1)
@@ -160,7 +166,7 @@ def test_checkpoint_moves_between_pipeline_and_plain_meshes(tmp_path, saved_on, 
         ({"pipeline.schedule": "circular", "pipeline.repeats": 2, "pipeline.microbatches": 2}, "needs microbatches >= stages"),
         ({"model.scan_layers": False}, "set model.scan_layers=True"),
         ({"optimizer.name": "muon_clip"}, "track_attn_logits"),
-        ({"pipeline.schedule": "pipedream"}, "is not one of gpipe, circular, 1f1b"),
+        ({"pipeline.schedule": "pipedream"}, "is not one of gpipe, circular, 1f1b, zb_h1"),
         ({"optimizer.name": "diloco", "replicas": "data"}, "does not run beside a stage axis"),
     ],
 )
@@ -178,20 +184,46 @@ def test_tick_table_bubble_matches_the_formula(stages, microbatches, repeats):
         assert table[:, stage][table[:, stage] >= 0].tolist() == list(range(repeats * microbatches))
 
 
-@pytest.mark.parametrize("stages, microbatches", [(2, 2), (4, 4), (4, 16), (8, 32)])
-def test_1f1b_table_runs_every_microbatch_once_with_a_fixed_number_in_flight(stages, microbatches):
-    forward, backward = pipeline_1f1b.tick_table(stages, microbatches)
+@pytest.mark.parametrize("schedule", pipeline_schedule.SCHEDULES)
+@pytest.mark.parametrize("stages, microbatches", [(2, 2), (4, 2), (4, 4), (4, 16), (8, 32)])
+def test_tick_table_runs_every_op_once_after_its_inputs(schedule, stages, microbatches):
+    ops, micro = pipeline_schedule.tick_table(schedule, stages, microbatches)
+    split = schedule == "zb_h1"
+    kinds = (
+        (pipeline_schedule.FORWARD, pipeline_schedule.BACKWARD_INPUT, pipeline_schedule.BACKWARD_WEIGHT)
+        if split
+        else (pipeline_schedule.FORWARD, pipeline_schedule.BACKWARD)
+    )
+    assert set(np.unique(ops)) <= {pipeline_schedule.IDLE, *kinds}
+    tick = {}  # (op, microbatch, stage) -> the one tick it runs on
+    for kind in kinds:
+        for stage in range(stages):
+            ran = micro[:, stage][ops[:, stage] == kind]
+            assert sorted(ran.tolist()) == list(range(microbatches)), (kind, stage)
+            tick |= {(kind, int(m), stage): int(t) for t, m in zip(np.flatnonzero(ops[:, stage] == kind), ran, strict=True)}
+    backward = kinds[1]
     for stage in range(stages):
-        assert forward[:, stage][forward[:, stage] >= 0].tolist() == list(range(microbatches))
-        assert backward[:, stage][backward[:, stage] >= 0].tolist() == list(range(microbatches))
-        for m in range(microbatches):  # backward after forward, and after the next stage's backward
-            assert np.argmax(backward[:, stage] == m) >= np.argmax(forward[:, stage] == m)
+        for m in range(microbatches):
+            if stage:  # an op sees the other stages' results of earlier ticks only
+                assert tick[(pipeline_schedule.FORWARD, m, stage)] > tick[(pipeline_schedule.FORWARD, m, stage - 1)]
             if stage + 1 < stages:
-                assert np.argmax(backward[:, stage] == m) > np.argmax(backward[:, stage + 1] == m)
-    # Stage s keeps microbatch inputs from tick f + s to f + 2S - 2 - s: 2(S - 1 - s) + 1 of them, whatever M.
-    bound = [min(2 * (stages - 1 - s) + 1, microbatches) for s in range(stages)]
-    assert pipeline_1f1b.in_flight(stages, microbatches).tolist() == bound
-    assert pipeline_1f1b.bubble_fraction(stages, microbatches) == pytest.approx((stages - 1) / (microbatches + stages - 1))
+                assert tick[(backward, m, stage)] > tick[(backward, m, stage + 1)]
+            assert tick[(backward, m, stage)] > tick[(pipeline_schedule.FORWARD, m, stage)]
+            if split:
+                assert tick[(pipeline_schedule.BACKWARD_WEIGHT, m, stage)] > tick[(backward, m, stage)]
+    s, m = stages, microbatches
+    flight = pipeline_schedule.in_flight(ops, micro)
+    if split:  # ZB-H1: every stage holds S microbatches; a third of 1F1B's idle share in unit-time ops
+        assert flight.tolist() == [min(s, m)] * s
+        bubble = pipeline_schedule.bubble_fraction(ops)
+        if m >= s:  # fewer microbatches leave too few Ws to fill the cool-down
+            assert bubble == pytest.approx((s - 1) / (3 * m + s - 1))
+        assert bubble < (s - 1) / (m + s - 1)
+        assert pipeline_schedule.buffer_slots(ops, micro) == (min(s, m), min(s, m))
+    else:  # 1F1B: stage s holds S - s microbatches (before unit-time ticks, 2(S - 1 - s) + 1)
+        assert flight.tolist() == [min(s - stage, m) for stage in range(s)]
+        assert pipeline_schedule.bubble_fraction(ops) == pytest.approx((s - 1) / (m + s - 1))
+        assert pipeline_schedule.buffer_slots(ops, micro) == (min(s, m), 1)
 
 
 @pytest.mark.parametrize(
@@ -210,10 +242,11 @@ def test_every_optimizer_places_its_state_with_its_stage(name):
     assert mirrors, [(jax.tree_util.keystr(p), s.spec) for p, s in state if "up_proj" in jax.tree_util.keystr(p)]
 
 
-@pytest.mark.parametrize("schedule, ticks", [("gpipe", 4 + 4 - 1), ("1f1b", 4 + 2 * 4 - 2)])
+@pytest.mark.parametrize("schedule, ticks", [("gpipe", 4 + 4 - 1), ("1f1b", 2 * (4 + 4 - 1)), ("zb_h1", 3 * 4 + 4 - 1)])
 def test_train_step_runs_the_schedule_in_force(schedule, ticks):
-    """`train_lib.make_train_step` takes 1F1B's own loss and gradients (a loop of M + 2S - 2 ticks) and
-    differentiates GPipe's forward loop (M + S - 1 ticks); evaluation runs the forward loop under both."""
+    """`train_lib.make_train_step` takes 1F1B's and ZB-H1's own loss and gradients (loops of their tables' ticks,
+    carrying buffers of the tables' sizes) and differentiates GPipe's forward loop (M + S - 1 ticks); evaluation
+    runs the forward loop under all three."""
     spec = run_spec.build_run(_config({"mesh": "stage:4,data:2", "pipeline.schedule": schedule}))
     batch = jax.ShapeDtypeStruct((BATCH, SEQ_LEN + 1), np.int32, sharding=spec.shardings.batch)
     with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules), pipeline.use_pipeline(spec.pipeline):
@@ -224,3 +257,17 @@ def test_train_step_runs_the_schedule_in_force(schedule, ticks):
     gpipe_ticks = 4 + 4 - 1
     assert ticks in loops(step) and (gpipe_ticks in loops(step)) == (schedule == "gpipe")
     assert gpipe_ticks in loops(evaluation)
+    if schedule != "gpipe":  # microbatch-sized buffers in the loop's carry: kept inputs, output gradients, stage 0's dx
+        (loop,) = [e for e in _equations(step.jaxpr) if e.primitive.name == "scan" and e.params["length"] == ticks]
+        carry = loop.params["jaxpr"].in_avals[loop.params["num_consts"] : loop.params["num_consts"] + loop.params["num_carry"]]
+        microbatch = (BATCH // 4, SEQ_LEN, spec.cfg.d_model)
+        slots = pipeline_schedule.buffer_slots(*pipeline_schedule.tick_table(schedule, 4, 4))
+        assert sorted(a.shape[0] for a in carry if a.shape[1:] == microbatch) == sorted((*slots, 4))
+
+
+def _equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs inside it."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _equations(sub)

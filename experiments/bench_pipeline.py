@@ -4,12 +4,13 @@ r"""Pipeline schedules measured: bubble, per-device memory, stage-to-stage bytes
 
 On ``--devices`` fake CPU devices (default 8), for the `tiny` model with ``n_layers=8``:
 
-- **bubble**: the share of idle (tick, stage, slot) entries of each schedule's own tick table
-  (`lm.pipeline.forward_table`, `lm.pipeline_1f1b.tick_table`) next to its formula;
+- **bubble**: the share of idle (tick, stage) entries of each schedule's own tick table
+  (`lm.pipeline.forward_table`, `lm.pipeline_schedule.tick_table`) next to its formula;
 - **memory**: `compiled.memory_analysis()` of the whole train step on ``stage:4,data:2`` at
   ``M = 4, 8, 16``: temporaries per device (the activations a schedule keeps live among them);
 - **stage-to-stage bytes**: the collective-permutes of the compiled step (`experiments.bench_comm`'s
-  HLO counting: payload per execution and executions per step), next to one microbatch's activations;
+  HLO counting: payload per execution and executions per step), next to one microbatch's activations
+  and the schedule's tick count;
 - **exactness**: ``--steps`` steps of AdamW and Muon on ``stage:4,data:2`` and
   ``stage:2,fsdp:2,tensor:2`` against one device, the largest relative loss difference.
 """
@@ -26,10 +27,10 @@ from absl import app, flags
 
 from experiments import bench_comm, run_spec, train_lib
 from experiments.configs import default
-from lm import pipeline, pipeline_1f1b
+from lm import pipeline, pipeline_schedule
 from sharding import partition
 
-SCHEDULES = ("gpipe", "circular", "1f1b")
+SCHEDULES = ("gpipe", "circular", "1f1b", "zb_h1")
 MESHES = (("stage:4,data:2", "fsdp"), ("stage:2,fsdp:2,tensor:2", "tp"))
 OPTIMIZERS = ("adamw", "muon")
 
@@ -66,19 +67,35 @@ def _compiled_step(config: ml_collections.ConfigDict):
         return spec, train_lib.jit_train_step(train_lib.make_train_step(spec.model_def, spec.tx), shardings).lower(state, batch).compile()
 
 
+def _ticks(schedule: str, stages: int, m: int) -> int:
+    """Ticks of the schedule's loop: one layer group per stage per tick (GPipe, circular: forward only)."""
+    if schedule in pipeline_schedule.SCHEDULES:
+        return pipeline_schedule.tick_table(schedule, stages, m)[0].shape[0]
+    return pipeline.forward_table(stages, m, 2 if schedule == "circular" else 1).shape[0]
+
+
 def bubbles(stages: int = 4) -> list[dict]:
-    """Idle share of each schedule's tick table and its formula, at ``stages`` and several M."""
+    """Idle share of each schedule's tick table and its formula, at ``stages`` and several M.
+
+    ZB-H1's formula, ``(S-1)/(3M+S-1)``, is the paper's bubble ``(S-1)(T_F + T_B - T_W)`` over a step
+    of ``3M`` unit ops plus that bubble, with ``T_F = T_B = T_W``: a third of 1F1B's idle time.
+    """
     rows = []
     for m in (4, 8, 16):
         for schedule in SCHEDULES:
-            if schedule == "1f1b":
-                measured = pipeline_1f1b.bubble_fraction(stages, m)
-                formula, text = (stages - 1) / (m + stages - 1), "(S-1)/(M+S-1)"
+            if schedule in pipeline_schedule.SCHEDULES:
+                measured = pipeline_schedule.bubble_fraction(pipeline_schedule.tick_table(schedule, stages, m)[0])
+                split = schedule == "zb_h1"
+                formula = (stages - 1) / ((3 if split else 1) * m + stages - 1)
+                text = "(S-1)/(3M+S-1)" if split else "(S-1)/(M+S-1)"
             else:
                 r = 2 if schedule == "circular" else 1
                 measured = pipeline.bubble_fraction(pipeline.forward_table(stages, m, r))
                 formula, text = (stages - 1) / (r * m + stages - 1), f"(S-1)/({r}M+S-1)"
-            rows.append({"schedule": schedule, "stages": stages, "microbatches": m, "bubble": measured, "formula": formula, "formula_text": text})
+            rows.append({
+                "schedule": schedule, "stages": stages, "microbatches": m, "bubble": measured, "formula": formula,
+                "formula_text": text, "ticks": _ticks(schedule, stages, m), "one_f_one_b_formula": (stages - 1) / (m + stages - 1),
+            })  # fmt: skip
     return rows
 
 
@@ -101,7 +118,7 @@ def memory_and_bytes() -> list[dict]:
                 "permute_bytes_per_step": sum(c.payload * c.count for c in permutes),
                 "permute_executions": sum(c.count for c in permutes),
                 "permute_payloads": sorted({c.payload for c in permutes}),
-                "microbatch_activation_bytes": activation,
+                "microbatch_activation_bytes": activation, "ticks": _ticks(schedule, 4, m),
             })  # fmt: skip
             print(f"compiled {schedule} M={m}: temp {rows[-1]['temp_bytes'] / 2**20:.2f} MiB", flush=True)
     return rows
@@ -144,20 +161,24 @@ def main(argv) -> None:
     jax.config.update("jax_num_cpu_devices", _FLAGS.devices)
     start = time.time()
     results = {"bubbles": bubbles(), "memory": memory_and_bytes()}
-    print("\nschedule   S  M   bubble(table)  formula")
+    print("\nschedule   S  M  ticks  bubble(table)  formula               1F1B's")
     for row in results["bubbles"]:
-        print(f"{row['schedule']:9} {row['stages']:2} {row['microbatches']:3}   {row['bubble']:.3f}          {row['formula']:.3f} {row['formula_text']}")
-    print("\nschedule   M  temp MiB/device  permute execs  permute bytes/step  one microbatch bytes")
+        print(
+            f"{row['schedule']:9} {row['stages']:2} {row['microbatches']:3} {row['ticks']:5}   {row['bubble']:.3f}          "
+            f"{row['formula']:.3f} {row['formula_text']:15} {row['one_f_one_b_formula']:.3f}"
+        )
+    print("\nschedule   M  ticks  temp MiB/device  permute execs  permute bytes/step  payloads  one microbatch bytes")
     for row in results["memory"]:
         print(
-            f"{row['schedule']:9} {row['microbatches']:3} {row['temp_bytes'] / 2**20:14.2f} {row['permute_executions']:14d} "
-            f"{row['permute_bytes_per_step']:19,d} {row['microbatch_activation_bytes']:20,d}"
+            f"{row['schedule']:9} {row['microbatches']:3} {row['ticks']:5} {row['temp_bytes'] / 2**20:14.2f} {row['permute_executions']:14d} "
+            f"{row['permute_bytes_per_step']:19,d} {str(row['permute_payloads']):>9} {row['microbatch_activation_bytes']:20,d}"
         )
     by = {(r["schedule"], r["microbatches"]): r["temp_bytes"] for r in results["memory"]}
     top = max(int(x) for x in _FLAGS.microbatches)
-    if ("gpipe", top) in by and ("1f1b", top) in by:
-        results["1f1b_over_gpipe_temp_at_max_m"] = by[("1f1b", top)] / by[("gpipe", top)]
-        print(f"\n1F1B / GPipe temporaries at M={top}: {results['1f1b_over_gpipe_temp_at_max_m']:.2f}")
+    for schedule in ("1f1b", "zb_h1"):
+        if ("gpipe", top) in by and (schedule, top) in by:
+            results[f"{schedule}_over_gpipe_temp_at_max_m"] = by[(schedule, top)] / by[("gpipe", top)]
+            print(f"\n{schedule} / gpipe temporaries at M={top}: {results[f'{schedule}_over_gpipe_temp_at_max_m']:.2f}")
     if _FLAGS.steps:
         results["exactness"] = exactness()
         worst = max(r["max_rel_loss_diff"] for r in results["exactness"])

@@ -171,7 +171,7 @@ def main(argv) -> None:
     for row in results["memory"]:
         print(
             f"{row['schedule']:9} {row['microbatches']:3} {row['ticks']:5} {row['temp_bytes'] / 2**20:14.2f} {row['permute_executions']:14d} "
-            f"{row['permute_bytes_per_step']:19,d} {str(row['permute_payloads']):>9} {row['microbatch_activation_bytes']:20,d}"
+            f"{row['permute_bytes_per_step']:19,d} {row['permute_payloads']!s:>9} {row['microbatch_activation_bytes']:20,d}"
         )
     by = {(r["schedule"], r["microbatches"]): r["temp_bytes"] for r in results["memory"]}
     top = max(int(x) for x in _FLAGS.microbatches)

@@ -51,7 +51,7 @@ from sharding import partition
 
 SCHEDULES = pipeline_schedule.SCHEDULES
 LossFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, dict]]
-_FORWARD_LOSS = max(pipeline_schedule.BACKWARD_WEIGHT, pipeline_schedule.BACKWARD) + 1  # the last stage's forward
+_FORWARD_LOSS = 5  # the executor's own op: the last stage's forward, which also runs the head and the loss
 
 
 def active() -> bool:
@@ -101,6 +101,9 @@ def value_and_grad(model_def: ModelDef, params: dict, tokens: jax.Array, loss_fn
     micro_seg = None if segments is None else pipeline_lib.to_microbatches(segments, m)
     k = cfg.n_layers // stages
     grouped = jax.tree.map(lambda w: w.reshape(stages, k, *w.shape[1:]), blocks)
+
+    forward_pairs = [(s, s + 1) for s in range(stages - 1)]
+    backward_pairs = [(s + 1, s) for s in range(stages - 1)]
 
     def per_stage(local, rest, micro_x, micro_t, micro_seg, table):
         local = jax.tree.map(lambda w: w[0], local)
@@ -154,8 +157,6 @@ def value_and_grad(model_def: ModelDef, params: dict, tokens: jax.Array, loss_fn
             sends_dx = (stage == 0) & jnp.isin(code, jnp.asarray(pipeline_schedule.SENDS_GRADIENT))
             dx = _store(dx, i, out.dh, sends_dx)
             grads, head_grads, totals = jax.tree.map(jnp.add, (grads, head_grads, totals), (out.d_local, out.d_rest, out.totals))
-            forward_pairs = [(s, s + 1) for s in range(stages - 1)]
-            backward_pairs = [(s + 1, s) for s in range(stages - 1)]
             sent = (
                 jax.lax.ppermute(out.y, pipeline_lib.STAGE_AXIS, forward_pairs),
                 jax.lax.ppermute(out.dh, pipeline_lib.STAGE_AXIS, backward_pairs),

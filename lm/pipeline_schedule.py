@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-IDLE, FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = range(5)
+IDLE, FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = range(5)  # op codes of a table
 SCHEDULES = ("1f1b", "zb_h1")
 RELEASES = (BACKWARD, BACKWARD_WEIGHT)  # the ops after which a stage no longer needs a microbatch
 SENDS_GRADIENT = (BACKWARD, BACKWARD_INPUT)  # the ops whose input gradient goes to stage s - 1

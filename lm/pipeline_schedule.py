@@ -73,7 +73,7 @@ def tick_table(schedule: str, stages: int, microbatches: int) -> tuple[np.ndarra
     stage's own forward, a W after the stage's B.
     """
     orders = [stage_order(schedule, stages, microbatches, s) for s in range(stages)]
-    done: dict[tuple[int, int, int], int] = {}
+    done: set[tuple[int, int, int]] = set()  # (op, microbatch, stage) run on an earlier tick
     position, ops, micro = [0] * stages, [], []
 
     def ready(op: int, i: int, s: int) -> bool:
@@ -85,11 +85,12 @@ def tick_table(schedule: str, stages: int, microbatches: int) -> tuple[np.ndarra
         return upstream and (FORWARD, i, s) in done
 
     while any(p < len(o) for p, o in zip(position, orders, strict=True)):
-        row_ops, row_micro, finished = [IDLE] * stages, [-1] * stages, {}
+        row_ops, row_micro, finished = [IDLE] * stages, [-1] * stages, set()
         for s, order in enumerate(orders):
             if position[s] < len(order) and ready(*order[position[s]], s):
                 op, i = order[position[s]]
-                row_ops[s], row_micro[s], finished[(op, i, s)] = op, i, len(ops)
+                row_ops[s], row_micro[s] = op, i
+                finished.add((op, i, s))
                 position[s] += 1
         if not finished:
             raise AssertionError(f"{schedule} with stages={stages}, microbatches={microbatches} deadlocks")

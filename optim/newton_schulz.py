@@ -264,22 +264,35 @@ def fans(shape: Sequence[int], axes: MatrixAxes) -> tuple[int, int]:
     return math.prod(shape[i] for i in fan_in), math.prod(shape[i] for i in fan_out)
 
 
-SHARDING_MODES = ("as_is", "replicated", "owner")
+SHARDING_MODES = ("auto", "as_is", "replicated", "owner")
 BATCHING_MODES = ("auto", "same_shape", "none")
 
 
-def _place(stack: jax.Array, sharding: str) -> jax.Array:
+def dividing_axes(batch: int, mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes, in mesh order, whose running product of sizes divides ``batch``."""
+    axes, size = [], 1
+    for name, n in mesh_shape.items():
+        if batch % (size * n) == 0:
+            axes.append(name)
+            size *= n
+    return tuple(axes)
+
+
+def place_stack(stack: jax.Array, sharding: str) -> jax.Array:
     """Pins a stack ``(B, m, n)`` to the ``sharding`` layout under the ambient mesh.
 
     Applied to the input and the output of the iteration, so that GSPMD keeps the whole iteration in
     that layout instead of propagating the parameters' layout into it.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if sharding == "as_is" or mesh.empty:
+    axes = () if mesh.empty else partition.auto_axes(mesh)
+    if sharding == "as_is" or not axes:
         return stack
-    if sharding == "replicated":
-        return jax.lax.with_sharding_constraint(stack, jax.P())
-    return jax.lax.with_sharding_constraint(stack, jax.P(partition.auto_axes(mesh), None, None))
+    if sharding == "auto":
+        axes = dividing_axes(stack.shape[0], {a: mesh.shape[a] for a in axes})
+    elif sharding == "replicated":
+        axes = ()
+    return jax.lax.with_sharding_constraint(stack, jax.P(axes or None, None, None))
 
 
 def orthogonalize(
@@ -291,7 +304,7 @@ def orthogonalize(
     eps: float = 1e-7,
     dtype: str = "float32",
     batching: str = "auto",
-    sharding: str = "as_is",
+    sharding: str = "auto",
 ) -> Any:
     """`newton_schulz` applied to every leaf of ``tree``, each seen as a batch of matrices.
 
@@ -358,7 +371,7 @@ def orthogonalize(
     out: list[jax.Array] = [None] * len(flat)  # type: ignore[list-item]
     for members in groups.values():
         stack = flat[members[0]] if len(members) == 1 else jnp.concatenate([flat[i] for i in members], axis=0)
-        ortho = _place(newton_schulz(_place(stack, sharding), coeffs, steps, eps=eps, dtype=dtype), sharding)
+        ortho = place_stack(newton_schulz(place_stack(stack, sharding), coeffs, steps, eps=eps, dtype=dtype), sharding)
         offset = 0
         for i in members:
             n = flat[i].shape[0]

@@ -33,9 +33,10 @@ its longer side is resharded for the selection.
 
 Default ``"global"``: the reference's FSDP result depends on the world size (``S``), and this repo's
 contract is that a run's numbers do not (8 devices equal 1, checkpoints resume on any mesh), so
-local is opt-in, for FSDP runs where the bytes matter (docs/benchmarks.md, section 6a). The stacked
-submatrices are placed for Newton-Schulz as Muon's default places its matrices
-(`optim.newton_schulz.place_stack`, ``"auto"``).
+local is opt-in, for FSDP runs where the bytes matter (docs/benchmarks.md, section 6a). Local's
+stacked submatrices, whose rows lie on different devices, are placed for Newton-Schulz as Muon's
+default places its matrices (`optim.newton_schulz.place_stack`, ``"auto"``); global's are left
+where GSPMD puts them (the selection's partial sums are all-reduced, so they arrive replicated).
 
 Reference matched step by step (tests/optim/test_dion2.py, a float64 NumPy transcription of
 ``dion2_pre_orthogonalize``, ``polar_express`` and ``dion2_post_orthogonalize``; decay on the
@@ -114,7 +115,8 @@ def orthogonalize_selected(y: jax.Array, fraction: float, scope: str) -> tuple[j
     onehot = selected_rows(y, fraction, by_sort=blocks > 1)  # (*batch, S, n / S, k)
     k = onehot.shape[-1]
     sub = (jnp.swapaxes(onehot, -1, -2) @ y).reshape(-1, blocks * k, long)
-    u = ns.place_stack(ns.newton_schulz(ns.place_stack(sub, "auto"), NS_TABLE, dtype="auto"), "auto")
+    layout = "auto" if blocks > 1 else "as_is"  # blocked rows: whole submatrices to their owners first
+    u = ns.place_stack(ns.newton_schulz(ns.place_stack(sub, layout), NS_TABLE, dtype="auto"), layout)
     d = onehot @ u.reshape(*batch, blocks, k, long)
     return d.reshape(*batch, n, long), jnp.sum(onehot, axis=-1, keepdims=True).reshape(*batch, n, 1)
 

@@ -283,6 +283,7 @@ def test_sharded_on_8_devices_matches_single_device(ns_sharding):
         (jax.P(None, "fsdp", None), "owner", 8, {"all-gather": 0, "all-to-all": 2}),
         (jax.P(None, "fsdp", None), "auto", 8, {"all-gather": 0, "all-to-all": 2}),  # one matrix per device
         (jax.P(None, "fsdp", None), "auto", 4, {"all-gather": 1, "all-to-all": 0}),  # 4 do not split 8 ways
+        (jax.P(None, "fsdp", None), "auto", 12, {"all-gather": 0, "all-to-all": 2}),  # 12 >= 8: padded to 16
     ],
 )
 def test_ns_sharding_communicates_as_documented(layout, ns_sharding, batch, expected):

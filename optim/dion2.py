@@ -21,8 +21,9 @@ Express table (5 steps, Frobenius norm times 1.02, folded into the first row her
 CPU and bf16 matmuls elsewhere (`optim.newton_schulz`, ``dtype="auto"``; the reference runs bf16).
 
 Selection scope (``selection_scope=``). ``"global"`` picks the top ``k`` over all ``n`` slices of a
-matrix, as the reference does on one device or under DDP. ``"local"`` is the reference's FSDP path
-(``dion2_update_megabatch_async``: the top-k of each device's local shard, ``to_local(M)``): the ``n``
+matrix, as the reference does on one device or under DDP. ``"local"`` is the reference's FSDP path,
+which it takes whenever a matrix is sharded (it has no flag for it; ``dion2_update_megabatch_async``:
+the top-k of each device's local shard, ``to_local(M)``): the ``n``
 slices are split into ``S`` contiguous blocks, one per device of the ambient mesh axes whose device
 count divides ``n`` (`optim.newton_schulz.dividing_axes`), and each block keeps its own
 ``ceil(fraction n / S)`` slices; the ``S`` selections are stacked into one submatrix for Newton-Schulz.

@@ -10,11 +10,16 @@ K_u = 96, K_v = 192) and Local Adam (DES-LOC with every period 32). The step is 
 collective of the optimised HLO module (all-reduce, all-gather, all-to-all, reduce-scatter,
 collective-permute; async ``-start`` forms included) is counted from its result shape:
 
-- **payload**: the bytes one device puts into the collective (all-reduce / all-to-all /
-  collective-permute: the buffer; all-gather: its own piece; reduce-scatter: the whole input);
-- **ring**: the bytes one device sends under the usual ring algorithms, from the payload ``S`` and
-  group size ``n``: all-reduce ``2 (n-1)/n S``, all-gather ``(n-1) S``, reduce-scatter and all-to-all
-  ``(n-1)/n S``, collective-permute ``S``. This is a model of the algorithm, not a measurement.
+- **payload**: the bytes ``S`` of the buffer one device holds for the collective, the larger of its
+  input and its output (NCCL's convention for message sizes): all-reduce / all-to-all /
+  collective-permute: the buffer; all-gather: the gathered result; reduce-scatter: the whole input.
+  So one all-gather of a tensor and one all-to-all that reshards it count the same ``S``: its bytes
+  per device after the gather, its bytes per device before and after the all-to-all.
+- **ring**: the bytes one device sends under the usual ring algorithms, from ``S`` and the group size
+  ``n``: all-reduce ``2 (n-1)/n S``, all-gather, reduce-scatter and all-to-all ``(n-1)/n S`` (an
+  all-to-all keeps ``1/n`` of its buffer, an all-gather already holds ``1/n`` of its result),
+  collective-permute ``S``. This is a model of the algorithm, not a measurement; NCCL's "bus
+  bandwidth" factors are the same.
 
 A collective inside a ``while`` body counts once per iteration (XLA's known trip count; an unknown
 count is an error). One inside a ``conditional`` branch (DiLoCo's synchronisation, a Streaming
@@ -85,7 +90,7 @@ ROWS: dict[str, dict[str, Any]] = {
 @dataclasses.dataclass(frozen=True)
 class Collective:
     kind: str
-    payload: int  # bytes one device puts in
+    payload: int  # bytes of one device's buffer, the larger of input and output
     group: int  # devices taking part
     count: int  # executions per step (while trip counts)
     conditional: bool  # inside a conditional branch
@@ -94,7 +99,7 @@ class Collective:
     @property
     def ring(self) -> float:
         n, s = self.group, self.payload
-        return {"all-reduce": 2 * (n - 1) / n * s, "all-gather": (n - 1) * s, "collective-permute": s}.get(self.kind, (n - 1) / n * s)
+        return {"all-reduce": 2 * (n - 1) / n * s, "collective-permute": s}.get(self.kind, (n - 1) / n * s)
 
 
 def _shape_bytes(text: str) -> int:
@@ -151,8 +156,8 @@ def collectives(hlo: str, devices: int) -> list[Collective]:
                 result = _shape_bytes(op.group(1))
                 n = _group_size(line, devices)
                 if op.group(2).endswith("-start"):  # async result tuples hold input and output buffers
-                    result //= 2 if kind in ("all-reduce", "collective-permute", "all-to-all") else 1
-                payload = {"all-gather": result // max(n, 1), "reduce-scatter": result * n}.get(kind, result)
+                    result = result * n // (n + 1) if kind == "all-gather" else result // 2
+                payload = result * n if kind == "reduce-scatter" else result
                 period = re.search(r'op_name="[^"]*sync_period_(\d+)', line)
                 found.append(Collective(kind, payload, n, count, conditional, period and int(period.group(1))))
             if op and op.group(2) == "while":

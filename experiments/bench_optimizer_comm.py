@@ -28,11 +28,13 @@ from experiments import bench_comm, cli
 
 ROWS: dict[str, dict[str, Any]] = {
     "adamw": {"optimizer.name": "adamw"},
-    "muon": {"optimizer.name": "muon"},
+    "muon": {"optimizer.name": "muon"},  # ns_sharding="auto"
     "normuon": {"optimizer.name": "normuon"},
     "dion_r8": {"optimizer.name": "dion", "optimizer.dion.rank_fraction": 0.125},  # r = d/8
     "dion_r4": {"optimizer.name": "dion"},  # the default, r = d/4
-    "dion2": {"optimizer.name": "dion2"},  # fraction 1/4
+    "dion2": {"optimizer.name": "dion2"},  # fraction 1/4, selection_scope="global"
+    "dion2_local": {"optimizer.name": "dion2", "optimizer.dion2.selection_scope": "local"},
+    "muon_as_is": {"optimizer.name": "muon", "optimizer.muon.ns_sharding": "as_is"},
     "muon_owner": {"optimizer.name": "muon", "optimizer.muon.ns_sharding": "owner"},
     "muon_replicated": {"optimizer.name": "muon", "optimizer.muon.ns_sharding": "replicated"},
 }

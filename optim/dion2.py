@@ -20,11 +20,29 @@ slice kept), and the update scale is Dion's. Newton-Schulz is the reference's de
 Express table (5 steps, Frobenius norm times 1.02, folded into the first row here), in float32 on
 CPU and bf16 matmuls elsewhere (`optim.newton_schulz`, ``dtype="auto"``; the reference runs bf16).
 
+Selection scope (``selection_scope=``). ``"global"`` picks the top ``k`` over all ``n`` slices of a
+matrix, as the reference does on one device or under DDP. ``"local"`` is the reference's FSDP path,
+which it takes whenever a matrix is sharded (it has no flag for it; ``dion2_update_megabatch_async``:
+the top-k of each device's local shard, ``to_local(M)``): the ``n``
+slices are split into ``S`` contiguous blocks, one per device of the ambient mesh axes whose device
+count divides ``n`` (`optim.newton_schulz.dividing_axes`), and each block keeps its own
+``ceil(fraction n / S)`` slices; the ``S`` selections are stacked into one submatrix for Newton-Schulz.
+The blocks are pinned to those axes, so no device needs another's slice norms. Without a mesh (or
+with ``S = 1``) local is global. The reference selects along the FSDP-sharded side; here the side is
+always the shorter one (under GSPMD the optimizer does not see the layout), so a matrix FSDP shards on
+its longer side is resharded for the selection.
+
+Default ``"global"``: the reference's FSDP result depends on the world size (``S``), and this repo's
+contract is that a run's numbers do not (8 devices equal 1, checkpoints resume on any mesh), so
+local is opt-in, for FSDP runs where the bytes matter (docs/benchmarks.md, section 6a). Local's
+stacked submatrices, whose rows lie on different devices, are placed for Newton-Schulz as Muon's
+default places its matrices (`optim.newton_schulz.place_stack`, ``"auto"``); global's are left
+where GSPMD puts them (the selection's partial sums are all-reduced, so they arrive replicated).
+
 Reference matched step by step (tests/optim/test_dion2.py, a float64 NumPy transcription of
 ``dion2_pre_orthogonalize``, ``polar_express`` and ``dion2_post_orthogonalize``; decay on the
-pre-update weight as there). Defaults are the reference's (``fraction`` 0.25, ``ef_decay`` 0.95,
-learning rate 0.01, weight decay 0.01). Single device and GSPMD: the selection is over the whole
-matrix (the reference's ``selection_scope="global"``; its default ``"local"`` picks per FSDP shard).
+pre-update weight as there; local on 8 devices against the same transcription per block). Defaults
+are the reference's (``fraction`` 0.25, ``ef_decay`` 0.95, learning rate 0.01, weight decay 0.01).
 """
 
 from __future__ import annotations
@@ -37,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optim import common, spec
+from optim import blocking, common, spec
 from optim import newton_schulz as ns
 from optim.muon import check_matrices
 
@@ -55,18 +73,53 @@ NS_TABLE = (
 )
 
 
+SELECTION_SCOPES = ("global", "local")
+
+
 class Dion2State(NamedTuple):
     """State of `scale_by_dion2`."""
 
     mu: optax.Updates  # momentum buffer M_t, float32, like the parameters
 
 
-def selected_rows(x: jax.Array, fraction: float) -> jax.Array:
-    """One-hot ``(*batch, n, k)``: the ``k = ceil(fraction n)`` rows of ``x`` with the largest L1 norms."""
+def selected_rows(x: jax.Array, fraction: float, *, by_sort: bool = False) -> jax.Array:
+    """One-hot ``(*batch, n, k)``: the ``k = ceil(fraction n)`` rows of ``x`` with the largest L1 norms.
+
+    ``by_sort``: a stable sort instead of `jax.lax.top_k` (the same rows; ties go to the lower
+    index in both). GSPMD partitions a sort along sharded batch axes, so a blockwise selection stays
+    on each device, but gathers top_k's operand.
+    """
     n = x.shape[-2]
     k = max(1, math.ceil(fraction * n))
-    _, index = jax.lax.top_k(jnp.sum(jnp.abs(x), axis=-1), k)
+    norms = jnp.sum(jnp.abs(x), axis=-1)
+    index = jnp.argsort(-norms, axis=-1, stable=True)[..., :k] if by_sort else jax.lax.top_k(norms, k)[1]
     return (jnp.arange(n)[:, None] == index[..., None, :]).astype(x.dtype)
+
+
+def selection_blocks(n: int, scope: str) -> tuple[tuple[str, ...], int]:
+    """``(mesh axes, S)``: the blocks that ``n`` slices are selected in (``S = 1``: one, global)."""
+    axes, _ = blocking.mesh_axes()
+    if scope == "global" or not axes:
+        return (), 1
+    shape = jax.sharding.get_abstract_mesh().shape
+    axes = ns.dividing_axes(n, {a: shape[a] for a in axes})
+    return axes, math.prod(shape[a] for a in axes)
+
+
+def orthogonalize_selected(y: jax.Array, fraction: float, scope: str) -> tuple[jax.Array, jax.Array]:
+    """``(U scattered to the selected slices, 0/1 mask of them (*batch, n, 1))`` for slices on axis -2."""
+    *batch, n, long = y.shape
+    axes, blocks = selection_blocks(n, scope)
+    y = y.reshape(*batch, blocks, n // blocks, long)
+    if axes:
+        y = jax.lax.with_sharding_constraint(y, jax.P(*[None] * len(batch), axes, None, None))
+    onehot = selected_rows(y, fraction, by_sort=blocks > 1)  # (*batch, S, n / S, k)
+    k = onehot.shape[-1]
+    sub = (jnp.swapaxes(onehot, -1, -2) @ y).reshape(-1, blocks * k, long)
+    layout = "auto" if blocks > 1 else "as_is"  # blocked rows: whole submatrices to their owners first
+    u = ns.place_stack(ns.newton_schulz(ns.place_stack(sub, layout), NS_TABLE, dtype="auto"), layout)
+    d = onehot @ u.reshape(*batch, blocks, k, long)
+    return d.reshape(*batch, n, long), jnp.sum(onehot, axis=-1, keepdims=True).reshape(*batch, n, 1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,12 +129,18 @@ class Dion2Direction:
     Attributes:
       fraction: share of the shorter side's slices orthogonalised per step.
       ef_decay: the factor the applied slices of the momentum buffer keep.
+      selection_scope: ``"global"`` (top-k over the whole matrix) or ``"local"`` (per block of the
+        devices that shard it, the reference's FSDP path); module docstring.
     """
 
     fraction: float = spec.param(0.25, valid="(0, 1]")
     ef_decay: float = spec.param(0.95, valid="[0, 1]")
+    selection_scope: str = "global"
 
     static_args: ClassVar[tuple[str, ...]] = ("fraction",)
+
+    def __post_init__(self) -> None:
+        common.check_choice("selection_scope", self.selection_scope, SELECTION_SCOPES)
     family: ClassVar[str] = "dion2"
 
     def direction(self) -> optax.GradientTransformation:
@@ -105,10 +164,8 @@ class Dion2Direction:
                 b = m + g.astype(jnp.float32)
                 rows_are_fan_out = fan_out <= fan_in  # X = W^T: X's rows are W's columns
                 y = jnp.swapaxes(b, -1, -2) if rows_are_fan_out else b  # slices on axis -2
-                onehot = selected_rows(y, float(self.fraction))
-                chosen = jnp.sum(onehot, axis=-1, keepdims=True)  # 1 on selected slices
-                u = ns.newton_schulz(jnp.swapaxes(onehot, -1, -2) @ y, NS_TABLE, dtype="auto")
-                d = (fan_out / fan_in) ** 0.5 * (onehot @ u)
+                u, chosen = orthogonalize_selected(y, float(self.fraction), self.selection_scope)
+                d = (fan_out / fan_in) ** 0.5 * u
                 m = y * (1 - (1 - ef_decay) * chosen)
                 if rows_are_fan_out:
                     d, m = jnp.swapaxes(d, -1, -2), jnp.swapaxes(m, -1, -2)

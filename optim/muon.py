@@ -120,7 +120,9 @@ class NewtonSchulz:
       ns_eps: added to the Frobenius norm before the iteration.
       ns_batching: ``"same_shape"`` (one call per group of equal-shape matrices), ``"none"`` (one per
         leaf) or ``"auto"`` (``"none"`` on CPU, else ``"same_shape"``).
-      ns_sharding: ``"as_is"``, ``"replicated"`` or ``"owner"``; see `newton_schulz.orthogonalize`.
+      ns_sharding: ``"auto"`` (whole matrices to the devices of the mesh axes that divide the
+        stack, replicated over the others), ``"as_is"``, ``"replicated"`` or ``"owner"``; see
+        `newton_schulz.orthogonalize`.
     """
 
     ns_coeffs: ns.Coeffs = "jordan"
@@ -128,7 +130,7 @@ class NewtonSchulz:
     ns_dtype: str = "auto"
     ns_eps: float = spec.param(1e-7, valid="(0, inf)")
     ns_batching: str = "auto"
-    ns_sharding: str = "as_is"
+    ns_sharding: str = "auto"
 
     def __post_init__(self) -> None:
         common.check_choice("ns_dtype", self.ns_dtype, ns.DTYPES)

@@ -18,7 +18,7 @@ from optim.des_loc import DESLOC
 from optim.diloco import DiLoCo, StreamingDiLoCo
 from optim.dion import Dion
 from optim.dion2 import Dion2
-from optim.frugal import Frugal
+from optim.frugal import Frugal, FrugalBlock
 from optim.hyperball import AdamHyperball, MuonHyperball
 from optim.kl_shampoo import KLShampoo
 from optim.learned.mlp_lopt import LOpt
@@ -66,6 +66,7 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "frugal": Frugal,
     "noloco": NoLoCo,
     "des_loc": DESLOC,
+    "frugal_block": FrugalBlock,
 }
 
 

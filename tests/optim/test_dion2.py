@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 import muon_reference as ref
 import numpy as np
+import pytest
 
+from experiments import bench_comm
 from optim.dion2 import dion2, scale_by_dion2
 
 POLAR_EXPRESS = [  # microsoft/dion polar_express.py
@@ -30,8 +32,17 @@ def np_polar_express(g, eps=1e-6):
     return x.T if g.shape[0] > g.shape[1] else x
 
 
-def np_dion2_direction(*, fraction, ef_decay):
-    """``dion2_pre_orthogonalize`` + ``polar_express`` + ``dion2_post_orthogonalize`` on X = W^T."""
+def np_select(slices, fraction, blocks):
+    """Indices of the top ``ceil(fraction n / blocks)`` L1 norms in each of ``blocks`` contiguous blocks."""
+    size = len(slices) // blocks
+    k = max(1, math.ceil(fraction * size))
+    norms = np.abs(slices).sum(axis=1)
+    return np.concatenate([b * size + np.argsort(-norms[b * size : (b + 1) * size])[:k] for b in range(blocks)])
+
+
+def np_dion2_direction(*, fraction, ef_decay, blocks=lambda n: 1):
+    """``dion2_pre_orthogonalize`` + ``polar_express`` + ``dion2_post_orthogonalize`` on X = W^T;
+    ``blocks(n)``: the shards whose local slices are selected apart (the reference's FSDP path)."""
     ms = {}
 
     def direction(key, g, p):
@@ -41,8 +52,7 @@ def np_dion2_direction(*, fraction, ef_decay):
             x = m[i].T + g[i].T  # (fan_out, fan_in)
             rows = x.shape[0] <= x.shape[1]
             slices = x if rows else x.T
-            k = max(1, math.ceil(fraction * len(slices)))
-            idx = np.argsort(-np.abs(slices).sum(axis=1))[:k]
+            idx = np_select(slices, fraction, blocks(len(slices)))
             u = np.zeros_like(slices)
             u[idx] = np_polar_express(slices[idx])
             slices = slices.copy()
@@ -83,3 +93,53 @@ def test_only_the_selected_slices_of_the_shorter_side_move_and_decay():
 
 def test_converges_on_matrix_regression():
     assert ref.regression_loss_ratio(dion2(0.05, fraction=0.5), steps=150) < 0.05
+
+
+LOCAL_TREE = {"wide": (2, 16, 24), "tall": (24, 16), "odd": (12, 20)}  # shorter sides 16, 16, 12
+
+
+@pytest.mark.devices(8)
+def test_local_selection_on_8_devices_matches_numpy_per_shard():
+    """On fsdp:8 a 16-slice side is 8 blocks of 2, one per device, 1 slice each (fraction 1/4);
+    12 slices do not split over 8 devices: one block, as global. Three steps, momentum included."""
+    rng = np.random.default_rng(1)
+    grads_seq = [{k: np.float32(rng.standard_normal(s)) for k, s in LOCAL_TREE.items()} for _ in range(3)]
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    layout = {"wide": jax.P(None, "fsdp", None), "tall": jax.P(None, "fsdp"), "odd": jax.P()}
+    tx = scale_by_dion2(fraction=0.25, ef_decay=0.9, selection_scope="local")
+    direction = np_dion2_direction(fraction=0.25, ef_decay=0.9, blocks=lambda n: 8 if n % 8 == 0 else 1)
+    with jax.set_mesh(mesh):
+        shardings = {k: jax.NamedSharding(mesh, spec) for k, spec in layout.items()}
+        state = jax.jit(tx.init, out_shardings=type(tx.init(grads_seq[0]))(mu=shardings))(grads_seq[0])
+        update = jax.jit(tx.update, out_shardings=(shardings, None))
+        for grads in grads_seq:
+            actual, state = update(jax.device_put(grads, shardings), state)
+            for key, g in grads.items():
+                expected = direction(key, np.float64(g), None)
+                np.testing.assert_allclose(actual[key], expected, rtol=1e-4, atol=1e-5, err_msg=key)
+    moved = np.abs(np.asarray(actual["wide"])).sum(-1) > 0  # (2, 16): one slice in each pair of rows
+    assert moved.reshape(2, 8, 2).sum(-1).tolist() == [[1] * 8] * 2
+
+
+@pytest.mark.devices(8)
+def test_local_selection_gathers_fewer_bytes_than_global():
+    """FSDP-sharded (4, 64, 128) on 8 devices: local needs no norms nor slices from other devices for
+    the selection; only the selected quarter is gathered for Newton-Schulz."""
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = jax.NamedSharding(mesh, jax.P(None, "fsdp", None))
+    x = jax.ShapeDtypeStruct((4, 64, 128), jnp.float32, sharding=sharding)
+    found = {}
+    with jax.set_mesh(mesh):
+        for scope in ("global", "local"):
+            tx = scale_by_dion2(selection_scope=scope)
+            state = type(tx.init(x))(mu=x)
+            hlo = jax.jit(tx.update, out_shardings=(sharding, None)).lower(x, state).compile().as_text()
+            found[scope] = [(c.kind, c.payload * c.count) for c in bench_comm.collectives(hlo, 8)]
+    quarter = 4 * 16 * 128 * 4  # the selected rows, gathered for Newton-Schulz
+    assert found["local"] == [("all-gather", quarter)]
+    assert sum(b for _, b in found["global"]) > quarter  # and the slice norms of every device
+
+
+def test_selection_scope_is_checked():
+    with pytest.raises(ValueError, match="selection_scope"):
+        dion2(0.01, selection_scope="shard")

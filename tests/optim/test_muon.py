@@ -265,7 +265,9 @@ def test_works_under_inject_hyperparams_with_traced_ns_steps():
 
 
 @pytest.mark.devices(8)
-@pytest.mark.parametrize("ns_sharding", ["replicated", "owner"])  # "as_is", the default: test_common.py
+# "auto", the default: test_common.py; "as_is" is GSPMD's own partitioning of the iteration (its
+# collectives: the next test).
+@pytest.mark.parametrize("ns_sharding", ["replicated", "owner"])
 def test_sharded_on_8_devices_matches_single_device(ns_sharding):
     params = jax.tree.map(jnp.float32, ref.model_tree(4, d=16, heads=2, head_dim=8, mlp=24, scale=0.1))
     grads = jax.tree.map(jnp.float32, ref.model_tree(5, d=16, heads=2, head_dim=8, mlp=24))
@@ -275,23 +277,31 @@ def test_sharded_on_8_devices_matches_single_device(ns_sharding):
 
 @pytest.mark.devices(8)
 @pytest.mark.parametrize(
-    "layout,ns_sharding,expected",
+    "layout,ns_sharding,batch,expected",
     [
-        (jax.P(None, "fsdp", None), "as_is", {"all-gather": 15, "all-to-all": 0}),  # short side sharded
-        (jax.P(None, None, "fsdp"), "as_is", {"all-gather": 0, "all-reduce": 6}),  # long side: Gram all-reduce
-        (jax.P(None, "fsdp", None), "replicated", {"all-gather": 1, "all-to-all": 0}),
-        (jax.P(None, "fsdp", None), "owner", {"all-gather": 0, "all-to-all": 2}),
+        (jax.P(None, "fsdp", None), "as_is", 8, {"all-gather": 15, "all-to-all": 0}),  # short side sharded
+        (jax.P(None, None, "fsdp"), "as_is", 8, {"all-gather": 0, "all-reduce": 6}),  # long side: Gram all-reduce
+        (jax.P(None, "fsdp", None), "replicated", 8, {"all-gather": 1, "all-to-all": 0}),
+        (jax.P(None, "fsdp", None), "owner", 8, {"all-gather": 0, "all-to-all": 2}),
+        (jax.P(None, "fsdp", None), "auto", 8, {"all-gather": 0, "all-to-all": 2}),  # one matrix per device
+        (jax.P(None, "fsdp", None), "auto", 4, {"all-gather": 1, "all-to-all": 0}),  # 4 do not split 8 ways
+        (jax.P(None, "fsdp", None), "auto", 12, {"all-gather": 0, "all-to-all": 2}),  # 12 >= 8: padded to 16
     ],
 )
-def test_ns_sharding_communicates_as_documented(layout, ns_sharding, expected):
-    """The collectives of orthogonalize's docstring, counted in the compiled program (8 x (64, 96))."""
+def test_ns_sharding_communicates_as_documented(layout, ns_sharding, batch, expected):
+    """The collectives of orthogonalize's docstring, counted in the compiled program (batch x (64, 96))."""
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
     with jax.set_mesh(mesh):
         sharding = jax.NamedSharding(mesh, layout)
         fn = jax.jit(functools.partial(ns.orthogonalize, sharding=ns_sharding), out_shardings=sharding)
-        hlo = fn.lower(jax.ShapeDtypeStruct((8, 64, 96), jnp.float32, sharding=sharding)).compile().as_text()
+        hlo = fn.lower(jax.ShapeDtypeStruct((batch, 64, 96), jnp.float32, sharding=sharding)).compile().as_text()
     for op, count in expected.items():
         assert len(re.findall(rf" {op}(-start)?\(", hlo)) == count, op
+
+
+def test_auto_layout_gives_a_stack_the_mesh_axes_that_divide_it():
+    mesh = {"fsdp": 4, "tensor": 2}
+    assert [ns.dividing_axes(b, mesh) for b in (8, 4, 6, 3)] == [("fsdp", "tensor"), ("fsdp",), ("tensor",), ()]
 
 
 def test_momentum_dtype_and_update_dtype():

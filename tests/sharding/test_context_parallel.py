@@ -113,10 +113,8 @@ def test_mla_sends_the_latent_not_per_head_keys(mode):
     shard = SEQ_LEN // shards
     latent = shard * (cfg.kv_lora_rank + cfg.rope_head_dim) * 4
     per_head_kv = cfg.n_heads * (cfg.head_dim + cfg.rope_head_dim + cfg.value_head_dim) * shard * 4
-    if mode == "all_gather":  # one latent + RoPE key shard from each other device
-        assert sent == (shards - 1) * latent
-    else:  # C - 1 hops of a shard, plus the zig-zag relayout of q, the sources and the output
-        assert (shards - 1) * latent < sent < (shards - 1) * per_head_kv / 2
+    # A latent + RoPE key shard from each other device, plus the zig-zag relayout of q, the sources and the output.
+    assert (shards - 1) * latent < sent < (shards - 1) * per_head_kv / 2
 
 
 @pytest.mark.parametrize("shards", [2, 4, 8])
@@ -162,10 +160,11 @@ def test_ulysses_names_heads_that_do_not_split():
 
 
 @pytest.mark.devices(8)
-def test_ring_kernel_blocks_and_hand_written_backward_equal_the_reference():
-    """The ring's custom_vjp with the Triton kernel (interpret mode) against whole-sequence attention.
+@pytest.mark.parametrize("mode", ["ring", "all_gather"])
+def test_kernel_blocks_and_hand_written_backward_equal_the_reference(mode):
+    """Ring and all-gather hops with the Triton kernel (interpret mode) against whole-sequence attention.
 
-    (With XLA blocks the ring is `test_mode_equals_one_device`'s.)
+    (With XLA blocks they are `test_mode_equals_one_device`'s.)
     """
     rng = np.random.default_rng(3)
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
@@ -176,7 +175,7 @@ def test_ring_kernel_blocks_and_hand_written_backward_equal_the_reference():
         return reference.attention(q, k, v, segment_ids=seg, return_max_logits=True)
 
     def ring(q, k, v):
-        return context_attention.attend(q, k, v, mode="ring", implementation="pallas", track_max_logits=True, segment_ids=seg)
+        return context_attention.attend(q, k, v, mode=mode, implementation="pallas", track_max_logits=True, segment_ids=seg)
 
     (want, want_max), vjp = jax.vjp(expected, q, k, v)
     want_grads = vjp((d_out, jnp.zeros_like(want_max)))

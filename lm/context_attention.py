@@ -9,10 +9,11 @@ mode below is a `jax.shard_map` (`sharding.partition.logical_shard_map`) over th
 
       lse = log(exp(lse_a) + exp(lse_b)),   o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b
 
-  Inside the call the shards are re-laid out zig-zag by two ppermutes of half a shard each way
-  (`zigzag_pairs`; device ``i`` then holds chunks ``i`` and ``2C-1-i`` of ``2C``), so every hop from
-  another device costs each device half a block (`ring_schedule`): the causal work is equal on every
-  device. The hops and their hand-written backward (dK/dV travel back around the ring) are
+  The shards are in zig-zag layout (device ``i`` holds chunks ``i`` and ``2C-1-i`` of ``2C``), so
+  every hop from another device costs each device half a block (`ring_schedule`): the causal work is
+  equal on every device. The model permutes its sequence into that layout once at input
+  (`model_order`); called on a sequence in order, the call re-lays out its shards by two ppermutes
+  of half a shard each way (`zigzag_pairs`) and back. The hops and their hand-written backward (dK/dV travel back around the ring) are
   `lm.ring_attention`; each block is `kernels_pallas.attention.partial` (XLA, or the Pallas kernel
   returning its log-sum-exp).
 - ``all_gather``: each device keeps its queries and all-gathers the keys and values (and segment
@@ -201,6 +202,20 @@ def sequence_split() -> bool:
     return mesh.shape.get(CONTEXT_AXIS, 1) > 1 and CONTEXT_AXIS in partition.logical_mesh_axes("seq")
 
 
+def model_order(mode: str, seq_len: int) -> np.ndarray | None:
+    """The order the model lays its sequence out in under the mesh in context, or None for sequence order.
+
+    With the sequence split over ``context`` and ``mode`` ``ring`` or ``all_gather``: the zig-zag
+    layout (`zigzag_order`), permuted once where the batch enters the model (tokens, segment ids and
+    the positions RoPE reads), so no attention call re-lays out its shards. A token-mean loss permutes
+    its targets the same way and needs no inverse; per-token outputs are inverted (`lm.transformer`).
+    """
+    if mode == "ulysses" or not sequence_split():
+        return None
+    seq_axes = partition.logical_mesh_axes("seq")
+    return zigzag_order(seq_len, int(np.prod([jax.sharding.get_abstract_mesh().shape[a] for a in seq_axes])))
+
+
 def attend(
     q: jax.Array,
     k: jax.Array,
@@ -210,6 +225,7 @@ def attend(
     implementation: str = "xla",
     track_max_logits: bool = False,
     segment_ids: jax.Array | None = None,
+    zigzag: bool = False,
 ):
     """Causal attention (`reference.attention`'s contract) with the sequence split over the ``context`` axis.
 
@@ -222,6 +238,8 @@ def attend(
         (``pallas`` or ``xla``, `attention_api.block_implementation`).
       track_max_logits: also return the per-head maximum unmasked logit, ``(heads,)``.
       segment_ids: ``(batch, seq)`` int or None (packed documents).
+      zigzag: q, k, v, segment ids (and the output) are in the zig-zag layout already (`model_order`,
+        ring and all-gather only); else in sequence order, and those two modes re-lay them out here.
 
     Returns:
       ``(out, max_logits or None)``, out ``(batch, seq, heads, v_head_dim)`` in q's dtype.
@@ -229,7 +247,8 @@ def attend(
     reference.check_shapes(q, k, v, segment_ids)
     kv = Compressed((k, v), (_KV, _KV), (), (), lambda k, v: (k, v))
     return attend_compressed(
-        q, kv, mode=mode, implementation=implementation, track_max_logits=track_max_logits, segment_ids=segment_ids
+        q, kv, mode=mode, implementation=implementation, track_max_logits=track_max_logits, segment_ids=segment_ids,
+        zigzag=zigzag,
     )
 
 
@@ -241,6 +260,7 @@ def attend_compressed(
     implementation: str = "xla",
     track_max_logits: bool = False,
     segment_ids: jax.Array | None = None,
+    zigzag: bool = False,
 ):
     """`attend` with keys and values sent as ``kv.sources`` and expanded per shard (all-gather, ring).
 
@@ -248,6 +268,8 @@ def attend_compressed(
     """
     if mode not in MODES:
         raise ValueError(f"model.context_parallel={mode!r} must be one of {', '.join(MODES)}")
+    if zigzag and mode == "ulysses":
+        raise ValueError("context_parallel=ulysses attends over the sequence in order; zigzag=True is for ring and all_gather")
     seq_axes = partition.logical_mesh_axes("seq")
     shards = int(np.prod([jax.sharding.get_abstract_mesh().shape[a] for a in seq_axes]))
     if q.shape[1] % shards:
@@ -271,13 +293,13 @@ def attend_compressed(
             if max_logits is not None and batch_axes:
                 max_logits = jax.lax.pmax(max_logits, batch_axes)
             return (out, max_logits) if track_max_logits else out
-        q, *sources = (_to_zigzag(x, seq_axes, 1) for x in (q, *sources))
-        seg = None if seg is None else _to_zigzag(seg, seq_axes, 1)
+        relayout = (lambda x: x) if zigzag else (lambda x: None if x is None else _to_zigzag(x, seq_axes, 1))  # noqa: E731
+        q, seg, *sources = (relayout(x) for x in (q, seg, *sources))
         out, row_max = ring_attention.ring(
             q, tuple(sources), params, seg, axes=seq_axes, past=ring_schedule(shards)[:, :, 0, 0], expand=kv.expand,
             transport=mode, implementation=block, interpret=target == "cpu",
         )
-        out = _from_zigzag(out.astype(q.dtype), seq_axes, 1)
+        out = out.astype(q.dtype) if zigzag else _from_zigzag(out.astype(q.dtype), seq_axes, 1)
         row_max = jnp.max(row_max, axis=(0, 2))
         max_logits = jax.lax.pmax(jax.lax.stop_gradient(row_max), reduce_axes) if track_max_logits else None
         return (out, max_logits) if track_max_logits else out

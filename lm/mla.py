@@ -104,6 +104,8 @@ class MultiHeadLatentAttention(nnx.Module):
         q = checkpoint_name(constrain(jnp.concatenate([q_nope, q_rope], axis=-1), _HEADS), remat.ATTN_Q)
         if context_attention.sequence_split():
             up = tuple(w.kernel[...].astype(latent.dtype) for w in (self.k_up, self.v_up))
+            # K and V form per shard from these two (`_expand`): they carry the key and value names the remat policies keep.
+            latent, k_rope = checkpoint_name(latent, remat.ATTN_V), checkpoint_name(k_rope, remat.ATTN_K)
             compressed = context_attention.Compressed(
                 (latent, k_rope), (_SOURCE, _SOURCE), up, ((None, "heads"),) * 2, functools.partial(_expand, cfg.head_dim)
             )

@@ -33,7 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.attention import partial
+from jax.ad_checkpoint import checkpoint_name
+
+from kernels_pallas.attention import partial, reference
 
 
 def _halves(x, axis: int = 1):
@@ -228,6 +230,7 @@ def ring(
 
     def run_fwd(q, sources, params, seg, past):
         out, lse, row_max = forward(q, sources, params, seg, past)
+        out, lse = (checkpoint_name(x, reference.RESIDUAL_NAME) for x in (out, lse))  # what remat policies keep (`lm.remat`)
         return (out, row_max), (q, sources, params, seg, past, out, lse)
 
     def run_bwd(residuals, cotangents):

@@ -1,9 +1,14 @@
 """Context parallelism (`lm.context_attention`): each mode equals one device; the ring's causal work is balanced."""
 
+import contextlib
+import io
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 
 from experiments import bench_comm, run_spec
 from experiments.cli import UsageError
@@ -13,6 +18,7 @@ from lm import config as config_lib
 from lm import context_attention
 from lm import loss as loss_lib
 from lm import model as model_lib
+from lm import remat
 from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib
@@ -121,6 +127,37 @@ def test_mla_sends_the_latent_not_per_head_keys(mode):
     segment_ids = shard * 4 if mode == "ring" else 0
     assert (shards - 1) * latent <= sent <= (shards - 1) * (latent + segment_ids)
     assert sent < (shards - 1) * per_head_kv / 2
+
+
+def _saved_by_remat(mode: str, spec: str) -> tuple[list[str], int]:
+    """Under ``save_attention``: the names of the residuals one MLA layer keeps, and how many come out of a shard_map."""
+    cfg = config_lib.from_preset(
+        "tiny", context_parallel=mode, remat="save_attention", n_layers=1, scan_layers=False, document_separator=SEPARATOR, **MLA
+    )
+    model_def = model_lib.define(cfg)
+    tokens = np.zeros((2, 64), np.int32)
+
+    def loss(params):
+        return loss_lib.cross_entropy(model_lib.apply(model_def, params, tokens), tokens)[0]
+
+    mesh = mesh_lib.make_mesh(spec, jax.devices()[:1]) if spec == "data:1" else mesh_lib.make_mesh(spec)
+    printed = io.StringIO()
+    with jax.set_mesh(mesh), partition.use_rules(rules_lib.make_rules("fsdp")), contextlib.redirect_stdout(printed):
+        print_saved_residuals(loss, model_def.abstract_params)
+    saved = printed.getvalue().splitlines()
+    return sorted({re.search(r"named '(\w+)'", s)[1] for s in saved if "named '" in s}), sum("output of shard_map" in s for s in saved)
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("mode", context_attention.MODES)
+def test_remat_keeps_the_same_attention_values_under_a_context_split(mode):
+    """MLA's latent and RoPE key carry the key/value names, and the softmax statistics of the per-shard attention
+    are kept (they come out of the shard_map unnamed), so the backward never reruns attention's forward."""
+    one_device, _ = _saved_by_remat(mode, "data:1")
+    names, from_shard_map = _saved_by_remat(mode, "context:4,data:2")
+    assert names == [n for n in one_device if n != reference.RESIDUAL_NAME]
+    assert {remat.ATTN_Q, remat.ATTN_K, remat.ATTN_V, remat.ATTN_CONTEXT} <= set(names)
+    assert from_shard_map == 2  # the attention's output and log-sum-exp
 
 
 @pytest.mark.parametrize("shards", [2, 4, 8])

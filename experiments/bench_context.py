@@ -174,7 +174,8 @@ def _run_steps(config: ml_collections.ConfigDict, batches: np.ndarray) -> tuple[
     return losses, grads
 
 
-def exactness(modes: list[str], meshes: list[str], seq_len: int, steps: int, batch: int) -> list[dict[str, Any]]:
+def exactness(modes: list[str], meshes: list[str], seq_len: int, steps: int, batch: int, attention: str = "xla") -> list[dict[str, Any]]:
+    """The exactness rows; ``attention`` is ``model.attention`` on the context meshes (the reference runs XLA)."""
     vocab = run_spec.model_config(_config("data:1", "all_gather", seq_len, batch)).vocab_size
     batches = np.random.default_rng(0).integers(0, vocab, (steps, batch, seq_len + 1), dtype=np.int32)
     references, rows = {}, []
@@ -185,14 +186,16 @@ def exactness(modes: list[str], meshes: list[str], seq_len: int, steps: int, bat
         losses_1, grads_1 = references[key]
         for mesh in meshes:
             start = time.perf_counter()
-            losses, grads = _run_steps(_config(mesh, mode, seq_len, batch), batches)
+            config = _config(mesh, mode, seq_len, batch)
+            config.model.attention = attention
+            losses, grads = _run_steps(config, batches)
             loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, losses_1, strict=True))
             grad_error = max(
                 float(np.linalg.norm(g - g_1) / np.linalg.norm(g_1))
                 for g, g_1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_1), strict=True)
             )
             rows.append({
-                "mode": mode, "mesh": mesh, "seq_len": seq_len, "steps": steps, "losses": losses, "one_device_losses": losses_1,
+                "mode": mode, "attention": attention, "mesh": mesh, "seq_len": seq_len, "steps": steps, "losses": losses, "one_device_losses": losses_1,
                 "max_loss_rel_error": loss_error, "max_grad_rel_error": grad_error, "loss_ok": loss_error <= 1e-5,
                 "seconds": round(time.perf_counter() - start, 1),
             })
@@ -221,7 +224,7 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> None:
             "zig-zag half blocks": lambda r: str(r["zigzag_blocks"]), "contiguous half blocks": lambda r: str(r["contiguous_blocks"]),
         }))
     if "exact" in results:
-        print(timing.markdown_table(results["exact"], ["mode", "mesh", "seq_len", "steps"], {
+        print(timing.markdown_table(results["exact"], ["mode", "attention", "mesh", "seq_len", "steps"], {
             "max loss rel. error": lambda r: f"{r['max_loss_rel_error']:.1e}",
             "max grad rel. error (step 1)": lambda r: f"{r['max_grad_rel_error']:.1e}",
             "within 1e-5": lambda r: "yes" if r["loss_ok"] else "NO",
@@ -252,7 +255,7 @@ def main(argv: list[str]) -> None:
             results["balance"] = balance(f.context)
         if "exact" in sections:
             meshes = [m.strip() for m in f.exact_meshes.split(";") if m.strip()]
-            results["exact"] = exactness(modes, meshes, f.exact_seq_len, f.exact_steps, f.exact_batch)
+            results["exact"] = exactness(modes, meshes, f.exact_seq_len, f.exact_steps, f.exact_batch, f.exact_attention)
     except cli.UsageError as e:
         cli.usage_exit(str(e))
     print_tables(results)
@@ -271,6 +274,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("exact_seq_len", 2048, "Sequence length of the exactness check.")
     flags.DEFINE_integer("exact_steps", 5, "Train steps of the exactness check.")
     flags.DEFINE_integer("exact_batch", 2, "Global batch (sequences) of the exactness check.")
+    flags.DEFINE_string("exact_attention", "xla", "model.attention on the context meshes of the exactness check (pallas: interpret mode on CPU).")
     flags.DEFINE_integer("cpu_devices", 8, "Fake CPU devices (0: the real devices).")
     flags.DEFINE_string("json_out", "", "Write the results here as JSON.")
     cli.define_verbose_flag()

@@ -32,7 +32,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.ad_checkpoint import checkpoint_name
 
 from kernels_pallas.attention import partial, reference

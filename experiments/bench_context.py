@@ -1,9 +1,9 @@
 r"""Context parallelism measured: memory per device, bytes on the wire per layer, and exactness.
 
-    python -m experiments.bench_context --json_out=/tmp/context.json            # memory and bytes
+    python -m experiments.bench_context --json_out=/tmp/context.json            # memory, bytes, balance
     python -m experiments.bench_context --sections=exact --exact_seq_len=2048   # the issue's exactness check
 
-Three sections, each a Markdown table (and all of them in one JSON file):
+Four sections, each a Markdown table (and all of them in one JSON file):
 
 - ``memory``: per-device temporary bytes of the compiled train step of ``tiny`` (XLA's
   ``memory_analysis().temp_size_in_bytes``; arguments and outputs are the state and batch, not
@@ -16,9 +16,13 @@ Three sections, each a Markdown table (and all of them in one JSON file):
   algorithm bytes a device sends), next to the formula for the forward pass, with ``KV`` the bytes of
   one layer's whole-sequence K and V and ``A`` those of q, k, v and the output: ring ``(C-1)/C KV``
   (C-1 hops of one shard), all-gather the same once, Ulysses ``(C-1)/C A / C`` (four all-to-alls,
-  of q, k, v and the output, each of one shard). The ring's zig-zag relayout (two ppermutes of half a
-  shard for each of q, k, v and the output: ``A / C``) is its own column; the positions and segment
-  ids that travel with the keys come on top.
+  of q, k, v and the output, each of one shard). Ring and all-gather run on the sequence in the
+  model's zig-zag layout (permuted once at the model's input, `context_attention.model_order`); a
+  third count, of the forward on the sequence in order, adds the relayout every call would otherwise
+  pay (two ppermutes of half a shard for each of q, k, v and the output there and back: ``A / C``).
+  Segment ids that travel with the keys come on top.
+- ``balance``: the causal attention work of each device, zig-zag against contiguous chunks
+  (`balance`).
 - ``exact``: ``--exact_steps`` training steps of ``tiny`` at ``--exact_seq_len`` (random tokens,
   fixed seed) on each mesh of ``--exact_meshes`` for each mode, against one device: the largest
   relative loss difference over the steps and the largest relative gradient error (norm of the
@@ -50,7 +54,7 @@ from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib
 
-SECTIONS = ("memory", "bytes", "exact")
+SECTIONS = ("memory", "bytes", "balance", "exact")
 _ULYSSES_HEADS = {"n_heads": 8, "n_kv_heads": 8, "head_dim": 16}
 MiB = 2**20
 
@@ -99,13 +103,13 @@ def memory(modes: list[str], seq_lens: list[int], shards: int) -> list[dict[str,
     return rows
 
 
-def _attention_hlo(cfg, mode: str, spec: str, batch: int, seq_len: int, *, backward: bool) -> str:
+def _attention_hlo(cfg, mode: str, spec: str, batch: int, seq_len: int, *, backward: bool, zigzag: bool) -> str:
     mesh, rules = mesh_lib.make_mesh(spec), rules_lib.make_rules("fsdp")
     q = jax.ShapeDtypeStruct((batch, seq_len, cfg.n_heads, cfg.head_dim), cfg.compute_dtype)
     kv = jax.ShapeDtypeStruct((batch, seq_len, cfg.n_kv_heads, cfg.head_dim), cfg.compute_dtype)
 
     def layer(q, k, v):
-        return attention_lib.attend(q, k, v, context_parallel=mode)[0]
+        return attention_lib.attend(q, k, v, context_parallel=mode, zigzag=zigzag)[0]
 
     fn = (lambda q, k, v: jax.grad(lambda *a: jnp.sum(layer(*a)), argnums=(0, 1, 2))(q, k, v)) if backward else layer
     with jax.set_mesh(mesh), partition.use_rules(rules):
@@ -120,19 +124,34 @@ def wire_bytes(modes: list[str], seq_len: int, shards: int, batch: int) -> list[
         cfg = run_spec.model_config(_config(f"context:{shards}", mode, seq_len, batch))
         kv, act = context_attention.layer_bytes(cfg, batch, seq_len)
         formula = {"all_gather": (shards - 1) / shards * kv, "ring": (shards - 1) / shards * kv, "ulysses": (shards - 1) / shards * act / shards}
+        zigzag = mode != "ulysses"  # the model's layout (`context_attention.model_order`)
         measured = {}
-        for direction, backward in (("forward", False), ("forward_backward", True)):
-            found = bench_comm.collectives(_attention_hlo(cfg, mode, f"context:{shards}", batch, seq_len, backward=backward), shards)
+        for direction, backward, in_model_layout in (("forward", False, True), ("forward_backward", True, True), ("forward_in_order", False, False)):
+            hlo = _attention_hlo(cfg, mode, f"context:{shards}", batch, seq_len, backward=backward, zigzag=zigzag and in_model_layout)
+            found = bench_comm.collectives(hlo, shards)
             measured[direction] = {
                 "ring_bytes": sum(c.ring * c.count for c in found),
                 "ops": {kind: sum(c.count for c in found if c.kind == kind) for kind in {c.kind for c in found}},
             }
         rows.append({
             "mode": mode, "seq_len": seq_len, "batch": batch, "context": shards, "kv_bytes": kv, "activation_bytes": act,
-            "formula_forward_bytes": formula[mode], "relayout_bytes": act / shards if mode == "ring" else 0, **measured,
+            "formula_forward_bytes": formula[mode], "relayout_bytes": act / shards if zigzag else 0, **measured,
         })
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
+
+
+def balance(shards: int) -> list[dict[str, Any]]:
+    """Causal attention work per device, in ``(S/2C)^2`` query-key blocks, zig-zag against contiguous chunks.
+
+    Zig-zag (ring and all-gather, `context_attention.ring_schedule`): every device computes its
+    diagonal block (4 half blocks) and 2 half blocks per other device. Contiguous chunks with wholly
+    masked blocks skipped: device ``i`` computes ``i + 1`` blocks of ``S/C`` (4 half blocks each).
+    The forward's FLOPs are ``4 h d (S/2C)^2`` per half block (``QK^T`` and ``PV``); the step's time
+    follows the busiest device.
+    """
+    zigzag = context_attention.ring_schedule(shards).sum(axis=(1, 2, 3))
+    return [{"context": shards, "device": i, "zigzag_blocks": int(zigzag[i]), "contiguous_blocks": 4 * (i + 1)} for i in range(shards)]
 
 
 def _run_steps(config: ml_collections.ConfigDict, batches: np.ndarray) -> tuple[list[float], Any]:
@@ -155,7 +174,8 @@ def _run_steps(config: ml_collections.ConfigDict, batches: np.ndarray) -> tuple[
     return losses, grads
 
 
-def exactness(modes: list[str], meshes: list[str], seq_len: int, steps: int, batch: int) -> list[dict[str, Any]]:
+def exactness(modes: list[str], meshes: list[str], seq_len: int, steps: int, batch: int, attention: str = "xla") -> list[dict[str, Any]]:
+    """The exactness rows; ``attention`` is ``model.attention`` on the context meshes (the reference runs XLA)."""
     vocab = run_spec.model_config(_config("data:1", "all_gather", seq_len, batch)).vocab_size
     batches = np.random.default_rng(0).integers(0, vocab, (steps, batch, seq_len + 1), dtype=np.int32)
     references, rows = {}, []
@@ -166,14 +186,16 @@ def exactness(modes: list[str], meshes: list[str], seq_len: int, steps: int, bat
         losses_1, grads_1 = references[key]
         for mesh in meshes:
             start = time.perf_counter()
-            losses, grads = _run_steps(_config(mesh, mode, seq_len, batch), batches)
+            config = _config(mesh, mode, seq_len, batch)
+            config.model.attention = attention
+            losses, grads = _run_steps(config, batches)
             loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, losses_1, strict=True))
             grad_error = max(
                 float(np.linalg.norm(g - g_1) / np.linalg.norm(g_1))
                 for g, g_1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_1), strict=True)
             )
             rows.append({
-                "mode": mode, "mesh": mesh, "seq_len": seq_len, "steps": steps, "losses": losses, "one_device_losses": losses_1,
+                "mode": mode, "attention": attention, "mesh": mesh, "seq_len": seq_len, "steps": steps, "losses": losses, "one_device_losses": losses_1,
                 "max_loss_rel_error": loss_error, "max_grad_rel_error": grad_error, "loss_ok": loss_error <= 1e-5,
                 "seconds": round(time.perf_counter() - start, 1),
             })
@@ -190,14 +212,19 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> None:
         }))
     if "bytes" in results:
         print(timing.markdown_table(results["bytes"], ["mode", "seq_len", "context"], {
-            "formula fwd MiB": mib("formula_forward_bytes"), "+ zig-zag relayout MiB": mib("relayout_bytes"),
+            "formula fwd MiB": mib("formula_forward_bytes"), "zig-zag relayout MiB (A/C)": mib("relayout_bytes"),
+            "HLO fwd MiB, in order (relayout per call)": lambda r: f"{r['forward_in_order']['ring_bytes'] / MiB:,.2f}",
             "HLO fwd MiB": lambda r: f"{r['forward']['ring_bytes'] / MiB:,.2f}",
             "HLO fwd+bwd MiB": lambda r: f"{r['forward_backward']['ring_bytes'] / MiB:,.2f}",
             "fwd ops": lambda r: ", ".join(f"{k} x{v}" for k, v in sorted(r["forward"]["ops"].items())),
             "fwd+bwd ops": lambda r: ", ".join(f"{k} x{v}" for k, v in sorted(r["forward_backward"]["ops"].items())),
         }))
+    if "balance" in results:
+        print(timing.markdown_table(results["balance"], ["context", "device"], {
+            "zig-zag half blocks": lambda r: str(r["zigzag_blocks"]), "contiguous half blocks": lambda r: str(r["contiguous_blocks"]),
+        }))
     if "exact" in results:
-        print(timing.markdown_table(results["exact"], ["mode", "mesh", "seq_len", "steps"], {
+        print(timing.markdown_table(results["exact"], ["mode", "attention", "mesh", "seq_len", "steps"], {
             "max loss rel. error": lambda r: f"{r['max_loss_rel_error']:.1e}",
             "max grad rel. error (step 1)": lambda r: f"{r['max_grad_rel_error']:.1e}",
             "within 1e-5": lambda r: "yes" if r["loss_ok"] else "NO",
@@ -224,9 +251,11 @@ def main(argv: list[str]) -> None:
             results["memory"] = memory(modes, _ints(f.seq_lens), f.context)
         if "bytes" in sections:
             results["bytes"] = wire_bytes(modes, f.bytes_seq_len, f.context, f.bytes_batch)
+        if "balance" in sections:
+            results["balance"] = balance(f.context)
         if "exact" in sections:
             meshes = [m.strip() for m in f.exact_meshes.split(";") if m.strip()]
-            results["exact"] = exactness(modes, meshes, f.exact_seq_len, f.exact_steps, f.exact_batch)
+            results["exact"] = exactness(modes, meshes, f.exact_seq_len, f.exact_steps, f.exact_batch, f.exact_attention)
     except cli.UsageError as e:
         cli.usage_exit(str(e))
     print_tables(results)
@@ -235,7 +264,7 @@ def main(argv: list[str]) -> None:
 
 
 def define_flags() -> None:
-    flags.DEFINE_string("sections", "memory,bytes", f"Comma-separated sections: {', '.join(SECTIONS)}.")
+    flags.DEFINE_string("sections", "memory,bytes,balance", f"Comma-separated sections: {', '.join(SECTIONS)}.")
     flags.DEFINE_string("modes", ",".join(context_attention.MODES), "Comma-separated context-parallel modes.")
     flags.DEFINE_integer("context", 8, "Context shards for the memory and bytes sections (mesh context:C).")
     flags.DEFINE_string("seq_lens", "1024,2048,4096", "Sequence lengths of the memory section.")
@@ -245,6 +274,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("exact_seq_len", 2048, "Sequence length of the exactness check.")
     flags.DEFINE_integer("exact_steps", 5, "Train steps of the exactness check.")
     flags.DEFINE_integer("exact_batch", 2, "Global batch (sequences) of the exactness check.")
+    flags.DEFINE_string("exact_attention", "xla", "model.attention on the context meshes of the exactness check (pallas: interpret mode on CPU).")
     flags.DEFINE_integer("cpu_devices", 8, "Fake CPU devices (0: the real devices).")
     flags.DEFINE_string("json_out", "", "Write the results here as JSON.")
     cli.define_verbose_flag()

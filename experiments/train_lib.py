@@ -177,8 +177,9 @@ def make_train_step(
     total = (lambda x: jax.lax.psum(x, replica_axis)) if replica_axis else (lambda x: x)  # noqa: E731
 
     def loss_fn(params, tokens, prior_counts=None):
-        logits, aux = model_lib.apply(model_def, params, tokens[:, :-1], return_aux=True)
-        loss, metrics = cross_entropy(logits, tokens[:, 1:], z_loss=z_loss)
+        # A token mean: logits and targets both in the model's layout (zig-zag under context), no inverse.
+        logits, aux = model_lib.apply(model_def, params, tokens[:, :-1], return_aux=True, model_layout=True)
+        loss, metrics = cross_entropy(logits, model_lib.in_model_layout(model_def, tokens[:, 1:]), z_loss=z_loss)
         routed = {k: v for k, v in aux.items() if k in OPTIMIZER_AUX}
         if "moe" in aux:
             stats = aux["moe"]

@@ -62,6 +62,7 @@ def attend(
     track_max_logits: bool = False,
     segment_ids: jax.Array | None = None,
     context_parallel: str = "all_gather",
+    zigzag: bool = False,
 ):
     """Causal softmax attention, logits and softmax statistics in float32 (`attention_api.attention`).
 
@@ -73,6 +74,7 @@ def attend(
       segment_ids: ``(batch, seq)`` int or None; a query sees only keys of its own segment (document).
       context_parallel: with the sequence split over a ``context`` mesh axis, how keys and values
         reach the queries (`lm.context_attention`): ``all_gather``, ``ring`` or ``ulysses``.
+      zigzag: the sequence is in the zig-zag layout of `lm.context_attention.model_order`.
 
     Returns:
       ``(out, max_logits)``: out ``(batch, seq, n_heads, head_dim)`` in q's dtype; max_logits is
@@ -82,7 +84,7 @@ def attend(
     if context_attention.sequence_split():
         return context_attention.attend(
             q, k, v, mode=context_parallel, implementation=implementation, track_max_logits=track_max_logits,
-            segment_ids=segment_ids,
+            segment_ids=segment_ids, zigzag=zigzag,
         )
     return attention_api.attention(
         q,
@@ -121,9 +123,10 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return rotary_embedding(q, positions, cfg.rope_theta), rotary_embedding(k, positions, cfg.rope_theta), v
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None):
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, order: jax.typing.ArrayLike | None = None):
+        """``order``: the positions of ``x``'s rows when the model laid its sequence out zig-zag, else None."""
         cfg = self.cfg
-        q, k, v = self._qkv(x, jnp.arange(x.shape[1]))
+        q, k, v = self._qkv(x, jnp.arange(x.shape[1]) if order is None else jnp.asarray(order))
         q, k, v = checkpoint_name(q, remat.ATTN_Q), checkpoint_name(k, remat.ATTN_K), checkpoint_name(v, remat.ATTN_V)
         out, max_logits = attend(
             q,
@@ -133,6 +136,7 @@ class Attention(nnx.Module):
             track_max_logits=cfg.track_attn_logits,
             segment_ids=segment_ids,
             context_parallel=cfg.context_parallel,
+            zigzag=order is not None,
         )
         out = checkpoint_name(out, remat.ATTN_CONTEXT)
         b, s = x.shape[:2]

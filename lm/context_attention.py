@@ -4,36 +4,36 @@ The activation rules map logical ``seq`` onto ``context``, so each of the ``C`` 
 ``S / C`` positions of every activation. Attention needs keys and values of the whole sequence; each
 mode below is a `jax.shard_map` (`sharding.partition.logical_shard_map`) over the mesh that moves them:
 
-- ``all_gather``: each device keeps its queries and all-gathers keys, values (and their positions and
-  segment ids), then attends over the whole sequence.
 - ``ring``: keys and values travel ``C - 1`` hops around the ring (`jax.lax.ppermute`). Each hop gives
   a partial result ``(o_b, lse_b)`` over one key block, merged in float32 by the log-sum-exp rule::
 
       lse = log(exp(lse_a) + exp(lse_b)),   o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b
 
-  Inside the call the shards are re-laid out zig-zag by two ppermutes of half a shard each way
-  (`zigzag_pairs`; device ``i`` then holds chunks ``i`` and ``2C-1-i`` of ``2C``), so every hop from
-  another device costs each device half a block (`ring_schedule`): the causal work is equal on every
-  device. The hops and their hand-written backward (dK/dV travel back around the ring) are
+  The shards are in zig-zag layout (device ``i`` holds chunks ``i`` and ``2C-1-i`` of ``2C``), so
+  every hop from another device costs each device half a block (`ring_schedule`): the causal work is
+  equal on every device. The model permutes its sequence into that layout once at input
+  (`model_order`); called on a sequence in order, the call re-lays out its shards by two ppermutes
+  of half a shard each way (`zigzag_pairs`) and back. The hops and their hand-written backward (dK/dV travel back around the ring) are
   `lm.ring_attention`; each block is `kernels_pallas.attention.partial` (XLA, or the Pallas kernel
   returning its log-sum-exp).
+- ``all_gather``: each device keeps its queries and all-gathers the keys and values (and segment
+  ids) once, then runs the ring's hops on blocks sliced out of the gathered arrays: the same zig-zag
+  layout, schedule, kernels and backward (dK/dV go home by one reduce-scatter). Each block is square
+  with the causal mask by index, so no kernel needs a query offset into the gathered keys.
 - ``ulysses`` (DeepSpeed-Ulysses, arXiv:2309.14509): an all-to-all turns sequence-split q, k, v into
   head-split ones over the whole sequence, the attention op (`kernels_pallas.attention.api`, any
   implementation) runs per device, and a second all-to-all turns the output back. Needs the
   per-device head counts to divide by ``C``.
 
 Keys and values travel with their ``n_kv_heads`` (grouped-query attention is never repeated before the
-wire), or compressed (`Compressed`: MLA's latent and RoPE key, expanded per shard). Masks use global
-positions, and segment ids (packed documents) travel with the keys. All-gather runs the XLA math per
-shard (float32 logits and statistics): its queries sit at an offset into the gathered keys, which the
-kernels do not take.
+wire), or compressed (`Compressed`: MLA's latent and RoPE key, expanded per shard). Segment ids
+(packed documents) travel with the keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from collections.abc import Callable
 
 import jax
@@ -48,8 +48,6 @@ from lm.config import ModelConfig
 from sharding import partition
 
 CONTEXT_AXIS = "context"
-_log = logging.getLogger(__name__)
-_LOGGED: set[str] = set()
 MODES = ("all_gather", "ring", "ulysses")
 
 _Q = ("batch", "seq", "heads", "head_dim")
@@ -63,7 +61,7 @@ def check(cfg: ModelConfig, seq_len: int, shards: int, head_shards: int) -> None
     """
     if shards <= 1:
         return
-    chunks = 2 * shards if cfg.context_parallel == "ring" else shards
+    chunks = shards if cfg.context_parallel == "ulysses" else 2 * shards
     if seq_len % chunks:
         raise ValueError(
             f"context_parallel={cfg.context_parallel} splits data.seq_len={seq_len} into {chunks} chunks over {shards} "
@@ -103,7 +101,7 @@ def zigzag_order(seq_len: int, shards: int) -> np.ndarray:
     """Global positions in zig-zag layout: with ``2C`` equal chunks, shard ``i`` holds chunks ``i`` and ``2C-1-i``."""
     if seq_len % (2 * shards):
         raise ValueError(
-            f"context_parallel=ring lays the sequence out in 2 x {shards} chunks; seq_len={seq_len} must be a multiple of {2 * shards}"
+            f"the zig-zag layout (context_parallel=ring, all_gather) has 2 x {shards} chunks; seq_len={seq_len} must be a multiple of {2 * shards}"
         )
     chunks = np.arange(seq_len).reshape(2 * shards, -1)
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * shards - 1 - i]]) for i in range(shards)])
@@ -157,40 +155,9 @@ def _from_zigzag(x, axes, axis: int):
     return jnp.concatenate([back(jnp.where(even, first, second), slot_0), back(jnp.where(even, second, first), slot_1)], axis)
 
 
-def _block(q, k, v, q_pos, k_pos, q_seg, k_seg):
-    """Attention of ``q`` over one key block: ``(out, lse, row_max)``, out normalised, all float32.
-
-    out ``(batch, kv_heads, group, s, v_dim)``; lse and row_max ``(batch, kv_heads, group, s)``, -inf
-    for rows that see no key of the block.
-    """
-    b, s, h, d = q.shape
-    kv = k.shape[2]
-    grouped = q.reshape(b, s, kv, h // kv, d)
-    logits = jnp.einsum("bskgd,btkd->bkgst", grouped, k, preferred_element_type=jnp.float32) * d**-0.5
-    allowed = (k_pos[None, :] <= q_pos[:, None])[None]
-    if q_seg is not None:
-        allowed = allowed & (q_seg[:, :, None] == k_seg[:, None, :])
-    logits = jnp.where(allowed[:, None, None], logits, -jnp.inf)
-    row_max = jnp.max(logits, axis=-1)
-    shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-    weights = jnp.exp(logits - shift[..., None])
-    total = jnp.sum(weights, axis=-1)
-    seen = total > 0
-    safe_total = jnp.where(seen, total, 1.0)
-    lse = jnp.where(seen, shift + jnp.log(safe_total), -jnp.inf)
-    out = jnp.einsum("bkgst,btkd->bkgsd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out / safe_total[..., None], lse, row_max
-
-
 def _halves(x, axis: int):
     half = x.shape[axis] // 2
     return jax.lax.slice_in_dim(x, 0, half, axis=axis), jax.lax.slice_in_dim(x, half, None, axis=axis)
-
-
-def _all_gather(axes, q, kv, expand, pos, seg):
-    gather = lambda x, axis: jax.lax.all_gather(x, axes, axis=axis, tiled=True)  # noqa: E731
-    k_seg = None if seg is None else gather(seg, 1)
-    return _block(q, *expand(*(gather(x, 1) for x in kv)), pos, gather(pos, 0), seg, k_seg)
 
 
 def _ulysses(axes, q, k, v, seg, *, implementation: str, track_max_logits: bool):
@@ -229,16 +196,24 @@ class Compressed:
     expand: Callable[..., tuple[jax.Array, jax.Array]]
 
 
-def _log_once(message: str) -> None:
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        _log.warning(message)
-
-
 def sequence_split() -> bool:
     """Whether the mesh in context splits the sequence over a ``context`` axis of more than one device."""
     mesh = jax.sharding.get_abstract_mesh()
     return mesh.shape.get(CONTEXT_AXIS, 1) > 1 and CONTEXT_AXIS in partition.logical_mesh_axes("seq")
+
+
+def model_order(mode: str, seq_len: int) -> np.ndarray | None:
+    """The order the model lays its sequence out in under the mesh in context, or None for sequence order.
+
+    With the sequence split over ``context`` and ``mode`` ``ring`` or ``all_gather``: the zig-zag
+    layout (`zigzag_order`), permuted once where the batch enters the model (tokens, segment ids and
+    the positions RoPE reads), so no attention call re-lays out its shards. A token-mean loss permutes
+    its targets the same way and needs no inverse; per-token outputs are inverted (`lm.transformer`).
+    """
+    if mode == "ulysses" or not sequence_split():
+        return None
+    seq_axes = partition.logical_mesh_axes("seq")
+    return zigzag_order(seq_len, int(np.prod([jax.sharding.get_abstract_mesh().shape[a] for a in seq_axes])))
 
 
 def attend(
@@ -250,6 +225,7 @@ def attend(
     implementation: str = "xla",
     track_max_logits: bool = False,
     segment_ids: jax.Array | None = None,
+    zigzag: bool = False,
 ):
     """Causal attention (`reference.attention`'s contract) with the sequence split over the ``context`` axis.
 
@@ -258,11 +234,12 @@ def attend(
         positions ``0 .. seq-1`` (rotary embeddings already applied).
       mode: ``all_gather``, ``ring`` or ``ulysses``.
       implementation: ``model.attention`` per shard: Ulysses runs the attention op on whole sequences
-        (any implementation); the ring runs `kernels_pallas.attention.partial` blocks (``pallas`` or
-        ``xla``, `attention_api.block_implementation`); all-gather runs XLA (its queries sit at an
-        offset into the gathered keys, which the kernels do not take; logged once).
+        (any implementation); the ring and all-gather run `kernels_pallas.attention.partial` blocks
+        (``pallas`` or ``xla``, `attention_api.block_implementation`).
       track_max_logits: also return the per-head maximum unmasked logit, ``(heads,)``.
       segment_ids: ``(batch, seq)`` int or None (packed documents).
+      zigzag: q, k, v, segment ids (and the output) are in the zig-zag layout already (`model_order`,
+        ring and all-gather only); else in sequence order, and those two modes re-lay them out here.
 
     Returns:
       ``(out, max_logits or None)``, out ``(batch, seq, heads, v_head_dim)`` in q's dtype.
@@ -270,7 +247,8 @@ def attend(
     reference.check_shapes(q, k, v, segment_ids)
     kv = Compressed((k, v), (_KV, _KV), (), (), lambda k, v: (k, v))
     return attend_compressed(
-        q, kv, mode=mode, implementation=implementation, track_max_logits=track_max_logits, segment_ids=segment_ids
+        q, kv, mode=mode, implementation=implementation, track_max_logits=track_max_logits, segment_ids=segment_ids,
+        zigzag=zigzag,
     )
 
 
@@ -282,6 +260,7 @@ def attend_compressed(
     implementation: str = "xla",
     track_max_logits: bool = False,
     segment_ids: jax.Array | None = None,
+    zigzag: bool = False,
 ):
     """`attend` with keys and values sent as ``kv.sources`` and expanded per shard (all-gather, ring).
 
@@ -289,24 +268,21 @@ def attend_compressed(
     """
     if mode not in MODES:
         raise ValueError(f"model.context_parallel={mode!r} must be one of {', '.join(MODES)}")
+    if zigzag and mode == "ulysses":
+        raise ValueError("context_parallel=ulysses attends over the sequence in order; zigzag=True is for ring and all_gather")
     seq_axes = partition.logical_mesh_axes("seq")
     shards = int(np.prod([jax.sharding.get_abstract_mesh().shape[a] for a in seq_axes]))
     if q.shape[1] % shards:
         raise ValueError(f"seq_len={q.shape[1]} does not split over {shards} context shards; use a multiple of {shards}")
-    if mode == "ring" and q.shape[1] % (2 * shards):
-        raise ValueError(f"context_parallel=ring lays seq_len={q.shape[1]} out in 2 x {shards} chunks; use a multiple of {2 * shards}")
+    if mode != "ulysses" and q.shape[1] % (2 * shards):
+        raise ValueError(f"context_parallel={mode} lays seq_len={q.shape[1]} out in 2 x {shards} chunks; use a multiple of {2 * shards}")
     reduce_axes = (*partition.logical_mesh_axes("batch"), *seq_axes)
     n_sources, n_params = len(kv.sources), len(kv.params)
     target = backends.platform()
     block = attention_api.block_implementation(implementation, target, q.dtype)
-    if mode == "all_gather" and implementation not in ("auto", "xla"):
-        _log_once(
-            f"model.attention={implementation} with context_parallel=all_gather runs XLA per shard: the shard's queries sit "
-            "at an offset into the gathered keys, which the kernels do not take; context_parallel=ring runs the kernel"
-        )
 
     def per_shard(q, *rest):
-        sources, params, (pos, *seg) = rest[:n_sources], rest[n_sources : n_sources + n_params], rest[n_sources + n_params :]
+        sources, params, seg = rest[:n_sources], rest[n_sources : n_sources + n_params], rest[n_sources + n_params :]
         seg = seg[0] if seg else None
         expand = functools.partial(kv.expand, *params)
         if mode == "ulysses":
@@ -317,25 +293,19 @@ def attend_compressed(
             if max_logits is not None and batch_axes:
                 max_logits = jax.lax.pmax(max_logits, batch_axes)
             return (out, max_logits) if track_max_logits else out
-        if mode == "ring":
-            q, *sources = (_to_zigzag(x, seq_axes, 1) for x in (q, *sources))
-            seg = None if seg is None else _to_zigzag(seg, seq_axes, 1)
-            out, row_max = ring_attention.ring(
-                q, tuple(sources), params, seg, axes=seq_axes, past=ring_schedule(shards)[:, :, 0, 0], expand=kv.expand,
-                implementation=block, interpret=target == "cpu",
-            )
-            out = _from_zigzag(out.astype(q.dtype), seq_axes, 1)
-            row_max = jnp.max(row_max, axis=(0, 2))
-        else:
-            out, _, row_max = _all_gather(seq_axes, q, tuple(sources), expand, pos, seg)
-            b, kv_heads, group, s, dv = out.shape
-            out = out.transpose(0, 3, 1, 2, 4).reshape(b, s, kv_heads * group, dv).astype(q.dtype)
-            row_max = jnp.max(row_max, axis=(0, 3)).reshape(-1)
+        relayout = (lambda x: x) if zigzag else (lambda x: None if x is None else _to_zigzag(x, seq_axes, 1))  # noqa: E731
+        q, seg, *sources = (relayout(x) for x in (q, seg, *sources))
+        out, row_max = ring_attention.ring(
+            q, tuple(sources), params, seg, axes=seq_axes, past=ring_schedule(shards)[:, :, 0, 0], expand=kv.expand,
+            transport=mode, implementation=block, interpret=target == "cpu",
+        )
+        out = out.astype(q.dtype) if zigzag else _from_zigzag(out.astype(q.dtype), seq_axes, 1)
+        row_max = jnp.max(row_max, axis=(0, 2))
         max_logits = jax.lax.pmax(jax.lax.stop_gradient(row_max), reduce_axes) if track_max_logits else None
         return (out, max_logits) if track_max_logits else out
 
-    args = [q, *kv.sources, *kv.params, jnp.arange(q.shape[1], dtype=jnp.int32)]
-    specs = [_Q, *kv.source_logical, *kv.param_logical, ("seq",)]
+    args = [q, *kv.sources, *kv.params]
+    specs = [_Q, *kv.source_logical, *kv.param_logical]
     if segment_ids is not None:
         args, specs = [*args, segment_ids], [*specs, ("batch", "seq")]
     out_logical = (_Q, ("heads",)) if track_max_logits else _Q

@@ -90,26 +90,28 @@ class MultiHeadLatentAttention(nnx.Module):
         k_rope = rotary_embedding(self.k_rope_proj(x)[:, :, None, :], positions, self.cfg.rope_theta)[:, :, 0]
         return latent, k_rope
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None):
-        """``(out, max_logits)`` for ``x`` ``(batch, seq, d_model)``.
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, order: jax.typing.ArrayLike | None = None):
+        """``(out, max_logits)`` for ``x`` ``(batch, seq, d_model)``; ``order`` as `lm.attention.Attention`'s.
 
         Keys and values are materialised per head, except with the sequence split over a ``context``
         axis: then the latent and the RoPE key cross the wire and each shard expands them (`_expand`).
         """
         cfg = self.cfg
         b, s = x.shape[:2]
-        positions = jnp.arange(s)
+        positions = jnp.arange(s) if order is None else jnp.asarray(order)
         q_nope, q_rope = self._queries(x, positions)
         latent, k_rope = self._latent(x, positions)
         q = checkpoint_name(constrain(jnp.concatenate([q_nope, q_rope], axis=-1), _HEADS), remat.ATTN_Q)
         if context_attention.sequence_split():
             up = tuple(w.kernel[...].astype(latent.dtype) for w in (self.k_up, self.v_up))
+            # K and V form per shard from these two (`_expand`): they carry the key and value names the remat policies keep.
+            latent, k_rope = checkpoint_name(latent, remat.ATTN_V), checkpoint_name(k_rope, remat.ATTN_K)
             compressed = context_attention.Compressed(
                 (latent, k_rope), (_SOURCE, _SOURCE), up, ((None, "heads"),) * 2, functools.partial(_expand, cfg.head_dim)
             )
             out, max_logits = context_attention.attend_compressed(
                 q, compressed, mode=cfg.context_parallel, implementation=cfg.attention, track_max_logits=cfg.track_attn_logits,
-                segment_ids=segment_ids,
+                segment_ids=segment_ids, zigzag=order is not None,
             )
         else:
             k_nope = split_heads(self.k_up(latent), cfg.n_heads, _HEADS)

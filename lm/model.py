@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import jax
 from flax import nnx
 
-from lm import hf
+from lm import hf, transformer
 from lm.config import ModelConfig
 from lm.transformer import Transformer
 from sharding import partition
@@ -122,10 +122,15 @@ def from_hf(
     return model_def, hf.load_params(directory, model_def.config, model_def.abstract_params, shardings)
 
 
-def apply(model_def: ModelDef, params: Params, tokens: jax.Array, *, return_aux: bool = False):
+def apply(model_def: ModelDef, params: Params, tokens: jax.Array, *, return_aux: bool = False, model_layout: bool = False):
     """Runs the model with ``params`` on ``tokens`` ``(batch, seq)``; see `Transformer.__call__`."""
     model = nnx.merge(model_def.graphdef, params)
-    return model(tokens, return_aux=return_aux)
+    return model(tokens, return_aux=return_aux, model_layout=model_layout)
+
+
+def in_model_layout(model_def: ModelDef, x: jax.Array) -> jax.Array:
+    """``x`` ``(batch, seq, ...)`` in the sequence layout the model runs in: targets for ``apply(..., model_layout=True)``."""
+    return transformer.in_model_layout(model_def.config, x)
 
 
 def decode(model_def: ModelDef, params: Params, tokens: jax.Array, cache: Any, start: jax.Array):

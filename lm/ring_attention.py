@@ -19,6 +19,10 @@ turns its blocks' dK, dV into cotangents of the arriving sources (``expand``'s V
 to an accumulator that travels with them (dK/dV travel back around the ring, in source form: MLA's
 latent size). After hop ``C-1`` one more ppermute brings every accumulator home. dQ and the
 parameters' cotangents stay local (`jax.shard_map` sums the latter over devices).
+
+The same hops serve all-gather attention (``transport="all_gather"``): hop ``t``'s sources are sliced
+out of one all-gather instead of arriving by ppermute, and the sources' cotangents accumulate in a
+whole-sequence buffer that one reduce-scatter brings home.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
-from kernels_pallas.attention import partial
+from kernels_pallas.attention import partial, reference
 
 
 def _halves(x, axis: int = 1):
@@ -83,6 +88,82 @@ def _hop_backward(block_grads, q, k, v, q_seg, k_seg, out, lse, d_out, past: jax
     return jax.lax.cond(past, from_the_past, from_the_future)
 
 
+class _Ring:
+    """Hop ``t``'s sources arrive from the left neighbour; their gradients travel with them and come home."""
+
+    def __init__(self, axes):
+        shards = jax.lax.axis_size(axes)
+        self._axes, self._step = axes, [(i, (i + 1) % shards) for i in range(shards)]
+
+    def _send(self, tree):
+        return jax.tree.map(lambda x: jax.lax.ppermute(x, self._axes, self._step), tree)
+
+    def first(self, tree):
+        return self._send(tree)
+
+    def at(self, state, t):
+        return state
+
+    def next(self, state):
+        return self._send(state)
+
+    def grads_start(self, d_local):
+        return self._send(d_local)
+
+    def grads_add(self, acc, d_t, t):
+        return self._send(jax.tree.map(jnp.add, acc, d_t))  # after the hop's compute: it carries this hop's part
+
+    def grads_home(self, acc):
+        return acc
+
+
+class _Gathered:
+    """Every source is all-gathered once; hop ``t`` slices device ``(i - t) mod C``'s block out of it.
+
+    The gradients of the blocks accumulate in a whole-sequence buffer that one reduce-scatter brings
+    home (the transpose of the all-gather).
+    """
+
+    def __init__(self, axes):
+        self._axes, self._shards = axes, jax.lax.axis_size(axes)
+
+    def _index(self):
+        return jax.lax.axis_index(self._axes)  # traced where it is used: `ring`'s custom_vjp closes over no tracer
+
+    def _block(self, t):
+        return (self._index() - t) % self._shards
+
+    def first(self, tree):
+        return jax.tree.map(lambda x: jax.lax.all_gather(x, self._axes, axis=1, tiled=True), tree)
+
+    def at(self, state, t):
+        size = lambda x: x.shape[1] // self._shards  # noqa: E731
+        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, self._block(t) * size(x), size(x), axis=1), state)
+
+    def next(self, state):
+        return state
+
+    def _add(self, acc, d, block):
+        def one(a, x):
+            here = jax.lax.dynamic_slice_in_dim(a, block * x.shape[1], x.shape[1], axis=1)
+            return jax.lax.dynamic_update_slice_in_dim(a, here + x, block * x.shape[1], axis=1)
+
+        return jax.tree.map(one, acc, d)
+
+    def grads_start(self, d_local):
+        zeros = jax.tree.map(lambda x: jnp.zeros((x.shape[0], x.shape[1] * self._shards, *x.shape[2:]), x.dtype), d_local)
+        return self._add(zeros, d_local, self._index())
+
+    def grads_add(self, acc, d_t, t):
+        return self._add(acc, d_t, self._block(t))
+
+    def grads_home(self, acc):
+        return jax.tree.map(lambda x: jax.lax.psum_scatter(x, self._axes, scatter_dimension=1, tiled=True), acc)
+
+
+TRANSPORTS = {"ring": _Ring, "all_gather": _Gathered}
+
+
 def ring(
     q: jax.Array,
     sources: tuple[jax.Array, ...],
@@ -92,10 +173,11 @@ def ring(
     axes: tuple[str, ...],
     past: np.ndarray,
     expand: Callable[..., tuple[jax.Array, jax.Array]],
+    transport: str = "ring",
     implementation: str = "xla",
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Causal attention of this shard's queries over the whole ring: ``(out, row_max)``.
+    """Causal attention of this shard's queries over every shard's keys, hop by hop: ``(out, row_max)``.
 
     Args:
       q: ``(batch, S, heads, head_dim)``, this device's zig-zag shard (``S`` even).
@@ -106,6 +188,10 @@ def ring(
       past: ``(C, C)`` bool, ``[i, t]``: on hop ``t`` device ``i`` holds an earlier chunk pair
         (`lm.context_attention.ring_schedule`'s ``[:, :, 0, 0]``).
       expand: ``expand(*params, *sources) -> (k, v)``, per token.
+      transport: how hop ``t`` gets device ``(i - t) mod C``'s sources: ``ring`` (`jax.lax.ppermute`
+        from the left neighbour, gradients sent back around the ring) or ``all_gather`` (sliced out of
+        one all-gather, gradients home by one reduce-scatter; the backward gathers again rather than
+        keep the whole sequence's sources per layer).
       implementation: ``xla`` or ``pallas`` blocks (`kernels_pallas.attention.partial`).
       interpret: run the Pallas kernels in interpret mode (CPU).
 
@@ -114,8 +200,7 @@ def ring(
     """
     shards = jax.lax.axis_size(axes)
     past_here = jnp.asarray(past)[jax.lax.axis_index(axes)]  # an argument of `run`: custom_vjp closes over no tracer
-    step = [(i, (i + 1) % shards) for i in range(shards)]
-    send = lambda tree: jax.tree.map(lambda x: jax.lax.ppermute(x, axes, step), tree)  # noqa: E731
+    move = TRANSPORTS[transport](axes)
     options = {"implementation": implementation, "interpret": interpret}
     block = lambda causal: lambda q, k, v, qs, ks: partial.forward(q, k, v, qs, ks, causal=causal, **options)  # noqa: E731
     grads = lambda causal: lambda *a: partial.backward(*a, causal=causal, **options)  # noqa: E731
@@ -128,11 +213,13 @@ def ring(
         result = block(True)(q, k, v, seg, seg)
 
         def hop(t, carry):
-            result, (src_t, seg_t) = carry
-            upcoming = send((src_t, seg_t))  # independent of this hop's compute: the transfer can overlap it
+            result, state = carry
+            src_t, seg_t = move.at(state, t)
+            upcoming = move.next(state)  # independent of this hop's compute: a transfer can overlap it
             return partial.merge(result, _hop_forward(block(False), q, *keys(params, src_t), seg, seg_t, past[t])), upcoming
 
-        result, (src_t, seg_t) = jax.lax.fori_loop(1, shards - 1, hop, (result, send((sources, seg))))
+        result, state = jax.lax.fori_loop(1, shards - 1, hop, (result, move.first((sources, seg))))
+        src_t, seg_t = move.at(state, shards - 1)
         return partial.merge(result, _hop_forward(block(False), q, *keys(params, src_t), seg, seg_t, past[shards - 1]))
 
     @jax.custom_vjp
@@ -142,6 +229,7 @@ def ring(
 
     def run_fwd(q, sources, params, seg, past):
         out, lse, row_max = forward(q, sources, params, seg, past)
+        out, lse = (checkpoint_name(x, reference.RESIDUAL_NAME) for x in (out, lse))  # what remat policies keep (`lm.remat`)
         return (out, row_max), (q, sources, params, seg, past, out, lse)
 
     def run_bwd(residuals, cotangents):
@@ -158,22 +246,20 @@ def ring(
         d_params, d_src = source_grads(sources, dk, dv)
 
         def hop(t, carry, last: bool = False):
-            dq, d_params, (src_t, seg_t, d_src_t) = carry
-            upcoming = None if last else send((src_t, seg_t))
+            dq, d_params, state, d_acc = carry
+            src_t, seg_t = move.at(state, t)
+            upcoming = state if last else move.next(state)
             k_t, v_t = keys(params, src_t)
             dq_t, dk_t, dv_t = _hop_backward(grads(False), q, k_t, v_t, seg, seg_t, out, lse, d_out, past[t])
             dp_t, ds_t = source_grads(src_t, dk_t, dv_t)
-            d_src_t = send(jax.tree.map(jnp.add, d_src_t, ds_t))  # after the compute: it carries this hop's part
-            arrived = d_src_t if last else (*upcoming, d_src_t)
-            return dq + dq_t, jax.tree.map(jnp.add, d_params, dp_t), arrived
+            return dq + dq_t, jax.tree.map(jnp.add, d_params, dp_t), upcoming, move.grads_add(d_acc, ds_t, t)
 
-        carry = (dq, d_params, (*send((sources, seg)), send(d_src)))
+        carry = (dq, d_params, move.first((sources, seg)), move.grads_start(d_src))
         carry = jax.lax.fori_loop(1, shards - 1, hop, carry)
-        dq, d_params, d_src = hop(shards - 1, carry, last=True)
+        dq, d_params, _, d_acc = hop(shards - 1, carry, last=True)
         cast = lambda grads, like: jax.tree.map(lambda g, x: g.astype(x.dtype), grads, like)  # noqa: E731
-        return dq.astype(q.dtype), cast(d_src, sources), cast(d_params, params), None, None
+        return dq.astype(q.dtype), cast(move.grads_home(d_acc), sources), cast(d_params, params), None, None
 
     run.defvjp(run_fwd, run_bwd)
     out, row_max = run(q, tuple(sources), tuple(params), segment_ids, past_here)
     return out, jax.lax.stop_gradient(row_max)
-

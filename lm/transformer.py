@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from lm import kv_cache, pipeline
+from lm import context_attention, kv_cache, pipeline
 from lm import remat as remat_lib
 from lm.attention import Attention
 from lm.config import ModelConfig
@@ -39,9 +40,13 @@ class Block(nnx.Module):
         else:
             self.mlp = SwiGLU(cfg.d_model, cfg.mlp_dim, out_scale=(2 * cfg.n_layers) ** -0.5, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None):
-        """``x -> (x', (attention max logits or None, MoE statistics or None))``; tokens attend within their segment."""
-        attn_out, max_logits = self.attn(self.attn_norm(x), segment_ids)
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, order: np.ndarray | None = None):
+        """``x -> (x', (attention max logits or None, MoE statistics or None))``; tokens attend within their segment.
+
+        ``order``: the positions of ``x``'s rows when the sequence is in the zig-zag layout
+        (`lm.context_attention.model_order`), else None (in order).
+        """
+        attn_out, max_logits = self.attn(self.attn_norm(x), segment_ids, order)
         x = constrain(x + attn_out, ACTIVATION)
         mlp_out = self.mlp(self.mlp_norm(x))
         mlp_out, moe_stats = mlp_out if isinstance(self.mlp, MoE) else (mlp_out, None)
@@ -56,9 +61,9 @@ class Block(nnx.Module):
         return x + (mlp_out[0] if isinstance(self.mlp, MoE) else mlp_out), cache
 
 
-def _block_fn(cfg: ModelConfig, segment_ids: jax.Array | None):
-    """``(block, x) -> block(x, segment_ids)`` under the config's remat policy (`lm/remat.py`)."""
-    call = lambda blk, h: blk(h, segment_ids)  # noqa: E731
+def _block_fn(cfg: ModelConfig, segment_ids: jax.Array | None, order: np.ndarray | None = None):
+    """``(block, x) -> block(x, segment_ids, order)`` under the config's remat policy (`lm/remat.py`)."""
+    call = lambda blk, h: blk(h, segment_ids, order)  # noqa: E731
     if cfg.remat == "none":
         return call
     # A scan body is not merged with its neighbours, so CSE cannot undo the remat there; unrolled
@@ -71,10 +76,16 @@ def document_segments(cfg: ModelConfig, tokens: jax.Array) -> jax.Array | None:
     return None if cfg.document_separator is None else jnp.cumsum(tokens == cfg.document_separator, axis=1)
 
 
-def scan_blocks(cfg: ModelConfig, blocks: Block, x: jax.Array, segment_ids: jax.Array | None):
+def in_model_layout(cfg: ModelConfig, x: jax.Array | None) -> jax.Array | None:
+    """``x`` ``(batch, seq, ...)`` permuted along ``seq`` into the model's layout (`lm.context_attention.model_order`)."""
+    order = None if x is None else context_attention.model_order(cfg.context_parallel, x.shape[1])
+    return x if order is None else constrain(x[:, order], ("batch", "seq", *(None,) * (x.ndim - 2)))
+
+
+def scan_blocks(cfg: ModelConfig, blocks: Block, x: jax.Array, segment_ids: jax.Array | None, order: np.ndarray | None = None):
     """The stacked ``blocks`` (leading ``layers`` axis) scanned over ``x``: ``(x', per-layer aux)``."""
     scan = nnx.scan(
-        _block_fn(cfg, segment_ids),
+        _block_fn(cfg, segment_ids, order),
         in_axes=(0, nnx.Carry),
         out_axes=(nnx.Carry, 0),
         unroll=cfg.scan_unroll,
@@ -109,24 +120,31 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array, *, return_aux: bool = False):
+    def __call__(self, tokens: jax.Array, *, return_aux: bool = False, model_layout: bool = False):
         """Logits ``(batch, seq, vocab)`` for ``tokens`` ``(batch, seq)``.
+
+        Under a ``context`` split with ring or all-gather attention the sequence runs in zig-zag
+        layout (`lm.context_attention.model_order`): tokens and segment ids are permuted once here and
+        RoPE reads the permuted positions. The logits are inverted to sequence order unless
+        ``model_layout`` (for a token-mean loss, whose targets `in_model_layout` permutes alike).
 
         With ``return_aux`` returns ``(logits, aux)``; ``aux["attn_max_logits"]`` is
         ``(n_layers, n_heads)`` when ``track_attn_logits`` is on; ``aux["moe"]`` holds the MoE
         layers' statistics stacked over those layers (`lm.moe.balancing_losses`) in an MoE model.
         """
         cfg = self.cfg
+        segment_ids = document_segments(cfg, tokens)  # from the tokens in order
+        order = context_attention.model_order(cfg.context_parallel, tokens.shape[1])
+        tokens, segment_ids = in_model_layout(cfg, tokens), in_model_layout(cfg, segment_ids)
         x = constrain(self.embed(tokens), ACTIVATION)
-        segment_ids = document_segments(cfg, tokens)
         if cfg.scan_layers and pipeline.stage_count() > 1:
-            run_group = lambda blocks, h, seg: scan_blocks(cfg, blocks, h, seg)[0]  # noqa: E731
+            run_group = lambda blocks, h, seg: scan_blocks(cfg, blocks, h, seg, order)[0]  # noqa: E731
             x = pipeline.run_stack(self.blocks, x, segment_ids, run_group, aux=pipeline.uncarried_aux(cfg))
             max_logits = moe_stats = None
         elif cfg.scan_layers:
-            x, (max_logits, moe_stats) = scan_blocks(cfg, self.blocks, x, segment_ids)
+            x, (max_logits, moe_stats) = scan_blocks(cfg, self.blocks, x, segment_ids, order)
         else:
-            run_block = _block_fn(cfg, segment_ids)
+            run_block = _block_fn(cfg, segment_ids, order)
             per_layer = []
             for block in self.blocks:
                 x, layer_aux = run_block(block, x)
@@ -135,6 +153,8 @@ class Transformer(nnx.Module):
             moe_layers = [stats for _, stats in per_layer if stats is not None]
             moe_stats = jax.tree.map(lambda *xs: jnp.stack(xs), *moe_layers) if moe_layers else None
         logits = self._logits(x)
+        if order is not None and not model_layout:
+            logits = constrain(logits[:, np.argsort(order)], ("batch", "seq", "vocab"))
         if not return_aux:
             return logits
         aux = {"attn_max_logits": max_logits} if cfg.track_attn_logits else {}

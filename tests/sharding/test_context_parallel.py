@@ -1,16 +1,21 @@
 """Context parallelism (`lm.context_attention`): each mode equals one device; the ring's causal work is balanced."""
 
+import contextlib
+import io
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 
 from experiments import bench_comm, run_spec
 from experiments.cli import UsageError
 from experiments.configs import default
 from kernels_pallas.attention import reference
 from lm import config as config_lib
-from lm import context_attention
+from lm import context_attention, remat
 from lm import loss as loss_lib
 from lm import model as model_lib
 from sharding import mesh as mesh_lib
@@ -42,16 +47,18 @@ def _tokens(model_def):
     return tokens
 
 
-def _loss(params, model_def, tokens):
-    logits, aux = model_lib.apply(model_def, params, tokens[:, :-1], return_aux=True)
-    return loss_lib.cross_entropy(logits, tokens[:, 1:])[0], aux["attn_max_logits"]
+def _loss(params, model_def, tokens, model_layout: bool):
+    """The token mean of the train step (logits and targets in the model's layout), or of logits in order."""
+    logits, aux = model_lib.apply(model_def, params, tokens[:, :-1], return_aux=True, model_layout=model_layout)
+    targets = model_lib.in_model_layout(model_def, tokens[:, 1:]) if model_layout else tokens[:, 1:]
+    return loss_lib.cross_entropy(logits, targets)[0], aux["attn_max_logits"]
 
 
-def loss_and_grads(model_def, spec=None, rules_name="fsdp"):
+def loss_and_grads(model_def, spec=None, rules_name="fsdp", model_layout=True):
     """``(loss, grads, attention max logits)`` of one batch: on one device, or on mesh ``spec`` under ``rules_name``."""
     params = model_lib.init_params(model_def, 0)
     tokens = _tokens(model_def)
-    step = jax.jit(jax.value_and_grad(lambda p, t: _loss(p, model_def, t), has_aux=True))
+    step = jax.jit(jax.value_and_grad(lambda p, t: _loss(p, model_def, t, model_layout), has_aux=True))
     if spec is None:
         with jax.set_mesh(mesh_lib.make_mesh("data:1", jax.devices()[:1])):
             params = jax.device_put(params, jax.devices()[0])
@@ -94,7 +101,8 @@ def one_device_mla():
 @pytest.mark.devices(8)
 @pytest.mark.parametrize("mode, spec, rules_name", [("all_gather", *MESHES[1]), ("ring", *MESHES[0])])
 def test_mla_equals_one_device(one_device_mla, mode, spec, rules_name):
-    _assert_same(loss_and_grads(_model(mode, **MLA), spec, rules_name), one_device_mla)
+    """(Through the logits inverted to sequence order, as evaluation and sampling read them.)"""
+    _assert_same(loss_and_grads(_model(mode, **MLA), spec, rules_name, model_layout=False), one_device_mla)
 
 
 @pytest.mark.devices(8)
@@ -113,10 +121,42 @@ def test_mla_sends_the_latent_not_per_head_keys(mode):
     shard = SEQ_LEN // shards
     latent = shard * (cfg.kv_lora_rank + cfg.rope_head_dim) * 4
     per_head_kv = cfg.n_heads * (cfg.head_dim + cfg.rope_head_dim + cfg.value_head_dim) * shard * 4
-    if mode == "all_gather":  # one latent + RoPE key shard from each other device
-        assert sent == (shards - 1) * latent
-    else:  # C - 1 hops of a shard, plus the zig-zag relayout of q, the sources and the output
-        assert (shards - 1) * latent < sent < (shards - 1) * per_head_kv / 2
+    # One latent + RoPE key shard from each other device (all-gathered, or C - 1 ring hops, where the segment ids
+    # travel with them), and nothing else: the sequence is zig-zag from the model's input on, no call re-lays it out.
+    segment_ids = shard * 4 if mode == "ring" else 0
+    assert (shards - 1) * latent <= sent <= (shards - 1) * (latent + segment_ids)
+    assert sent < (shards - 1) * per_head_kv / 2
+
+
+def _saved_by_remat(mode: str, spec: str) -> tuple[list[str], int]:
+    """Under ``save_attention``: the names of the residuals one MLA layer keeps, and how many come out of a shard_map."""
+    cfg = config_lib.from_preset(
+        "tiny", context_parallel=mode, remat="save_attention", n_layers=1, scan_layers=False, document_separator=SEPARATOR, **MLA
+    )
+    model_def = model_lib.define(cfg)
+    tokens = np.zeros((2, 64), np.int32)
+
+    def loss(params):
+        return loss_lib.cross_entropy(model_lib.apply(model_def, params, tokens), tokens)[0]
+
+    mesh = mesh_lib.make_mesh(spec, jax.devices()[:1]) if spec == "data:1" else mesh_lib.make_mesh(spec)
+    printed = io.StringIO()
+    with jax.set_mesh(mesh), partition.use_rules(rules_lib.make_rules("fsdp")), contextlib.redirect_stdout(printed):
+        print_saved_residuals(loss, model_def.abstract_params)
+    saved = printed.getvalue().splitlines()
+    return sorted({re.search(r"named '(\w+)'", s)[1] for s in saved if "named '" in s}), sum("output of shard_map" in s for s in saved)
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("mode", context_attention.MODES)
+def test_remat_keeps_the_same_attention_values_under_a_context_split(mode):
+    """MLA's latent and RoPE key carry the key/value names, and the softmax statistics of the per-shard attention
+    are kept (they come out of the shard_map unnamed), so the backward never reruns attention's forward."""
+    one_device, _ = _saved_by_remat(mode, "data:1")
+    names, from_shard_map = _saved_by_remat(mode, "context:4,data:2")
+    assert names == [n for n in one_device if n != reference.RESIDUAL_NAME]
+    assert {remat.ATTN_Q, remat.ATTN_K, remat.ATTN_V, remat.ATTN_CONTEXT} <= set(names)
+    assert from_shard_map == 2  # the attention's output and log-sum-exp
 
 
 @pytest.mark.parametrize("shards", [2, 4, 8])
@@ -162,25 +202,27 @@ def test_ulysses_names_heads_that_do_not_split():
 
 
 @pytest.mark.devices(8)
-def test_ring_kernel_blocks_and_hand_written_backward_equal_the_reference():
-    """The ring's custom_vjp with the Triton kernel (interpret mode) against whole-sequence attention.
+@pytest.mark.parametrize("mode", ["ring", "all_gather"])
+def test_kernel_blocks_and_hand_written_backward_equal_the_reference(mode):
+    """Ring and all-gather hops with the Triton kernel (interpret mode) against whole-sequence attention.
 
-    (With XLA blocks the ring is `test_mode_equals_one_device`'s.)
+    (With XLA blocks they are `test_mode_equals_one_device`'s.)
     """
     rng = np.random.default_rng(3)
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
-    q, k, v, d_out = normal(2, 64, 4, 16), normal(2, 64, 2, 16), normal(2, 64, 2, 16), normal(2, 64, 4, 16)
-    seg = jnp.asarray(np.sort(rng.integers(0, 4, (2, 64)), axis=1), jnp.int32)
+    q, k, v, d_out = normal(2, 32, 2, 16), normal(2, 32, 1, 16), normal(2, 32, 1, 16), normal(2, 32, 2, 16)
+    seg = jnp.asarray(np.sort(rng.integers(0, 3, (2, 32)), axis=1), jnp.int32)
 
     def expected(q, k, v):
         return reference.attention(q, k, v, segment_ids=seg, return_max_logits=True)
 
     def ring(q, k, v):
-        return context_attention.attend(q, k, v, mode="ring", implementation="pallas", track_max_logits=True, segment_ids=seg)
+        return context_attention.attend(q, k, v, mode=mode, implementation="pallas", track_max_logits=True, segment_ids=seg)
 
     (want, want_max), vjp = jax.vjp(expected, q, k, v)
     want_grads = vjp((d_out, jnp.zeros_like(want_max)))
     with jax.set_mesh(mesh_lib.make_mesh("context:4,data:2")), partition.use_rules(rules_lib.make_rules("fsdp")):
+        assert "pallas_call" in str(jax.make_jaxpr(ring)(q, k, v))  # the kernel runs, no XLA fallback
         (got, got_max), vjp = jax.vjp(jax.jit(ring), q, k, v)
         got_grads = vjp((d_out, jnp.zeros_like(got_max)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

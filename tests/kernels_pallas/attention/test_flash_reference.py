@@ -56,6 +56,28 @@ def test_blockwise_max_logits_equal_the_full_ones(causal, segments):
     np.testing.assert_allclose(blockwise, full, rtol=1e-6)
 
 
+@pytest.mark.parametrize("blocks, segments", [(4, True)])
+def test_causal_query_blocks_change_nothing(monkeypatch, blocks, segments):
+    """Query blocks that skip the keys above the diagonal: output, max logits and gradients as one block's."""
+    q, k, v = (jnp.float32(x) for x in _inputs(5, 2, 64, 4, 2, 8, 8))
+    segment_ids = jnp.int32(np.sort(np.random.default_rng(2).integers(0, 3, (2, 64)), axis=1)) if segments else None
+    weights = jnp.float32(np.random.default_rng(3).standard_normal((2, 64, 4, 8)))
+
+    def loss(q, k, v):
+        out, max_logits = reference.attention(q, k, v, segment_ids=segment_ids, return_max_logits=True)
+        return jnp.sum(out * weights), (out, max_logits)
+
+    def run(n):
+        monkeypatch.setattr(reference, "causal_blocks", lambda t: n)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+    blocked = run(blocks)
+    for got, want in zip(jax.tree.leaves(blocked), jax.tree.leaves(run(1)), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    want_out, _ = numpy_attention(q, k, v, causal=True, sm_scale=8**-0.5, segment_ids=segment_ids)
+    np.testing.assert_allclose(blocked[1][0], want_out, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "shapes, message",
     [

@@ -18,33 +18,37 @@ def _bench(tmp_path, *flags):
 
 
 def test_tiny_tree_end_to_end_with_amortised_refresh_rows(tmp_path):
-    result, data = _bench(tmp_path, "--optimizers=adamw,sgd,lion,soap,soap_refresh", "--trees=tiny", "--repeats=2")
+    optimizers = "--optimizers=adamw,sgd,lion,soap,soap_refresh,shampoo,shampoo_refresh"
+    result, data = _bench(tmp_path, optimizers, "--trees=tiny", "--repeats=2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert data["mode"] == "update"
     rows = data["trees"]["tiny"]
-    assert list(rows) == ["adamw", "sgd", "lion", "soap", "soap_refresh", "soap@10", "soap@100"]
+    assert list(rows) == ["adamw", "sgd", "lion", "soap", "soap_refresh", "shampoo", "shampoo_refresh", "shampoo@10", "shampoo@100", "soap@10", "soap@100"]
     assert rows["adamw"]["vs_adamw"] == 1.0 and rows["sgd"]["ms"] > 0
     # AdamW keeps two fp32 moments per parameter, SGD (momentum) and Lion one.
     assert rows["adamw"]["state_bytes_per_param"] == pytest.approx(8.0, abs=1e-3)
     assert rows["sgd"]["state_bytes_per_param"] == pytest.approx(4.0, abs=1e-3)
     assert rows["lion"]["state_bytes_per_param"] == pytest.approx(4.0, abs=1e-3)
     assert "B/param" in result.stdout
-    for k in (10, 100):  # a refresh every k steps, amortised
-        want = ((k - 1) * rows["soap"]["ms"] + rows["soap_refresh"]["ms"]) / k
-        assert rows[f"soap@{k}"]["ms"] == pytest.approx(want)
-        assert rows[f"soap@{k}"]["vs_adamw"] == pytest.approx(want / rows["adamw"]["ms"])
+    # Shampoo's blocked statistics and grafting state: well above AdamW's 8 bytes.
+    assert rows["shampoo"]["state_bytes_per_param"] == rows["shampoo@10"]["state_bytes_per_param"] > 8
+    for name in ("soap", "shampoo"):
+        for k in (10, 100):  # a refresh every k steps, amortised
+            want = ((k - 1) * rows[name]["ms"] + rows[f"{name}_refresh"]["ms"]) / k
+            assert rows[f"{name}@{k}"]["ms"] == pytest.approx(want)
+            assert rows[f"{name}@{k}"]["vs_adamw"] == pytest.approx(want / rows["adamw"]["ms"])
 
 
 def test_whole_training_steps(tmp_path):
-    flags = ["--optimizers=shampoo,shampoo_refresh", "--trees=tiny", "--train_batch=4x16", "--repeats=1"]
+    flags = ["--optimizers=adamw,lion", "--trees=tiny", "--train_batch=4x16", "--repeats=1"]
     result, data = _bench(tmp_path, *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     assert data["mode"] == "train step 4x16"
     rows = data["trees"]["tiny"]
-    assert set(rows) == {"shampoo", "shampoo_refresh", "shampoo@10", "shampoo@100"}
-    assert all(r["ms"] > 0 and r["vs_adamw"] is None for r in rows.values())
-    # The model's own parameters: Shampoo's blocked statistics and grafting state, well above AdamW's 8 bytes.
-    assert rows["shampoo"]["state_bytes_per_param"] == rows["shampoo@10"]["state_bytes_per_param"] > 8
+    assert list(rows) == ["adamw", "lion"] and all(r["ms"] > 0 for r in rows.values())
+    assert rows["adamw"]["vs_adamw"] == 1.0
+    # The model's own parameters: Lion keeps one fp32 moment per parameter.
+    assert rows["lion"]["state_bytes_per_param"] == pytest.approx(4.0, abs=1e-3)
     assert "whole training step, batch 4x16" in result.stdout
 
 

@@ -141,7 +141,7 @@ class CondaDirection:
 class Conda(CondaDirection, common.MatrixOptimizer):
     """Conda on hidden matrices, AdamW elsewhere (module docstring); AdamW group: `optim.common.AdamGroup`."""
 
-    learning_rate: optax.ScalarOrSchedule = 3e-3  # AdamW's default (an Adam-sized update); unswept for Conda
+    learning_rate: optax.ScalarOrSchedule = 3e-3  # best of 1.5e-3, 3e-3, 6e-3: docs/benchmarks.md section 1b
     weight_decay: float = 0.1
 
 

@@ -348,7 +348,7 @@ class PsgdKron(PsgdKronDirection, common.DirectionOptimizer):
 
     ``chain(scale_by_psgd_kron(...), add_decayed_weights(weight_decay, decay_mask),
     scale_by_learning_rate(learning_rate))``. No weight decay by default (pytorch-optimizer ``Kron``'s);
-    the learning rate is the better of 1e-3 (the reference's) and 3e-3 on the default job
+    the learning rate is the best of 1e-3 (the reference's), 3e-3 and 1e-2 on the default job
     (docs/benchmarks.md, "Default learning rates"). Hyperparameters: `PsgdKronDirection`.
     """
 

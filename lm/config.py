@@ -34,7 +34,7 @@ class ModelConfig:
     qk_norm: bool = False
     dtype: str = "float32"  # compute dtype; parameters are always float32
     scan_layers: bool = True  # one compiled block, scanned over depth
-    scan_unroll: int = 1  # blocks per scan iteration (XLA sees this many consecutive layers at once)
+    scan_unroll: int = 0  # blocks per scan iteration; 0: auto, every block on XLA:CPU without remat, else 1 (lm.transformer.layers_per_iteration)
     remat: str = "none"  # what the backward pass recomputes, a policy in lm/remat.py (true: "full")
     track_attn_logits: bool = False  # report per-layer, per-head max pre-softmax logits
     attention: str = "auto"  # auto | xla | cudnn | pallas (lm/attention.py)
@@ -72,8 +72,8 @@ class ModelConfig:
             )
         if self.document_separator is not None and not 0 <= self.document_separator < self.vocab_size:
             problems.append(f"the document separator id {self.document_separator} lies outside model.vocab_size={self.vocab_size}")
-        if self.scan_unroll < 1:
-            problems.append(f"model.scan_unroll={self.scan_unroll} must be >= 1")
+        if self.scan_unroll < 0:
+            problems.append(f"model.scan_unroll={self.scan_unroll} must be >= 1, or 0 for auto")
         if self.head_dim % 2:
             problems.append(f"model.head_dim={self.head_dim} must be even for rotary embeddings")
         if self.dtype not in ("float32", "bfloat16"):

@@ -8,6 +8,7 @@ import pytest
 from lm import config as config_lib
 from lm import model as model_lib
 from lm import remat as remat_lib
+from lm import transformer
 from lm.attention import attend
 from lm.layers import rotary_embedding
 from lm.loss import cross_entropy, flops_per_token
@@ -80,7 +81,7 @@ def test_large_presets_compile_abstractly(preset):
 
 def test_scan_program_size_does_not_grow_with_depth():
     def hlo_ops(n_layers):
-        model_def = model_lib.define(config_lib.from_preset("tiny", n_layers=n_layers))
+        model_def = model_lib.define(config_lib.from_preset("tiny", n_layers=n_layers, scan_unroll=1))
         tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
         text = jax.jit(lambda p, t: model_lib.apply(model_def, p, t)).lower(model_def.abstract_params, tokens).as_text()
         return text.count("\n")
@@ -99,8 +100,9 @@ def _loss_and_grads(cfg, params, tokens):
 
 @pytest.fixture(scope="module")
 def scanned_reference():
-    """A 2-layer model with every block feature on, scanned without remat: config, params, tokens, loss, grads."""
-    cfg = config_lib.from_preset("tiny", n_layers=2, qk_norm=True)
+    """A 2-layer model with every block feature on, scanned one block per iteration without remat:
+    config, params, tokens, loss, grads."""
+    cfg = config_lib.from_preset("tiny", n_layers=2, qk_norm=True, scan_unroll=1)
     params = model_lib.init_params(model_lib.define(cfg), seed=1)
     tokens = jax.random.randint(jax.random.key(0), (2, 24), 0, cfg.vocab_size)
     return cfg, params, tokens, *_loss_and_grads(cfg, params, tokens)
@@ -109,6 +111,7 @@ def scanned_reference():
 @pytest.mark.parametrize(
     "overrides",
     [
+        dict(scan_unroll=0),
         dict(remat="full"),
         dict(remat="dots_with_no_batch_dims_saveable", scan_unroll=2),
         dict(remat="dots_and_attention"),
@@ -127,6 +130,19 @@ def test_unrolled_layers_unroll_and_remat_policies_match_scan(scanned_reference,
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_auto_unroll_runs_every_block_at_once_on_the_cpu_unless_remat_is_on():
+    """issue 33: ``scan_unroll=0`` (the default) unrolls the whole scan on XLA:CPU, whose rolled scan
+    writes zero-filled residual stacks; under remat the scan stays rolled (unrolled, XLA:CPU keeps
+    what remat should free); an explicit value is kept, capped at the number of blocks."""
+    cfg = config_lib.from_preset("tiny")
+    assert cfg.scan_unroll == 0
+    on_cpu = jax.default_backend() == "cpu"
+    assert transformer.layers_per_iteration(cfg, 4) == (4 if on_cpu else 1)
+    assert transformer.layers_per_iteration(dataclasses.replace(cfg, remat="full"), 4) == 1
+    assert transformer.layers_per_iteration(dataclasses.replace(cfg, scan_unroll=2), 4) == 2
+    assert transformer.layers_per_iteration(dataclasses.replace(cfg, scan_unroll=8), 4) == 4
 
 
 @pytest.mark.xla_optimized  # bit-exact across two programs: the result of XLA's optimised numerics
@@ -287,7 +303,7 @@ def test_flops_per_token_counts_matmul_parameters():
         (dict(dtype="float16"), "float32"),
         (dict(d_model=0), "d_model=0"),
         (dict(remat="dots"), "model.remat='dots' must be one of none, full"),
-        (dict(scan_unroll=0), "scan_unroll=0 must be >= 1"),
+        (dict(scan_unroll=-1), "scan_unroll=-1 must be >= 1, or 0 for auto"),
     ],
 )
 def test_impossible_shapes_are_rejected(overrides, message):

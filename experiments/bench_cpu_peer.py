@@ -16,6 +16,12 @@ defaults otherwise). The machine may be shared, so the two are timed in turn, in
 ``--repeats`` samples of ``--steps`` steps each, ours and the twin's alternating (the first to run
 alternates too), and the table gives each side's median tokens/s and the median of the per-sample
 ratios ours / twin's, which a load that changes slowly cancels out of.
+
+``--products`` then times the step's matrix products alone, the same way: every linear layer's
+weight shape ``(in, out)`` on the step's ``batch x seq`` rows, in the three forms a training step
+computes (forward ``x W``, input gradient ``g W^T``, weight gradient ``x^T g``), as one jitted
+``jnp`` product on our side and one ``torch`` product on the twin's, with the step's FLOP-weighted
+total: how fast each side's matrix multiply is at the model's shapes, apart from everything else.
 """
 
 from __future__ import annotations
@@ -163,6 +169,16 @@ def check_twin(model_def: model_lib.ModelDef, params: model_lib.Params, rows: np
     }
 
 
+def in_turn(runs: tuple[Callable[[int], float], Callable[[int], float]], repeats: int, calls: int) -> tuple[list[float], list[float]]:
+    """``repeats`` samples of each side's seconds per call, ``runs[i](calls)`` returning the seconds of
+    ``calls`` calls; the sides alternate, and so does which one goes first."""
+    seconds: tuple[list[float], list[float]] = ([], [])
+    for r in range(repeats):
+        for side in (0, 1) if r % 2 == 0 else (1, 0):
+            seconds[side].append(runs[side](calls) / calls)
+    return seconds
+
+
 def _case(preset: str, batch: int, seq_len: int, base: Any, *, warmup: int, repeats: int, steps: int, seed: int) -> dict[str, Any]:
     config = bench_throughput.case_config(preset, batch, seq_len, "float32", "", "adamw", "fsdp", base=base)
     config.optimizer.schedule = "constant"
@@ -172,13 +188,9 @@ def _case(preset: str, batch: int, seq_len: int, base: Any, *, warmup: int, repe
         params = model_lib.init_params(spec.model_def, seed, spec.shardings.params)
     rows = np.random.default_rng(seed).integers(0, spec.cfg.vocab_size, (batch, seq_len + 1), dtype=np.int32)
     twin = twin_step(spec.cfg, params, rows, learning_rate=float(build.learning_rate_fn(config.optimizer, config.steps)(0)))
-    runs = (ours.run, twin)
-    for run in runs:
+    for run in (ours.run, twin):
         run(warmup)
-    seconds: tuple[list[float], list[float]] = ([], [])
-    for r in range(repeats):
-        for side in ((0, 1) if r % 2 == 0 else (1, 0)):
-            seconds[side].append(runs[side](steps) / steps)
+    seconds = in_turn((ours.run, twin), repeats, steps)
     tokens = batch * seq_len
     rates = [[tokens / s for s in side] for side in seconds]
     return {
@@ -191,6 +203,69 @@ def _case(preset: str, batch: int, seq_len: int, base: Any, *, warmup: int, repe
         "tokens_per_second_samples": rates[0],
         "twin_tokens_per_second_samples": rates[1],
     }
+
+
+# The three products of a linear layer ``y = x W`` in a training step, as functions of ``(x, W, g)``.
+PRODUCT_FORMS = {
+    "x W": lambda x, w, g: x @ w,
+    "g W^T": lambda x, w, g: g @ w.T,
+    "x^T g": lambda x, w, g: x.T @ g,
+}
+
+
+def layer_shapes(cfg: model_config_lib.ModelConfig) -> dict[tuple[int, int], int]:
+    """The weight shapes ``(in, out)`` of a step's linear layers and how many of each it multiplies
+    (per block: query, key, value, output, gate, up and down projections; once: the tied head)."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    per_block = [(cfg.d_model, q), (cfg.d_model, kv), (cfg.d_model, kv), (q, cfg.d_model), (cfg.d_model, cfg.mlp_dim), (cfg.d_model, cfg.mlp_dim), (cfg.mlp_dim, cfg.d_model)]
+    counts: dict[tuple[int, int], int] = {}
+    for shape in per_block:
+        counts[shape] = counts.get(shape, 0) + cfg.n_layers
+    counts[(cfg.d_model, cfg.vocab_size)] = counts.get((cfg.d_model, cfg.vocab_size), 0) + 1
+    return counts
+
+
+def _time_calls(call: Callable[[], Any], n: int) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        call()
+    return time.perf_counter() - start
+
+
+def _products(torch: Any, preset: str, batch: int, seq_len: int, *, repeats: int, calls: int = 5) -> dict[str, Any]:
+    """Both sides' float32 products at ``preset``'s layer shapes on ``batch * seq_len`` rows, timed in turn."""
+    rng = np.random.default_rng(0)
+    rows = batch * seq_len
+    results, ours_total, twin_total = [], 0.0, 0.0
+    for (n_in, n_out), count in layer_shapes(model_config_lib.from_preset(preset)).items():
+        arrays = [rng.standard_normal(shape, dtype=np.float32) for shape in ((rows, n_in), (n_in, n_out), (rows, n_out))]
+        ours_args, twin_args = [jax.device_put(a) for a in arrays], [torch.from_numpy(a) for a in arrays]
+        for form, product in PRODUCT_FORMS.items():
+            ours_fn = jax.jit(product)
+            runs = (
+                functools.partial(_time_calls, lambda f=ours_fn, a=ours_args: f(*a).block_until_ready()),
+                functools.partial(_time_calls, lambda f=product, a=twin_args: f(*a)),
+            )
+            for run in runs:  # warm-up, compilation included
+                run(1)
+            seconds = in_turn(runs, repeats, calls)
+            flops = 2 * rows * n_in * n_out
+            ours_s, twin_s = statistics.median(seconds[0]), statistics.median(seconds[1])
+            ours_total, twin_total = ours_total + count * ours_s, twin_total + count * twin_s
+            results.append({"shape": [n_in, n_out], "form": form, "count": count, "gflops": flops / ours_s / 1e9, "twin_gflops": flops / twin_s / 1e9})
+    return {"preset": preset, "rows": rows, "products": results, "ratio": twin_total / ours_total}
+
+
+def format_products(cases: list[dict[str, Any]]) -> str:
+    lines = ["| preset | weight (in, out) x per step | product | ours GFLOP/s | PyTorch GFLOP/s | ours / PyTorch |", "|---|---|---|---|---|---|"]
+    for c in cases:
+        for p in c["products"]:
+            lines.append(
+                f"| {c['preset']} | ({p['shape'][0]}, {p['shape'][1]}) x {p['count']} | {p['form']} | {p['gflops']:.0f} "
+                f"| {p['twin_gflops']:.0f} | {p['gflops'] / p['twin_gflops']:.2f}x |"
+            )
+        lines.append(f"| {c['preset']} | all, weighted by time | | | | **{c['ratio']:.2f}x** |")
+    return "\n".join(lines)
 
 
 def format_table(cases: list[dict[str, Any]]) -> str:
@@ -246,10 +321,16 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     for preset, c in checks.items():
         print(f"{preset}: {c['params']:,} parameters on both sides; loss {c['loss']:.6f} ours, {c['twin_loss']:.6f} PyTorch's")
     print(format_table(results))
+    products = []
+    if f.products:
+        for preset in dict.fromkeys(p for p, _, _ in cases):
+            print(f"products: {preset}", file=sys.stderr, flush=True)
+            products.append(_products(torch, preset, *shapes[0], repeats=f.repeats))
+        print(format_products(products))
     if f.json_out:
         header = {"date": str(datetime.date.today()), "machine": machine, "jax": jax.__version__, "torch": torch.__version__}
         with open(f.json_out, "w") as out:
-            json.dump({**header, "torch_threads": torch.get_num_threads(), "cases": results}, out, indent=1)
+            json.dump({**header, "torch_threads": torch.get_num_threads(), "cases": results, "products": products}, out, indent=1)
 
 
 def define_flags() -> flags.FlagHolder:
@@ -262,6 +343,7 @@ def define_flags() -> flags.FlagHolder:
     flags.DEFINE_integer("steps", 1, "Steps per sample.")
     flags.DEFINE_integer("seed", 0, "Initialisation and batch seed.")
     flags.DEFINE_float("loss_rtol", 1e-4, "Largest relative difference of the two losses on the same weights.")
+    flags.DEFINE_bool("products", True, "Also time both sides' matrix products at each preset's layer shapes (first batch shape).")
     flags.DEFINE_string("json_out", None, "Also write every case as JSON here.")
     cli.define_verbose_flag()
     return cli.define_config_flag(cli.DEFAULT_CONFIG)

@@ -45,3 +45,14 @@ def test_the_twin_computes_our_loss_on_our_weights(model):
     assert check["twin_params"] == check["params"]
     assert check["twin_loss"] == pytest.approx(check["loss"], rel=1e-5)
     assert check["loss"] == pytest.approx(np.log(model_def.config.vocab_size), rel=0.2)  # near-uniform at init
+
+
+def test_the_product_shapes_cover_every_weight_matrix_of_the_step(model):
+    """``--products`` times the layers' matrices: with the tied head counted once, their sizes add up
+    to the parameter count less the norm scales (two per block and the final one)."""
+    model_def, _ = model
+    cfg = model_def.config
+    shapes = bench_cpu_peer.layer_shapes(cfg)
+    norms = (2 * cfg.n_layers + 1) * cfg.d_model
+    assert sum(n_in * n_out * count for (n_in, n_out), count in shapes.items()) == model_lib.count_params(model_def).total - norms
+    assert shapes[(cfg.d_model, cfg.mlp_dim)] == 2 * cfg.n_layers  # gate and up

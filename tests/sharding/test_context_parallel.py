@@ -109,7 +109,7 @@ def test_mla_equals_one_device(one_device_mla, mode, spec, rules_name):
 @pytest.mark.parametrize("mode", ["all_gather", "ring"])
 def test_mla_sends_the_latent_not_per_head_keys(mode):
     """The compiled forward moves each layer's latent and RoPE key (and positions), never per-head K/V."""
-    model_def = _model(mode, **MLA)
+    model_def = _model(mode, **MLA, scan_unroll=1)  # a rolled scan: per-layer collectives sit in its loop
     cfg, shards = model_def.config, 8
     mesh, rules = mesh_lib.make_mesh(f"context:{shards}"), rules_lib.make_rules("fsdp")
     tokens = jax.ShapeDtypeStruct((1, SEQ_LEN), np.int32)

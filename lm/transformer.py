@@ -5,7 +5,8 @@
     logits = RMSNorm(h_L) @ W_out            (W_out = E^T when embeddings are tied)
 
 With ``scan_layers`` the blocks' parameters are stacked along a leading ``layers`` axis and one block
-is compiled and scanned over depth, so compile time does not grow with the number of layers.
+is compiled and scanned over depth, so compile time does not grow with the number of layers; on XLA:CPU
+the scan is unrolled by default (`layers_per_iteration`), which is faster there.
 """
 
 from __future__ import annotations

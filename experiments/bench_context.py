@@ -47,9 +47,9 @@ from absl import app, flags
 from experiments import bench_comm, cli, run_spec, timing, train_lib
 from experiments.configs import default
 from lm import attention as attention_lib
-from lm import context_attention
 from lm import loss as loss_lib
 from lm import model as model_lib
+from lm.parallel import context_attention
 from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib

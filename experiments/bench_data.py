@@ -31,7 +31,8 @@ from absl import app, flags, logging
 
 from experiments import cli, tokenize, train_tokenizer, trainer
 from experiments.configs import default
-from lm import data, documents, shards
+from lm.data import batches as batches_lib
+from lm.data import documents, shards
 
 ROWS = ("loader", "tokenize", "input_wait")
 SHARD_TOKENS = 10_000_000
@@ -57,7 +58,7 @@ def define_flags() -> None:
 
 def loader_speed(streams: list[np.ndarray], batch: int, seq_len: int, batches: int, read_ahead: int) -> float:
     """Tokens per second (``batch * seq_len`` per batch) over ``batches`` batches after a warm-up one."""
-    it = data.PackedBatches(data.Windows(streams, seq_len), seq_len, batch, seed=0, read_ahead=read_ahead)
+    it = batches_lib.PackedBatches(batches_lib.Windows(streams, seq_len), seq_len, batch, seed=0, read_ahead=read_ahead)
     next(it)
     start = time.perf_counter()
     for _ in range(batches):
@@ -86,7 +87,7 @@ def _loader_rows(scratch: Path) -> list[dict[str, Any]]:
             "unit": "tokens/s",
             "detail": f"{FLAGS.batch}x{FLAGS.seq_len} from {len(paths)} shards of {source}",
         }
-        for read_ahead in (data.READ_AHEAD_BATCHES, 0)
+        for read_ahead in (batches_lib.READ_AHEAD_BATCHES, 0)
     ]
 
 
@@ -124,7 +125,7 @@ def _tokenize_rows(scratch: Path) -> list[dict[str, Any]]:
 
 def _input_wait_rows(scratch: Path) -> list[dict[str, Any]]:
     waited = []
-    original = data.PackedBatches.__next__
+    original = batches_lib.PackedBatches.__next__
 
     def timed(self):
         start = time.perf_counter()
@@ -134,11 +135,11 @@ def _input_wait_rows(scratch: Path) -> list[dict[str, Any]]:
 
     config = default.get_config()
     config.steps = FLAGS.train_steps
-    data.PackedBatches.__next__ = timed
+    batches_lib.PackedBatches.__next__ = timed
     try:
         summary = trainer.run(config, scratch / "job")
     finally:
-        data.PackedBatches.__next__ = original
+        batches_lib.PackedBatches.__next__ = original
     step_seconds = config.batch_size * config.data.seq_len / summary["tokens_per_second"]
     share = float(np.sum(waited[1:])) / (step_seconds * (len(waited) - 1))
     detail = f"default job, {config.steps} steps: {np.mean(waited[1:]) * 1e3:.2f} ms per batch, step {step_seconds * 1e3:.1f} ms"

@@ -27,7 +27,7 @@ from absl import app, flags
 
 from experiments import bench_comm, run_spec, train_lib
 from experiments.configs import default
-from lm import pipeline, pipeline_schedule
+from lm.parallel import pipeline, pipeline_schedule
 from sharding import partition
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "zb_h1")

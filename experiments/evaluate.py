@@ -36,8 +36,9 @@ import numpy as np
 from absl import app, flags
 
 from experiments import cli, restore, trainer
-from lm import documents, hf, input_pipeline, shards, tokenizer
+from lm import hf
 from lm import model as model_lib
+from lm.data import documents, input_pipeline, shards, tokenizer
 from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib

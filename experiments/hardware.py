@@ -10,7 +10,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lm.corpus import default_cache_dir
+from lm.data.corpus import default_cache_dir
 
 
 def _matmul_setup(platform: str) -> tuple[int, jnp.dtype]:

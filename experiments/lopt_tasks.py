@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm import config as config_lib
-from lm import corpus
 from lm import model as model_lib
+from lm.data import corpus
 from lm.loss import cross_entropy
 
 CORPUS_TOKENS = 1 << 21  # the slice of the training split the LM tasks draw windows from

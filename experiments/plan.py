@@ -27,9 +27,9 @@ import ml_collections
 from absl import app, flags
 
 from experiments import cli, run_spec, train_lib
-from lm import context_attention
 from lm import model as model_lib
-from lm import pipeline
+from lm.parallel import context_attention
+from lm.parallel import pipeline
 from sharding import mesh as mesh_lib
 from sharding import partition
 

@@ -14,8 +14,8 @@ import jax
 import ml_collections
 
 from experiments import checkpointing, cli, run_spec, train_lib
-from lm import input_pipeline, tokenizer
 from lm import model as model_lib
+from lm.data import input_pipeline, tokenizer
 from sharding import partition
 
 

@@ -17,10 +17,12 @@ import numpy as np
 from experiments import train_lib
 from experiments.cli import UsageError
 from lm import config as model_config_lib
-from lm import context_attention, hf
-from lm import input_pipeline
+from lm import hf
 from lm import model as model_lib
-from lm import moe, pipeline
+from lm import moe
+from lm.data import input_pipeline
+from lm.parallel import context_attention
+from lm.parallel import pipeline
 from optim import build, registry
 from sharding import mesh as mesh_lib
 from sharding import partition

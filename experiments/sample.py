@@ -22,7 +22,8 @@ from absl import app, flags
 
 from experiments import cli, restore
 from lm import model as model_lib
-from lm import sampling, tokenizer
+from lm import sampling
+from lm.data import tokenizer
 
 
 def sample(

@@ -33,7 +33,7 @@ from absl import app, flags
 from tqdm import tqdm
 
 from experiments import cli
-from lm import documents, shards, tokenizer
+from lm.data import documents, shards, tokenizer
 
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val")

@@ -35,8 +35,8 @@ import optax
 
 from lm import model as model_lib
 from lm import moe as moe_lib
-from lm import pipeline_1f1b
 from lm.loss import cross_entropy
+from lm.parallel import pipeline_1f1b
 from optim import placement
 from sharding import partition
 from sharding import rules as rules_lib

@@ -18,7 +18,7 @@ from pathlib import Path
 from absl import app, flags
 
 from experiments import cli
-from lm import documents, tokenizer
+from lm.data import documents, tokenizer
 
 MIN_VOCAB = 256 + 1  # every byte, plus the separator
 

@@ -22,9 +22,12 @@ import numpy as np
 from experiments import checkpointing, hardware, metrics_io, train_lib
 from experiments.cli import UsageError
 from experiments.run_spec import RunSpec, balancing, build_run, run_meta
-from lm import data, hf, input_pipeline, pipeline
+from lm import hf
+from lm.data import batches as batches_lib
+from lm.data import input_pipeline
 from lm.loss import flops_per_token
 from lm.model import count_params
+from lm.parallel import pipeline
 from optim import build
 from sharding import partition
 
@@ -83,7 +86,7 @@ class _Checkpoints:
     meta: dict
 
 
-def load_data(config: ml_collections.ConfigDict, vocab_size: int) -> tuple[data.PackedBatches, input_pipeline.ValidationSet]:
+def load_data(config: ml_collections.ConfigDict, vocab_size: int) -> tuple[batches_lib.PackedBatches, input_pipeline.ValidationSet]:
     """This process's training iterator and validation batches (`lm.input_pipeline`), for a model of ``vocab_size``."""
     try:
         return input_pipeline.build(config, vocab_size, process_index=jax.process_index(), process_count=jax.process_count())
@@ -176,7 +179,7 @@ def _loop(
     state: train_lib.TrainState,
     start: int,
     *,
-    batches: tuple[data.PackedBatches, input_pipeline.ValidationSet],
+    batches: tuple[batches_lib.PackedBatches, input_pipeline.ValidationSet],
     workdir: Path,
     checkpoints: _Checkpoints,
     stop: _Stop,

@@ -17,9 +17,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from kernels_pallas.attention import api as attention_api
-from lm import context_attention, kv_cache, remat
+from lm import kv_cache, remat
 from lm.config import ModelConfig
 from lm.layers import RMSNorm, linear, rotary_embedding, split_heads
+from lm.parallel import context_attention
 from sharding import partition
 
 _Q = ("batch", "seq", "heads", "head_dim")

@@ -8,7 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from lm import remat as remat_lib
-from lm import tokenizer
+from lm.data import tokenizer
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")  # see lm/attention.py
 CONTEXT_PARALLEL = ("all_gather", "ring", "ulysses")  # see lm/context_attention.py

@@ -31,10 +31,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from lm import context_attention, kv_cache, remat
+from lm import kv_cache, remat
 from lm.attention import attend
 from lm.config import ModelConfig
 from lm.layers import RMSNorm, linear, rotary_embedding, split_heads
+from lm.parallel import context_attention
 from sharding.partition import constrain
 
 _HEADS = ("batch", "seq", "heads", "head_dim")

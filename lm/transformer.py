@@ -16,13 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lm import context_attention, kv_cache, pipeline
+from lm import kv_cache
 from lm import remat as remat_lib
 from lm.attention import Attention
 from lm.config import ModelConfig
 from lm.layers import RMSNorm, SwiGLU, linear
 from lm.mla import MultiHeadLatentAttention
 from lm.moe import MoE
+from lm.parallel import context_attention, pipeline
 from sharding.partition import constrain
 
 ACTIVATION = ("batch", "seq", "embed")

@@ -8,7 +8,7 @@ from ml_collections import config_dict
 
 from experiments.configs import blocks
 from lm import config as model_config
-from lm import pipeline
+from lm.parallel import pipeline
 from optim import registry, spec
 
 

@@ -1,7 +1,7 @@
 """experiments.bench_data at toy sizes: synthetic shards read back, the loader is timed, the table prints."""
 
 from experiments import bench_data
-from lm import shards
+from lm.data import shards
 
 
 def test_loader_speed_from_synthetic_shards_and_table(tmp_path, capsys):

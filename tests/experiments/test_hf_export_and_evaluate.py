@@ -19,8 +19,9 @@ import pytest
 
 from experiments import cli, evaluate, export_hf, restore, trainer
 from experiments.configs import default
-from lm import hf, shards
+from lm import hf
 from lm import model as model_lib
+from lm.data import shards
 
 REPO = Path(evaluate.__file__).parents[1]
 TASK = REPO / "tests" / "data" / "eval" / "synthetic_choice.jsonl"

@@ -5,7 +5,7 @@ import pytest
 from experiments import plan
 from experiments.configs import default
 from lm import config as config_lib
-from lm import context_attention
+from lm.parallel import context_attention
 
 
 def _config(mesh: str, mode: str):

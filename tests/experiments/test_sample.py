@@ -10,7 +10,7 @@ import pytest
 from experiments import cli, restore, sample, trainer
 from experiments.configs import default
 from experiments.metrics_io import read_metrics
-from lm import tokenizer
+from lm.data import tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from experiments import cli, run_spec, tokenize, trainer
 from experiments.configs import default
 from experiments.metrics_io import read_metrics
-from lm import data, documents, input_pipeline, shards, tokenizer
+from lm.data import batches, documents, input_pipeline, shards, tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -70,14 +70,14 @@ def test_interrupted_run_on_shards_resumes_bit_for_bit(dataset, straight, tmp_pa
 
 def test_loader_resumes_onto_another_process_count(dataset):
     streams = [shards.read(p) for p in documents.expand(str(dataset / "train_*.bin"))]
-    windows = data.Windows(streams, 32, [data.document_starts(s, 32, tokenizer.EOS) for s in streams])
-    one = data.PackedBatches(windows, 32, 8, seed=5)
+    windows = batches.Windows(streams, 32, [batches.document_starts(s, 32, tokenizer.EOS) for s in streams])
+    one = batches.PackedBatches(windows, 32, 8, seed=5)
     [next(one) for _ in range(3)]
     state = one.get_state()
     expected = [next(one) for _ in range(4)]
     halves = []
     for index in range(2):
-        it = data.PackedBatches(windows, 32, 8, seed=5, process_index=index, process_count=2)
+        it = batches.PackedBatches(windows, 32, 8, seed=5, process_index=index, process_count=2)
         it.set_state(state)
         halves.append([next(it) for _ in range(4)])
     np.testing.assert_array_equal(np.concatenate(halves, axis=1), expected)

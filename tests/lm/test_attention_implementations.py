@@ -8,8 +8,8 @@ import pytest
 from experiments import train_lib
 from lm import attention as attention_lib
 from lm import config as config_lib
-from lm import corpus
 from lm import model as model_lib
+from lm.data import corpus
 from optim.muon_clip import muon_clip
 from sharding import mesh as mesh_lib
 from sharding import partition

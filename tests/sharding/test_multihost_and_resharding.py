@@ -15,7 +15,7 @@ import pytest
 from experiments import tokenize, trainer
 from experiments.configs import default
 from experiments.metrics_io import read_metrics
-from lm import documents
+from lm.data import documents
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,8 +8,8 @@ import pytest
 from experiments import run_spec, train_lib
 from experiments.configs import default
 from lm import config as config_lib
-from lm import corpus
 from lm import model as model_lib
+from lm.data import corpus
 from optim import blocking
 from sharding import mesh as mesh_lib
 from sharding import partition

@@ -10,7 +10,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from lm import corpus
+from lm.data import corpus
 
 TEXT_FIELD = "text"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lm import tokenizer
+from lm.data import tokenizer
 
 SPLITS = ("train", "validation")
 _FORMAT_VERSION = 1

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from experiments import tokenize
-from lm import data, documents, shards, tokenizer
+from lm.data import batches, documents, shards, tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -138,12 +138,12 @@ def test_tokenize_cli_with_a_subword_tokenizer_and_usage_errors(tmp_path):
 
 def test_windows_span_shards_and_align_to_documents():
     a, b = np.arange(50, dtype=np.uint16), np.arange(100, 133, dtype=np.uint16)
-    windows = data.Windows([a, b], 8)
+    windows = batches.Windows([a, b], 8)
     assert len(windows) == 6 + 4
     np.testing.assert_array_equal(windows[6], np.arange(100, 109))
-    starts = data.document_starts(np.array([5, 1, 1, 5, 1, 1, 1, 1, 1, 5, 1, 1, 1, 1]), 3, separator_id=5)
+    starts = batches.document_starts(np.array([5, 1, 1, 5, 1, 1, 1, 1, 1, 5, 1, 1, 1, 1]), 3, separator_id=5)
     assert starts.tolist() == [0, 3, 6, 9]  # a 6-token document is read in two windows, no window crosses the end
-    it = data.PackedBatches(windows, 8, 5, seed=4, read_ahead=2)
+    it = batches.PackedBatches(windows, 8, 5, seed=4, read_ahead=2)
     epoch = np.concatenate([next(it) for _ in range(2)])
     assert sorted(epoch[:, 0].tolist()) == sorted(windows[i][0] for i in range(10))  # every window once per epoch
     assert not np.array_equal(np.concatenate([next(it) for _ in range(2)]), epoch)  # reshuffled

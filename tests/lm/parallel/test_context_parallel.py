@@ -15,9 +15,10 @@ from experiments.cli import UsageError
 from experiments.configs import default
 from kernels_pallas.attention import reference
 from lm import config as config_lib
-from lm import context_attention, remat
 from lm import loss as loss_lib
 from lm import model as model_lib
+from lm import remat
+from lm.parallel import context_attention
 from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib

@@ -43,8 +43,8 @@ import numpy as np
 from kernels_pallas import backends
 from kernels_pallas.attention import api as attention_api
 from kernels_pallas.attention import reference
-from lm import ring_attention
 from lm.config import ModelConfig
+from lm.parallel import ring_attention
 from sharding import partition
 
 CONTEXT_AXIS = "context"

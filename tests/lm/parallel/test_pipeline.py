@@ -21,8 +21,8 @@ from experiments import checkpointing, run_spec, train_lib
 from experiments.cli import UsageError
 from experiments.configs import default
 from lm import model as model_lib
-from lm import pipeline, pipeline_1f1b, pipeline_schedule
 from lm.loss import cross_entropy
+from lm.parallel import pipeline, pipeline_1f1b, pipeline_schedule
 from optim import registry
 from sharding import partition
 

@@ -4,7 +4,7 @@ import grain
 import numpy as np
 import pytest
 
-from lm import data, mixture
+from lm.data import batches, mixture
 
 
 def test_parse_reads_globs_and_weights_and_rejects_bad_weights():
@@ -28,16 +28,16 @@ def test_every_prefix_holds_the_weights_within_one_period(weights):
 
 
 def test_mixture_batches_match_the_weights_and_resume_on_any_process_count():
-    a = data.Windows([np.zeros(4000, np.uint16)], 8)
-    b = data.Windows([np.ones(4000, np.uint16)], 8)
+    a = batches.Windows([np.zeros(4000, np.uint16)], 8)
+    b = batches.Windows([np.ones(4000, np.uint16)], 8)
     shuffled = [grain.MapDataset.source(s).shuffle(seed=k) for k, s in enumerate((a, b))]
     mixed = grain.MapDataset.source(mixture.Mixture(shuffled, [0.7, 0.3]))
-    it = data.PackedBatches(mixed, 8, 16, seed=0, shuffle=False)
+    it = batches.PackedBatches(mixed, 8, 16, seed=0, shuffle=False)
     rows = np.concatenate([next(it) for _ in range(100)])
     assert abs((rows[:, 0] == 0).mean() - 0.7) < 0.01
     state = it.get_state()
     expected = it.batch_at(state["step"])
-    halves = [data.PackedBatches(mixed, 8, 16, seed=0, shuffle=False, process_index=i, process_count=2) for i in range(2)]
+    halves = [batches.PackedBatches(mixed, 8, 16, seed=0, shuffle=False, process_index=i, process_count=2) for i in range(2)]
     for h in halves:
         h.set_state(state)
     np.testing.assert_array_equal(np.concatenate([next(h) for h in halves]), expected)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from experiments import train_tokenizer
-from lm import tokenizer
+from lm.data import tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = "".join(f"def function_{i}(x):\n    return x * {i} + the_value  # the comment {i}\n\n" for i in range(200))
@@ -106,7 +106,7 @@ def test_a_run_finds_the_tokenizer_its_shards_were_written_with(files, tmp_path)
     manifest's tokenizer for shards, refused when the file changed since the shards were written."""
     from experiments import tokenize
     from experiments.configs import default
-    from lm import documents, input_pipeline
+    from lm.data import documents, input_pipeline
 
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "a.txt").write_text(TEXT)

@@ -3,7 +3,7 @@ import os
 import numpy as np
 import pytest
 
-from lm import corpus, data, tokenizer
+from lm.data import corpus, batches, tokenizer
 
 
 def _write_tree(root, n_files=40):
@@ -74,7 +74,7 @@ def _stream(n=10_000):
 
 
 def test_batches_are_packed_windows_with_shifted_targets():
-    it = data.PackedBatches(_stream(), seq_len=16, global_batch=4, seed=0)
+    it = batches.PackedBatches(_stream(), seq_len=16, global_batch=4, seed=0)
     batch = next(it)
     assert batch.shape == (4, 17) and batch.dtype == np.int32
     for row in batch:
@@ -83,42 +83,42 @@ def test_batches_are_packed_windows_with_shifted_targets():
 
 
 def test_batches_are_deterministic_and_seeded():
-    a = [next(data.PackedBatches(_stream(), 16, 4, seed=3)) for _ in range(1)]
-    b = [next(data.PackedBatches(_stream(), 16, 4, seed=3)) for _ in range(1)]
-    c = [next(data.PackedBatches(_stream(), 16, 4, seed=4)) for _ in range(1)]
+    a = [next(batches.PackedBatches(_stream(), 16, 4, seed=3)) for _ in range(1)]
+    b = [next(batches.PackedBatches(_stream(), 16, 4, seed=3)) for _ in range(1)]
+    c = [next(batches.PackedBatches(_stream(), 16, 4, seed=4)) for _ in range(1)]
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
 
 
 def test_resume_from_state_continues_exactly():
-    it = data.PackedBatches(_stream(), 16, 4, seed=1)
+    it = batches.PackedBatches(_stream(), 16, 4, seed=1)
     for _ in range(5):
         next(it)
     state = it.get_state()
     expected = [next(it) for _ in range(3)]
-    resumed = data.PackedBatches(_stream(), 16, 4, seed=1)
+    resumed = batches.PackedBatches(_stream(), 16, 4, seed=1)
     resumed.set_state(state)
     np.testing.assert_array_equal([next(resumed) for _ in range(3)], expected)
     with pytest.raises(ValueError, match="global_batch"):
-        data.PackedBatches(_stream(), 16, 8, seed=1).set_state(state)
+        batches.PackedBatches(_stream(), 16, 8, seed=1).set_state(state)
 
 
 def test_process_shares_tile_the_global_batch():
-    full = data.PackedBatches(_stream(), 16, 8, seed=2).batch_at(7)
-    shares = [data.PackedBatches(_stream(), 16, 8, seed=2, process_index=i, process_count=4).batch_at(7) for i in range(4)]
+    full = batches.PackedBatches(_stream(), 16, 8, seed=2).batch_at(7)
+    shares = [batches.PackedBatches(_stream(), 16, 8, seed=2, process_index=i, process_count=4).batch_at(7) for i in range(4)]
     np.testing.assert_array_equal(np.concatenate(shares), full)
 
 
 def test_an_epoch_visits_every_window_once():
-    it = data.PackedBatches(_stream(16 * 12 + 1), 16, 4, seed=0)
+    it = batches.PackedBatches(_stream(16 * 12 + 1), 16, 4, seed=0)
     starts = np.concatenate([it.batch_at(s)[:, 0] for s in range(3)])
     assert sorted(starts.tolist()) == sorted(((np.arange(12) * 16) % 251).tolist())
 
 
 def test_validation_set_is_fixed_and_shrinks_to_fit():
     stream = _stream(2000)
-    a = data.validation_batches(stream, 16, 4, 100)
+    a = batches.validation_batches(stream, 16, 4, 100)
     assert len(a) == (1999 // 16) // 4
-    np.testing.assert_array_equal(a, data.validation_batches(stream, 16, 4, 100))
+    np.testing.assert_array_equal(a, batches.validation_batches(stream, 16, 4, 100))
     with pytest.raises(ValueError, match="val_fraction"):
-        data.validation_batches(stream[:40], 16, 4, 1)
+        batches.validation_batches(stream[:40], 16, 4, 1)

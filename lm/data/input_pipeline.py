@@ -26,7 +26,7 @@ import grain
 import ml_collections
 import numpy as np
 
-from lm import corpus, data, documents, mixture, shards, tokenizer
+from lm.data import corpus, batches, documents, mixture, shards, tokenizer
 
 MANIFEST = "manifest.json"
 VOCAB_MULTIPLE = 128
@@ -149,17 +149,17 @@ def _open(pattern: str, what: str, vocab_size: int) -> tuple[list[np.ndarray], d
     return streams, read_manifest(files)
 
 
-def _windows(streams: list[np.ndarray], seq_len: int, data_config, separator_id: int | None) -> data.Windows:
+def _windows(streams: list[np.ndarray], seq_len: int, data_config, separator_id: int | None) -> batches.Windows:
     if not data_config.get("bos_aligned"):
-        return data.Windows(streams, seq_len)
+        return batches.Windows(streams, seq_len)
     if separator_id is None:
         raise ValueError("data.bos_aligned needs the document separator: give data.separator_id or shards with a manifest.json")
-    return data.Windows(streams, seq_len, [data.document_starts(s, seq_len, separator_id) for s in streams])
+    return batches.Windows(streams, seq_len, [batches.document_starts(s, seq_len, separator_id) for s in streams])
 
 
 def build(
     config: ml_collections.ConfigDict, vocab_size: int, *, process_index: int = 0, process_count: int = 1
-) -> tuple[data.PackedBatches, ValidationSet]:
+) -> tuple[batches.PackedBatches, ValidationSet]:
     """This process's training batches and validation set for ``config`` (its ``data`` block, ``seed``,
     ``batch_size``, ``eval_batches``), checked against the model's ``vocab_size``.
 
@@ -195,11 +195,11 @@ def build(
     if d.get("mixture"):
         shuffled = [grain.MapDataset.source(s).shuffle(seed=(config.seed + k) % 2**32) for k, s in enumerate(sources)]
         mixed = grain.MapDataset.source(mixture.Mixture(shuffled, [w for _, w in patterns]))
-        train_iter = data.PackedBatches(mixed, seq_len, batch, shuffle=False, **shares)
+        train_iter = batches.PackedBatches(mixed, seq_len, batch, shuffle=False, **shares)
     else:
-        train_iter = data.PackedBatches(sources[0], seq_len, batch, **shares)
-    validation = data.validation_batches(
-        data.Windows(val, seq_len), seq_len, batch, num_val,
+        train_iter = batches.PackedBatches(sources[0], seq_len, batch, **shares)
+    validation = batches.validation_batches(
+        batches.Windows(val, seq_len), seq_len, batch, num_val,
         process_index=process_index, process_count=process_count, leading=bool(d.get("val_tokens")),
     )  # fmt: skip
     return train_iter, ValidationSet(validation, tokens_per_byte)

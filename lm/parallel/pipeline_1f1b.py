@@ -43,9 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lm import pipeline as pipeline_lib
-from lm import pipeline_schedule
 from lm.model import ModelDef
+from lm.parallel import pipeline as pipeline_lib
+from lm.parallel import pipeline_schedule
 from lm.transformer import ACTIVATION, document_segments, scan_blocks
 from sharding import partition
 

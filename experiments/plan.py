@@ -30,6 +30,7 @@ from experiments import cli, run_spec, train_lib
 from lm import model as model_lib
 from lm.parallel import context_attention
 from lm.parallel import pipeline
+from sharding import axes
 from sharding import mesh as mesh_lib
 from sharding import partition
 
@@ -44,8 +45,8 @@ def _state_bytes(abstract_tree) -> int:
 
 def _context(config: ml_collections.ConfigDict, spec: run_spec.RunSpec) -> dict | None:
     """The context-parallel part of the report, or None without a ``context`` axis splitting ``seq``."""
-    shards = spec.mesh.shape.get(context_attention.CONTEXT_AXIS, 1)
-    if shards == 1 or context_attention.CONTEXT_AXIS not in dict(spec.rules.activations).get("seq", ()):
+    shards = spec.mesh.shape.get(axes.CONTEXT, 1)
+    if shards == 1 or axes.CONTEXT not in dict(spec.rules.activations).get("seq", ()):
         return None
     batch_axes = dict(spec.rules.activations).get("batch", ())
     rows = config.batch_size // config.grad_accum_steps // math.prod(spec.mesh.shape.get(a, 1) for a in batch_axes)
@@ -87,7 +88,7 @@ def plan(config: ml_collections.ConfigDict, hbm_bytes: float, *, compile_step: b
         "state_only": not compile_step,
         "context": _context(config, spec),
     }
-    if spec.mesh.shape.get(pipeline.STAGE_AXIS, 1) > 1:  # block parameters and their state split over stages
+    if spec.mesh.shape.get(axes.STAGE, 1) > 1:  # block parameters and their state split over stages
         report["pipeline"] = dataclasses.asdict(spec.pipeline)
     if not compile_step:
         report["peak_bytes"] = report["params_bytes"] + report["gradients_bytes"] + report["optimizer_state_bytes"]

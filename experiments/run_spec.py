@@ -24,6 +24,7 @@ from lm.data import input_pipeline
 from lm.parallel import context_attention
 from lm.parallel import pipeline
 from optim import build, registry
+from sharding import axes
 from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib
@@ -149,8 +150,8 @@ def _check_replicas_named(config: ml_collections.ConfigDict, mesh: jax.sharding.
 def _check_context(cfg: model_config_lib.ModelConfig, seq_len: int, mesh: jax.sharding.Mesh, rules: rules_lib.Rules) -> None:
     """Sequence length and head counts against the ``context`` shards (`lm.context_attention.check`)."""
     ways = lambda name: int(np.prod([mesh.shape[a] for a in dict(rules.activations).get(name, ()) if a in mesh.shape]))  # noqa: E731
-    if context_attention.CONTEXT_AXIS in dict(rules.activations).get("seq", ()):
-        context_attention.check(cfg, seq_len, mesh.shape.get(context_attention.CONTEXT_AXIS, 1), ways("heads"))
+    if axes.CONTEXT in dict(rules.activations).get("seq", ()):
+        context_attention.check(cfg, seq_len, mesh.shape.get(axes.CONTEXT, 1), ways("heads"))
 
 
 def build_run(config: ml_collections.ConfigDict) -> RunSpec:
@@ -180,7 +181,7 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
         _check_context(cfg, config.data.seq_len, mesh, rules)
         schedule = pipeline_of(config)
         pipeline.check(
-            schedule, stages=mesh.shape.get(pipeline.STAGE_AXIS, 1), n_layers=cfg.n_layers,
+            schedule, stages=mesh.shape.get(axes.STAGE, 1), n_layers=cfg.n_layers,
             batch=config.batch_size // config.grad_accum_steps, batch_shards=n_batch_shards,
             scan_layers=cfg.scan_layers, aux=pipeline.uncarried_aux(cfg),
         )  # fmt: skip
@@ -188,7 +189,7 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
         replica_axis = config.get("replicas") or None
         if replica_axis:
             _check_replica_kernels(config, mesh)
-            if mesh.shape.get(pipeline.STAGE_AXIS, 1) > 1:
+            if mesh.shape.get(axes.STAGE, 1) > 1:
                 raise ValueError(
                     f"config.replicas={replica_axis} (a replica-local step, for {config.optimizer.name}) does not run beside "
                     f"a stage axis yet (mesh {dict(mesh.shape)}); drop the stage axis or use an optimizer that is not replica-local"

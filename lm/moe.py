@@ -49,9 +49,7 @@ from flax import nnx
 from kernels_pallas.gmm import api as gmm_api
 from lm.config import ModelConfig
 from lm.layers import SwiGLU, swiglu_gate
-from sharding import partition
-
-EXPERT_AXIS = "expert"  # the mesh axis that expert parallelism splits the experts over
+from sharding import axes, partition
 
 
 class Router(nnx.Module):
@@ -150,10 +148,10 @@ def expert_parallel_dropless(
     rows = t * k  # worst case: every slot to one device
     send = jnp.zeros((ep, rows, x.shape[-1]), x.dtype).at[dest, position].set(jnp.repeat(x, k, axis=0))
     send_expert = jnp.full((ep, rows), local, jnp.int32).at[dest, position].set(slot_expert % local)
-    recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=True)
-    recv_expert = jax.lax.all_to_all(send_expert, EXPERT_AXIS, 0, 0, tiled=True)
+    recv = jax.lax.all_to_all(send, axes.EXPERT, 0, 0, tiled=True)
+    recv_expert = jax.lax.all_to_all(send_expert, axes.EXPERT, 0, 0, tiled=True)
     out = grouped_swiglu(recv.reshape(ep * rows, -1), recv_expert.reshape(-1), w_gate, w_up, w_down, matmul)
-    back = jax.lax.all_to_all(out.reshape(ep, rows, -1), EXPERT_AXIS, 0, 0, tiled=True)
+    back = jax.lax.all_to_all(out.reshape(ep, rows, -1), axes.EXPERT, 0, 0, tiled=True)
     slots = back[dest, position]
     return jnp.einsum("tkd,tk->td", slots.reshape(t, k, -1), gates.astype(slots.dtype))
 
@@ -177,18 +175,18 @@ def ragged_dispatch(x, experts, gates, w_gate, w_up, w_down, *, ep: int, matmul:
     send = jnp.repeat(x, k, axis=0)[order]
     send_expert = (slot_expert % local)[order][:, None]
     send_sizes = jnp.bincount(slot_expert // local, length=ep).astype(jnp.int32)
-    sizes = jax.lax.all_gather(send_sizes, EXPERT_AXIS)  # (ep, ep)
-    me = jax.lax.axis_index(EXPERT_AXIS)
+    sizes = jax.lax.all_gather(send_sizes, axes.EXPERT)  # (ep, ep)
+    me = jax.lax.axis_index(axes.EXPERT)
     input_offsets, recv_sizes = _exclusive_cumsum(send_sizes), sizes[:, me]
     output_offsets = _exclusive_cumsum(sizes)[me]  # where my slice lands on each receiver
     recv_offsets = _exclusive_cumsum(recv_sizes)  # where each sender's slice lands here
     forward = (input_offsets, send_sizes, output_offsets, recv_sizes)
-    recv = jax.lax.ragged_all_to_all(send, jnp.zeros((ep * rows, x.shape[-1]), x.dtype), *forward, axis_name=EXPERT_AXIS)
-    recv_expert = jax.lax.ragged_all_to_all(send_expert, jnp.full((ep * rows, 1), local, jnp.int32), *forward, axis_name=EXPERT_AXIS)
+    recv = jax.lax.ragged_all_to_all(send, jnp.zeros((ep * rows, x.shape[-1]), x.dtype), *forward, axis_name=axes.EXPERT)
+    recv_expert = jax.lax.ragged_all_to_all(send_expert, jnp.full((ep * rows, 1), local, jnp.int32), *forward, axis_name=axes.EXPERT)
     out = grouped_swiglu(recv, recv_expert[:, 0], w_gate, w_up, w_down, matmul)
     sender_offsets = _exclusive_cumsum(sizes, axis=1)[:, me]  # each sender's input_offsets for me
     back = jax.lax.ragged_all_to_all(
-        out, jnp.zeros((rows, out.shape[-1]), out.dtype), recv_offsets, recv_sizes, sender_offsets, send_sizes, axis_name=EXPERT_AXIS
+        out, jnp.zeros((rows, out.shape[-1]), out.dtype), recv_offsets, recv_sizes, sender_offsets, send_sizes, axis_name=axes.EXPERT
     )
     slots = jnp.zeros_like(back).at[order].set(back, unique_indices=True)
     return jnp.einsum("tkd,tk->td", slots.reshape(t, k, -1), gates.astype(slots.dtype))
@@ -199,9 +197,9 @@ RAGGED_ALL_TO_ALL_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
 def _expert_parallel_size() -> int:
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or EXPERT_AXIS not in partition.logical_mesh_axes("experts"):
+    if mesh.empty or axes.EXPERT not in partition.logical_mesh_axes("experts"):
         return 1
-    return mesh.shape[EXPERT_AXIS]
+    return mesh.shape[axes.EXPERT]
 
 
 class MoE(nnx.Module):

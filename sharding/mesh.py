@@ -15,14 +15,16 @@ import jax
 import numpy as np
 from jax.experimental import mesh_utils
 
-DEFAULT_AXES = ("data",)
+from sharding import axes as mesh_axes
+
+DEFAULT_AXES = (mesh_axes.DATA,)
 DCN_PREFIX = "dcn_"
 
 
 def parse_mesh_spec(spec: str) -> list[tuple[str, int]]:
     """``"data:2,fsdp:-1"`` -> ``[("data", 2), ("fsdp", -1)]``, with checks on names and sizes."""
     if not spec.strip():
-        return [("data", -1)]
+        return [(mesh_axes.DATA, -1)]
     axes = []
     for part in spec.split(","):
         name, sep, size = part.strip().partition(":")

@@ -7,7 +7,7 @@ rule set maps each logical name to zero, one or several mesh axes. Mesh axes tha
 lacks are dropped, so one rule set serves every mesh: ``fsdp`` rules on a ``data:8`` mesh are plain
 data parallelism.
 
-Presets (mesh axis names ``data``, ``fsdp``, ``tensor``, ``seq``, ``expert``, ``context``, ``stage``):
+Presets (mesh axis names ``data``, ``fsdp``, ``tensor``, ``seq``, ``expert``, ``context``, ``stage``: `sharding.axes`):
 
 - ``dp``: batch over ``data``; parameters replicated.
 - ``fsdp`` (default): batch over ``data``, ``fsdp`` and ``expert``; parameters, gradients and optimizer
@@ -50,8 +50,12 @@ from collections.abc import Iterable, Mapping, Sequence
 import jax
 import numpy as np
 
+from sharding import axes as mesh_axes
+
 MeshAxes = tuple[str, ...]
 RuleTable = tuple[tuple[str, MeshAxes], ...]
+
+OPTIONAL = "?"  # a mesh axis written "expert?" is optional (`logical_to_mesh_spec`)
 
 LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "experts", "layers", "latent")
 
@@ -69,29 +73,29 @@ class Rules:
     activations: RuleTable
 
 
-_BATCH = ("data", "fsdp", "expert")
-_TENSOR = {"heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",), "vocab": ("tensor",)}
+_BATCH = (mesh_axes.DATA, mesh_axes.FSDP, mesh_axes.EXPERT)
+_TENSOR = {"heads": (mesh_axes.TENSOR,), "kv_heads": (mesh_axes.TENSOR,), "mlp": (mesh_axes.TENSOR,), "vocab": (mesh_axes.TENSOR,)}
 # ZeRO-3 parameter splitting: `embed` over fsdp, and over expert where the routed-expert axis leaves it free.
-_ZERO3 = {"embed": ("fsdp", "expert?"), "latent": ("fsdp?", "expert?"), "experts": ("expert",)}
+_ZERO3 = {"embed": (mesh_axes.FSDP, mesh_axes.EXPERT + OPTIONAL), "latent": (mesh_axes.FSDP + OPTIONAL, mesh_axes.EXPERT + OPTIONAL), "experts": (mesh_axes.EXPERT,)}
 
-_CONTEXT = {"seq": ("context",)}
+_CONTEXT = {"seq": (mesh_axes.CONTEXT,)}
 # Pipeline parallelism: the scanned block stack's layers split over `stage` (contiguous groups per stage).
-_STAGE = {"layers": ("stage",)}
+_STAGE = {"layers": (mesh_axes.STAGE,)}
 
 PRESETS: dict[str, dict[str, dict[str, MeshAxes]]] = {
-    "dp": {"params": {"experts": ("expert",), **_STAGE}, "activations": {"batch": _BATCH, "experts": ("expert",), **_CONTEXT}},
+    "dp": {"params": {"experts": (mesh_axes.EXPERT,), **_STAGE}, "activations": {"batch": _BATCH, "experts": (mesh_axes.EXPERT,), **_CONTEXT}},
     "fsdp": {
         "params": {**_ZERO3, **_STAGE},
-        "activations": {"batch": _BATCH, "experts": ("expert",), **_CONTEXT},
+        "activations": {"batch": _BATCH, "experts": (mesh_axes.EXPERT,), **_CONTEXT},
     },
     "tp": {
         "params": {**_ZERO3, **_TENSOR, **_STAGE},
-        "activations": {"batch": _BATCH, **_TENSOR, "experts": ("expert",), **_CONTEXT},
+        "activations": {"batch": _BATCH, **_TENSOR, "experts": (mesh_axes.EXPERT,), **_CONTEXT},
     },
 }
 PRESETS["sp"] = {
     "params": PRESETS["tp"]["params"],
-    "activations": {**PRESETS["tp"]["activations"], "seq": ("seq", "context")},
+    "activations": {**PRESETS["tp"]["activations"], "seq": (mesh_axes.SEQ, mesh_axes.CONTEXT)},
 }
 
 
@@ -135,8 +139,6 @@ def parse_overrides(text: str) -> dict[str, str]:
         out[name.strip()] = value.strip()
     return out
 
-
-OPTIONAL = "?"
 
 
 def logical_to_mesh_spec(

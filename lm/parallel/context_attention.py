@@ -45,9 +45,9 @@ from kernels_pallas.attention import api as attention_api
 from kernels_pallas.attention import reference
 from lm.config import ModelConfig
 from lm.parallel import ring_attention
+from sharding import axes as mesh_axes
 from sharding import partition
 
-CONTEXT_AXIS = "context"
 MODES = ("all_gather", "ring", "ulysses")
 
 _Q = ("batch", "seq", "heads", "head_dim")
@@ -199,7 +199,7 @@ class Compressed:
 def sequence_split() -> bool:
     """Whether the mesh in context splits the sequence over a ``context`` axis of more than one device."""
     mesh = jax.sharding.get_abstract_mesh()
-    return mesh.shape.get(CONTEXT_AXIS, 1) > 1 and CONTEXT_AXIS in partition.logical_mesh_axes("seq")
+    return mesh.shape.get(mesh_axes.CONTEXT, 1) > 1 and mesh_axes.CONTEXT in partition.logical_mesh_axes("seq")
 
 
 def model_order(mode: str, seq_len: int) -> np.ndarray | None:

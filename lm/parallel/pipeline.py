@@ -42,9 +42,8 @@ import numpy as np
 from flax import nnx
 
 from lm.config import ModelConfig
-from sharding import partition
+from sharding import axes, partition
 
-STAGE_AXIS = "stage"
 SCHEDULES = ("gpipe", "circular", "1f1b", "zb_h1")
 _MICRO = (None, "batch", "seq", "embed")
 
@@ -86,9 +85,9 @@ def current() -> Pipeline:
 def stage_count() -> int:
     """Size of the ``stage`` axis of the mesh in context (1 without one, or where it is already manual)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or STAGE_AXIS not in partition.auto_axes(mesh):
+    if mesh.empty or axes.STAGE not in partition.auto_axes(mesh):
         return 1
-    return mesh.shape[STAGE_AXIS]
+    return mesh.shape[axes.STAGE]
 
 
 def check(
@@ -191,7 +190,7 @@ def run_stack(
 
     def per_stage(local, micro, segments):
         local = jax.tree.map(lambda w: w[0], local)  # this stage's [R, K, ...]
-        stage = jax.lax.axis_index(STAGE_AXIS)
+        stage = jax.lax.axis_index(axes.STAGE)
 
         def tick(carry, t):
             recv, kept = carry
@@ -208,19 +207,19 @@ def run_stack(
             h = jnp.where(stage == 0, first, recv)
             group = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, jnp.clip(item // m, 0, r - 1), 0, False), local)
             y = run_layers(nnx.merge(graphdef, group), h, None if segments is None else segments[mb])
-            return (jax.lax.ppermute(y, STAGE_AXIS, forward), kept), y
+            return (jax.lax.ppermute(y, axes.STAGE, forward), kept), y
 
         kept = jnp.zeros_like(micro) if r > 1 else None
         _, ys = jax.lax.scan(tick, (jnp.zeros_like(micro[0]), kept), jnp.arange(r * m + stages - 1))
         last = ys[(r - 1) * m + stages - 1 :]  # the last stage's final-repeat outputs, microbatches 0 .. M-1
-        return jax.lax.psum(jnp.where(stage == stages - 1, last, jnp.zeros_like(last)), STAGE_AXIS)
+        return jax.lax.psum(jnp.where(stage == stages - 1, last, jnp.zeros_like(last)), axes.STAGE)
 
-    stage_spec = jax.P(STAGE_AXIS)
+    stage_spec = jax.P(axes.STAGE)
     out = jax.shard_map(
         per_stage,
         in_specs=(jax.tree.map(lambda _: stage_spec, grouped), jax.P(), jax.P()),
         out_specs=jax.P(),
-        axis_names={STAGE_AXIS},
+        axis_names={axes.STAGE},
         check_vma=False,
     )(grouped, micro, segments)
     return from_microbatches(out)

@@ -47,7 +47,7 @@ from lm.model import ModelDef
 from lm.parallel import pipeline as pipeline_lib
 from lm.parallel import pipeline_schedule
 from lm.transformer import ACTIVATION, document_segments, scan_blocks
-from sharding import partition
+from sharding import axes, partition
 
 SCHEDULES = pipeline_schedule.SCHEDULES
 LossFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, dict]]
@@ -107,7 +107,7 @@ def value_and_grad(model_def: ModelDef, params: dict, tokens: jax.Array, loss_fn
 
     def per_stage(local, rest, micro_x, micro_t, micro_seg, table):
         local = jax.tree.map(lambda w: w[0], local)
-        stage = jax.lax.axis_index(pipeline_lib.STAGE_AXIS)
+        stage = jax.lax.axis_index(axes.STAGE)
         run = lambda w, h, i: scan_blocks(cfg, nnx.merge(block_graph, w), h, None if micro_seg is None else micro_seg[i])[0]  # noqa: E731
 
         def head(rest, y, i):
@@ -158,8 +158,8 @@ def value_and_grad(model_def: ModelDef, params: dict, tokens: jax.Array, loss_fn
             dx = _store(dx, i, out.dh, sends_dx)
             grads, head_grads, totals = jax.tree.map(jnp.add, (grads, head_grads, totals), (out.d_local, out.d_rest, out.totals))
             sent = (
-                jax.lax.ppermute(out.y, pipeline_lib.STAGE_AXIS, forward_pairs),
-                jax.lax.ppermute(out.dh, pipeline_lib.STAGE_AXIS, backward_pairs),
+                jax.lax.ppermute(out.y, axes.STAGE, forward_pairs),
+                jax.lax.ppermute(out.dh, axes.STAGE, backward_pairs),
             )
             return (*sent, kept_x, kept_dy, grads, head_grads, dx, totals), None
 
@@ -167,18 +167,18 @@ def value_and_grad(model_def: ModelDef, params: dict, tokens: jax.Array, loss_fn
         init = (*nothing[:2], buffer(input_slots), buffer(grad_slots), *nothing[3:5], jnp.zeros_like(micro_x), nothing.totals)
         carry, _ = jax.lax.scan(tick, init, table)
         _, _, _, _, grads, head_grads, dx, totals = carry
-        total = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, pipeline_lib.STAGE_AXIS), tree)  # noqa: E731
+        total = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, axes.STAGE), tree)  # noqa: E731
         loss, metrics = jax.tree.map(lambda a: a / m, total(totals))
         return loss, metrics, jax.tree.map(lambda g: g[None], grads), total(head_grads), total(dx)
 
-    stage_spec = jax.P(pipeline_lib.STAGE_AXIS)
+    stage_spec = jax.P(axes.STAGE)
     replicated = lambda tree: jax.tree.map(lambda _: jax.P(), tree)  # noqa: E731
     table = tuple(jnp.asarray(t) for t in (branch, micro, arrived_f, arrived_b))
     loss, metrics, block_grads, head_grads, dx = jax.shard_map(
         per_stage,
         in_specs=(jax.tree.map(lambda _: stage_spec, grouped), replicated(rest), jax.P(), jax.P(), jax.P(), replicated(table)),
         out_specs=(jax.P(), jax.P(), jax.tree.map(lambda _: stage_spec, grouped), replicated(rest), jax.P()),
-        axis_names={pipeline_lib.STAGE_AXIS},
+        axis_names={axes.STAGE},
         check_vma=False,
     )(grouped, rest, micro_x, micro_t, micro_seg, table)
     (embed_grads,) = embed_vjp(pipeline_lib.from_microbatches(dx))

@@ -49,10 +49,12 @@ def define_flags() -> None:
 def _config(mesh: str, rules: str, schedule: str, microbatches: int, *, batch: int, optimizer: str = "adamw") -> ml_collections.ConfigDict:
     config = default.get_config()
     config.steps, config.batch_size, config.data.seq_len = max(_FLAGS.steps, 1), batch, _FLAGS.seq_len
-    config.model.update({"preset": "tiny", "n_layers": 8})
+    config.model.update({
+        "preset": "tiny", "n_layers": 8,
+        "pipeline_schedule": schedule, "pipeline_microbatches": microbatches, "pipeline_repeats": 2 if schedule == "circular" else 1,
+    })  # fmt: skip
     config.optimizer.name, config.optimizer.warmup_steps = optimizer, 1
     config.mesh, config.rules = mesh, rules
-    config.pipeline.update({"schedule": schedule, "microbatches": microbatches, "repeats": 2 if schedule == "circular" else 1})
     if mesh == "data:1":
         config.devices = 1
     return config
@@ -61,7 +63,7 @@ def _config(mesh: str, rules: str, schedule: str, microbatches: int, *, batch: i
 def _compiled_step(config: ml_collections.ConfigDict):
     spec = run_spec.build_run(config)
     shardings = spec.shardings
-    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules), pipeline.use_pipeline(spec.pipeline):
+    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
         state = train_lib.abstract_state(spec.model_def, spec.tx, shardings)
         batch = jax.ShapeDtypeStruct((config.batch_size, config.data.seq_len + 1), np.int32, sharding=shardings.batch)
         return spec, train_lib.jit_train_step(train_lib.make_train_step(spec.model_def, spec.tx), shardings).lower(state, batch).compile()
@@ -128,7 +130,7 @@ def _losses(config: ml_collections.ConfigDict, batches: np.ndarray) -> np.ndarra
     spec = run_spec.build_run(config)
     shardings = spec.shardings
     losses = []
-    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules), pipeline.use_pipeline(spec.pipeline):
+    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
         state = train_lib.init_state(spec.model_def, spec.tx, 0, shardings)
         step = train_lib.jit_train_step(train_lib.make_train_step(spec.model_def, spec.tx), shardings)
         for tokens in batches:

@@ -16,7 +16,6 @@ shards, the mode, each device's share of a sequence and the K/V one layer holds 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -29,7 +28,6 @@ from absl import app, flags
 from experiments import cli, run_spec, train_lib
 from lm import model as model_lib
 from lm.parallel import context_attention
-from lm.parallel import pipeline
 from sharding import axes
 from sharding import mesh as mesh_lib
 from sharding import partition
@@ -67,7 +65,7 @@ def plan(config: ml_collections.ConfigDict, hbm_bytes: float, *, compile_step: b
     """
     spec = run_spec.build_run(config)
     shardings = spec.shardings
-    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules), pipeline.use_pipeline(spec.pipeline):
+    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
         state = train_lib.abstract_state(spec.model_def, spec.tx, shardings)
         if compile_step:
             batch = jax.ShapeDtypeStruct((config.batch_size, config.data.seq_len + 1), jax.numpy.int32, sharding=shardings.batch)
@@ -89,7 +87,7 @@ def plan(config: ml_collections.ConfigDict, hbm_bytes: float, *, compile_step: b
         "context": _context(config, spec),
     }
     if spec.mesh.shape.get(axes.STAGE, 1) > 1:  # block parameters and their state split over stages
-        report["pipeline"] = dataclasses.asdict(spec.pipeline)
+        report["pipeline"] = {k: getattr(spec.cfg, f"pipeline_{k}") for k in ("schedule", "microbatches", "repeats")}
     if not compile_step:
         report["peak_bytes"] = report["params_bytes"] + report["gradients_bytes"] + report["optimizer_state_bytes"]
         report["fits"] = report["peak_bytes"] <= hbm_bytes

@@ -33,7 +33,10 @@ from sharding import rules as rules_lib
 STATE_SHAPING_KEYS = ("state_bits", "cautious")
 
 # Model fields a resumed run may change: they alter how the step computes, not what the state is.
-_RESUMABLE_MODEL_CHANGES = ("attention", "dtype", "remat", "scan_unroll", "track_attn_logits")
+_RESUMABLE_MODEL_CHANGES = (
+    "attention", "dtype", "remat", "scan_unroll", "track_attn_logits",
+    "context_parallel", "pipeline_schedule", "pipeline_microbatches", "pipeline_repeats",
+)  # fmt: skip
 
 
 def model_config(config: ml_collections.ConfigDict) -> model_config_lib.ModelConfig:
@@ -77,11 +80,6 @@ def balancing(config: ml_collections.ConfigDict) -> moe.Balancing:
     return moe.Balancing(**{field: block[key] for key, field in names.items() if key in block})
 
 
-def pipeline_of(config: ml_collections.ConfigDict) -> pipeline.Pipeline:
-    """The pipeline schedule of ``config.pipeline`` (defaults where a config has no such block)."""
-    return pipeline.Pipeline(**(config.get("pipeline") or {}))
-
-
 def run_meta(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConfig, replicas: int = 1) -> dict:
     """What a checkpoint must agree with to be resumed by this run.
 
@@ -117,7 +115,6 @@ class RunSpec:
     mesh: jax.sharding.Mesh
     rules: rules_lib.Rules
     shardings: train_lib.Shardings
-    pipeline: pipeline.Pipeline  # the schedule over a `stage` mesh axis (`lm.pipeline.use_pipeline`)
 
 
 def _check_replica_kernels(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:
@@ -179,12 +176,9 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
                 f"{n_batch_shards} batch shards of mesh {dict(mesh.shape)}; use a batch_size divisible by {n_batch_shards * config.grad_accum_steps}"
             )
         _check_context(cfg, config.data.seq_len, mesh, rules)
-        schedule = pipeline_of(config)
         pipeline.check(
-            schedule, stages=mesh.shape.get(axes.STAGE, 1), n_layers=cfg.n_layers,
-            batch=config.batch_size // config.grad_accum_steps, batch_shards=n_batch_shards,
-            scan_layers=cfg.scan_layers, aux=pipeline.uncarried_aux(cfg),
-        )  # fmt: skip
+            cfg, stages=mesh.shape.get(axes.STAGE, 1), batch=config.batch_size // config.grad_accum_steps, batch_shards=n_batch_shards
+        )
         _check_replicas_named(config, mesh)
         replica_axis = config.get("replicas") or None
         if replica_axis:
@@ -205,4 +199,4 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
         optimizer.check_layout(model_def.abstract_params, shardings.params, replica_axis)
     except (ValueError, KeyError) as e:
         raise UsageError(str(e).strip("'\"")) from e
-    return RunSpec(cfg, model_def, tx, mesh, rules, shardings, schedule)
+    return RunSpec(cfg, model_def, tx, mesh, rules, shardings)

@@ -27,7 +27,6 @@ from lm.data import batches as batches_lib
 from lm.data import input_pipeline
 from lm.loss import flops_per_token
 from lm.model import count_params
-from lm.parallel import pipeline
 from optim import build
 from sharding import partition
 
@@ -140,7 +139,7 @@ def run(
         except ValueError:  # not the main thread: no signal handling
             handlers = {}
     try:
-        with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules), pipeline.use_pipeline(spec.pipeline):
+        with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
             target = train_lib.abstract_state(spec.model_def, spec.tx, shardings)
             try:
                 restored = checkpointing.restore(mgr, target, meta, restore_step)

@@ -11,7 +11,7 @@ from lm import remat as remat_lib
 from lm.data import tokenizer
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")  # see lm/attention.py
-CONTEXT_PARALLEL = ("all_gather", "ring", "ulysses")  # see lm/context_attention.py
+CONTEXT_PARALLEL = ("all_gather", "ring", "ulysses")  # see lm/parallel/context_attention.py
 ATTENTION_TYPES = ("gqa", "mla")
 MOE_MATMULS = ("auto", "ragged_dot", "gmm")  # see lm/moe.py  # grouped-query (lm/attention.py) or multi-head latent (lm/mla.py)
 
@@ -38,7 +38,12 @@ class ModelConfig:
     remat: str = "none"  # what the backward pass recomputes, a policy in lm/remat.py (true: "full")
     track_attn_logits: bool = False  # report per-layer, per-head max pre-softmax logits
     attention: str = "auto"  # auto | xla | cudnn | pallas (lm/attention.py)
-    context_parallel: str = "all_gather"  # all_gather | ring | ulysses, over a `context` mesh axis (lm/context_attention.py)
+    # Parallel modes (lm/parallel/): how the model runs over the `context` and `stage` mesh axes (sharding/axes.py).
+    # None changes the parameters, so a resumed run may change any of them (experiments/run_spec.py).
+    context_parallel: str = "all_gather"  # all_gather | ring | ulysses, over a `context` mesh axis (lm/parallel/context_attention.py)
+    pipeline_schedule: str = "gpipe"  # gpipe | circular | 1f1b | zb_h1, over a `stage` mesh axis (lm/parallel/pipeline.py)
+    pipeline_microbatches: int = 4  # M, microbatches per step (per gradient-accumulation micro-batch)
+    pipeline_repeats: int = 1  # R, layer groups per stage; 1 except for circular
     document_separator: int | None = None  # token opening a document: attention stays inside documents
     # Mixture of experts (lm/moe.py); n_experts = 0: every block has a dense SwiGLU.
     n_experts: int = 0

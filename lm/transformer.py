@@ -164,7 +164,7 @@ class Transformer(nnx.Module):
         x = constrain(self.embed(tokens), ACTIVATION)
         if cfg.scan_layers and pipeline.stage_count() > 1:
             run_group = lambda blocks, h, seg: scan_blocks(cfg, blocks, h, seg, order)[0]  # noqa: E731
-            x = pipeline.run_stack(self.blocks, x, segment_ids, run_group, aux=pipeline.uncarried_aux(cfg))
+            x = pipeline.run_stack(self.blocks, x, segment_ids, run_group, cfg)
             max_logits = moe_stats = None
         elif cfg.scan_layers:
             x, (max_logits, moe_stats) = scan_blocks(cfg, self.blocks, x, segment_ids, order)

@@ -8,7 +8,6 @@ from ml_collections import config_dict
 
 from experiments.configs import blocks
 from lm import config as model_config
-from lm.parallel import pipeline
 from optim import registry, spec
 
 
@@ -85,8 +84,6 @@ def get_config() -> ml_collections.ConfigDict:
     # A mesh axis (e.g. "data") whose slices are replicas that each keep their own gradients and state
     # (replica-local step, for DeMo / DiLoCo / PowerSGD); empty: gradients averaged by GSPMD.
     config.replicas = ""
-    # Pipeline schedule over a "stage" mesh axis (lm/pipeline.py): schedule gpipe | circular | 1f1b | zb_h1, microbatches, repeats.
-    config.pipeline = blocks.dataclass_block(pipeline.Pipeline)
 
     config.eval_every = 100
     config.eval_batches = 8

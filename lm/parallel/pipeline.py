@@ -31,10 +31,7 @@ This module is the forward loop (``gpipe``, ``circular``) that ``jax.grad`` diff
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -48,40 +45,6 @@ SCHEDULES = ("gpipe", "circular", "1f1b", "zb_h1")
 _MICRO = (None, "batch", "seq", "embed")
 
 
-@dataclasses.dataclass(frozen=True)
-class Pipeline:
-    """How the block stack runs over the ``stage`` mesh axis (``--config.pipeline.*``).
-
-    schedule: ``gpipe`` (one contiguous layer group per stage), ``circular`` (``repeats`` groups per
-      stage, microbatches loop ``repeats`` times round the stages), ``1f1b`` or ``zb_h1`` (`lm.pipeline_1f1b`:
-      the train step's loss and gradients in their own tick loop; forward-only calls run as ``gpipe``).
-    microbatches: ``M``, microbatches per step (per gradient-accumulation micro-batch).
-    repeats: ``R``, layer groups per stage; 1 except for ``circular``.
-    """
-
-    schedule: str = "gpipe"
-    microbatches: int = 4
-    repeats: int = 1
-
-
-_PIPELINE: contextvars.ContextVar[Pipeline | None] = contextvars.ContextVar("pipeline", default=None)
-
-
-@contextlib.contextmanager
-def use_pipeline(pipeline: Pipeline) -> Iterator[None]:
-    """Makes ``pipeline`` the schedule that models use under a mesh with a ``stage`` axis inside the block."""
-    token = _PIPELINE.set(pipeline)
-    try:
-        yield
-    finally:
-        _PIPELINE.reset(token)
-
-
-def current() -> Pipeline:
-    """The schedule in force (`use_pipeline`; default `Pipeline()`). A jitted step reads it when it is traced."""
-    return _PIPELINE.get() or Pipeline()
-
-
 def stage_count() -> int:
     """Size of the ``stage`` axis of the mesh in context (1 without one, or where it is already manual)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -90,47 +53,44 @@ def stage_count() -> int:
     return mesh.shape[axes.STAGE]
 
 
-def check(
-    pipeline: Pipeline, *, stages: int, n_layers: int, batch: int, batch_shards: int = 1, scan_layers: bool, aux: str | None = None
-) -> None:
-    """Raises a one-line ValueError naming the sizes that work when ``pipeline`` cannot run.
+def check(cfg: ModelConfig, *, stages: int, batch: int, batch_shards: int = 1) -> None:
+    """Raises a one-line ValueError naming the sizes that work when ``cfg``'s pipeline cannot run on ``stages``.
 
-    ``batch``: rows per gradient-accumulation micro-batch, split over ``batch_shards`` devices; ``aux``:
-    the name of a model output the pipeline does not carry (`uncarried_aux`), if the model makes one.
+    ``batch``: rows per gradient-accumulation micro-batch, split over ``batch_shards`` devices.
     """
     if stages <= 1:
         return
-    p = pipeline
-    if p.schedule not in SCHEDULES:
-        raise ValueError(f"pipeline.schedule={p.schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if not scan_layers:
+    schedule, m, r = cfg.pipeline_schedule, cfg.pipeline_microbatches, cfg.pipeline_repeats
+    if schedule not in SCHEDULES:
+        raise ValueError(f"model.pipeline_schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if not cfg.scan_layers:
         raise ValueError(f"a mesh with stage:{stages} pipelines the scanned block stack; set model.scan_layers=True")
-    if aux is not None:
+    if (aux := uncarried_aux(cfg)) is not None:
         raise ValueError(f"{aux} is not carried through the pipeline yet; turn it off or use a mesh without a stage axis")
-    if p.repeats < 1 or (p.schedule != "circular" and p.repeats != 1):
-        raise ValueError(f"pipeline.repeats={p.repeats}: {p.schedule} takes repeats=1, circular any repeats >= 1")
-    groups = stages * p.repeats
+    if r < 1 or (schedule != "circular" and r != 1):
+        raise ValueError(f"model.pipeline_repeats={r}: {schedule} takes repeats=1, circular any repeats >= 1")
+    groups, n_layers = stages * r, cfg.n_layers
     if n_layers % groups:
         near = sorted({n for n in (groups * (n_layers // groups), groups * (n_layers // groups + 1)) if n > 0})
         raise ValueError(
-            f"model.n_layers={n_layers} does not split into stage:{stages} x pipeline.repeats={p.repeats} = {groups} "
+            f"model.n_layers={n_layers} does not split into stage:{stages} x model.pipeline_repeats={r} = {groups} "
             f"layer groups; use n_layers divisible by {groups} (e.g. {' or '.join(map(str, near))})"
         )
-    if p.microbatches < 1 or batch % (p.microbatches * batch_shards):
+    if m < 1 or batch % (m * batch_shards):
         working = [d for d in range(1, batch + 1) if batch % (d * batch_shards) == 0]
         raise ValueError(
-            f"pipeline.microbatches={p.microbatches} does not split the micro-batch of {batch} sequences into microbatches "
+            f"model.pipeline_microbatches={m} does not split the micro-batch of {batch} sequences into microbatches "
             f"that split over {batch_shards} batch shard(s); use microbatches in {working}"
         )
-    if p.repeats > 1 and p.microbatches < stages:
+    if r > 1 and m < stages:
         raise ValueError(
-            f"pipeline.schedule=circular with repeats={p.repeats} needs microbatches >= stages ({p.microbatches} < "
+            f"model.pipeline_schedule=circular with repeats={r} needs microbatches >= stages ({m} < "
             f"{stages}): a microbatch must be back at stage 0 before its next repeat"
         )
 
 
 def uncarried_aux(cfg: ModelConfig) -> str | None:
-    """The per-layer model output of ``cfg`` that the pipeline does not carry, if any (for `check`)."""
+    """The per-layer model output of ``cfg`` that the pipeline does not carry, if any."""
     if cfg.track_attn_logits:
         return "model.track_attn_logits (attention max logits, e.g. for muon_clip)"
     if cfg.n_experts:
@@ -167,20 +127,18 @@ def run_stack(
     x: jax.Array,
     segment_ids: jax.Array | None,
     run_layers: Callable[[nnx.Module, jax.Array, jax.Array | None], jax.Array],
-    pipeline: Pipeline | None = None,
-    *,
-    aux: str | None = None,
+    cfg: ModelConfig,
 ) -> jax.Array:
-    """The block stack ``blocks`` (stacked ``[L, ...]`` parameters) on ``x`` ``(batch, seq, embed)``, pipelined.
+    """The block stack ``blocks`` (stacked ``[L, ...]`` parameters of model ``cfg``) on ``x`` ``(batch, seq, embed)``,
+    pipelined by ``cfg``'s schedule (``1f1b`` and ``zb_h1`` run their forward-only calls as ``gpipe``).
 
     ``run_layers(group, h, segment_ids)`` runs a stacked group of blocks (``[K, ...]`` parameters) on
-    one microbatch; the result equals ``run_layers(blocks, x, segment_ids)``. ``aux``: see `check`.
+    one microbatch; the result equals ``run_layers(blocks, x, segment_ids)``.
     """
-    p = pipeline or current()
-    stages, m, r = stage_count(), p.microbatches, p.repeats
+    stages, m, r = stage_count(), cfg.pipeline_microbatches, cfg.pipeline_repeats
     graphdef, state = nnx.split(blocks)
     n_layers = jax.tree.leaves(state)[0].shape[0]
-    check(p, stages=stages, n_layers=n_layers, batch=x.shape[0], scan_layers=True, aux=aux)
+    check(cfg, stages=stages, batch=x.shape[0])
     k = n_layers // (stages * r)
     # Layer l = (repeat * S + stage) * K + j, regrouped stage-major: [S, R, K, ...].
     grouped = jax.tree.map(lambda w: w.reshape(r, stages, k, *w.shape[1:]).swapaxes(0, 1), state)

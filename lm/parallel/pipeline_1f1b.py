@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lm.config import ModelConfig
 from lm.model import ModelDef
 from lm.parallel import pipeline as pipeline_lib
 from lm.parallel import pipeline_schedule
@@ -54,9 +55,10 @@ LossFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, dict]]
 _FORWARD_LOSS = 5  # the executor's own op: the last stage's forward, which also runs the head and the loss
 
 
-def active() -> bool:
-    """Whether the step in context runs a tick-table schedule (a ``stage`` axis and ``1f1b`` or ``zb_h1``)."""
-    return pipeline_lib.stage_count() > 1 and pipeline_lib.current().schedule in SCHEDULES
+def active(cfg: ModelConfig) -> bool:
+    """Whether model ``cfg``'s step under the mesh in context runs a tick-table schedule (a ``stage`` axis and
+    ``model.pipeline_schedule`` ``1f1b`` or ``zb_h1``)."""
+    return pipeline_lib.stage_count() > 1 and cfg.pipeline_schedule in SCHEDULES
 
 
 class _Result(NamedTuple):
@@ -75,13 +77,10 @@ def value_and_grad(model_def: ModelDef, params: dict, tokens: jax.Array, loss_fn
 
     ``loss`` and ``metrics`` are means over the microbatches (equal-sized, so the batch means).
     """
-    cfg, p, stages = model_def.config, pipeline_lib.current(), pipeline_lib.stage_count()
-    m = p.microbatches
-    pipeline_lib.check(
-        p, stages=stages, n_layers=cfg.n_layers, batch=tokens.shape[0], scan_layers=cfg.scan_layers,
-        aux=pipeline_lib.uncarried_aux(cfg),
-    )  # fmt: skip
-    ops, micro = pipeline_schedule.tick_table(p.schedule, stages, m)
+    cfg, stages = model_def.config, pipeline_lib.stage_count()
+    m = cfg.pipeline_microbatches
+    pipeline_lib.check(cfg, stages=stages, batch=tokens.shape[0])
+    ops, micro = pipeline_schedule.tick_table(cfg.pipeline_schedule, stages, m)
     arrived_f, arrived_b = pipeline_schedule.arrivals(ops, micro)
     input_slots, grad_slots = pipeline_schedule.buffer_slots(ops, micro)
     ops = ops.copy()

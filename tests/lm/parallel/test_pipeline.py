@@ -33,18 +33,18 @@ SEPARATOR, BATCH, SEQ_LEN, STEPS = 7, 8, 16, 3
 ONE_DEVICE = {"mesh": "data:1", "devices": 1}
 # placement, optimizers stepped on it (none: the first step's gradients only, to keep the suite short)
 CASES = {
-    "gpipe-stage4-data2": ({"mesh": "stage:4,data:2", "pipeline.microbatches": 4}, ()),
+    "gpipe-stage4-data2": ({"mesh": "stage:4,data:2", "model.pipeline_microbatches": 4}, ()),
     "circular-stage2-data4": (
-        {"mesh": "stage:2,data:4", "pipeline.schedule": "circular", "pipeline.repeats": 2, "pipeline.microbatches": 2},
+        {"mesh": "stage:2,data:4", "model.pipeline_schedule": "circular", "model.pipeline_repeats": 2, "model.pipeline_microbatches": 2},
         (),
     ),
     "1f1b-stage2-fsdp2-tensor2": (
-        {"mesh": "stage:2,fsdp:2,tensor:2", "rules": "tp", "pipeline.schedule": "1f1b", "pipeline.microbatches": 4},
+        {"mesh": "stage:2,fsdp:2,tensor:2", "rules": "tp", "model.pipeline_schedule": "1f1b", "model.pipeline_microbatches": 4},
         (),
     ),
-    "zb_h1-stage4-data2": ({"mesh": "stage:4,data:2", "pipeline.schedule": "zb_h1", "pipeline.microbatches": 4}, ("adamw", "muon")),
+    "zb_h1-stage4-data2": ({"mesh": "stage:4,data:2", "model.pipeline_schedule": "zb_h1", "model.pipeline_microbatches": 4}, ("adamw", "muon")),
     "zb_h1-stage2-fsdp2-tensor2": (
-        {"mesh": "stage:2,fsdp:2,tensor:2", "rules": "tp", "pipeline.schedule": "zb_h1", "pipeline.microbatches": 4},
+        {"mesh": "stage:2,fsdp:2,tensor:2", "rules": "tp", "model.pipeline_schedule": "zb_h1", "model.pipeline_microbatches": 4},
         (),
     ),
 }
@@ -88,13 +88,13 @@ def _run(case):
         return cross_entropy(model_lib.apply(spec.model_def, params, tokens[:, :-1]), tokens[:, 1:])[0]
 
     def loss_and_grads(params, tokens):
-        if pipeline_1f1b.active():
+        if pipeline_1f1b.active(spec.cfg):
             (loss, _), grads = pipeline_1f1b.value_and_grad(spec.model_def, params, tokens, cross_entropy)
             return loss, grads
         return jax.value_and_grad(loss_fn)(params, tokens)
 
     batches, out, initial = _batches(), {}, _initial_params()
-    with jax.set_mesh(spec.mesh), pipeline.use_pipeline(spec.pipeline), partition.use_rules(spec.rules):
+    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
         grad_fn = jax.jit(
             loss_and_grads, in_shardings=(shardings.params, shardings.batch), out_shardings=(None, shardings.params), compiler_options=FAST_COMPILE
         )  # fmt: skip
@@ -161,12 +161,12 @@ def test_checkpoint_moves_between_pipeline_and_plain_meshes(tmp_path, saved_on, 
 @pytest.mark.parametrize(
     "keys, match",
     [
-        ({"model.n_layers": 6}, r"n_layers=6 does not split into stage:4 x pipeline.repeats=1 = 4 layer groups; use n_layers divisible by 4 \(e.g. 4 or 8\)"),
-        ({"pipeline.microbatches": 3}, r"microbatches in \[1, 2, 4\]"),
-        ({"pipeline.schedule": "circular", "pipeline.repeats": 2, "pipeline.microbatches": 2}, "needs microbatches >= stages"),
+        ({"model.n_layers": 6}, r"n_layers=6 does not split into stage:4 x model.pipeline_repeats=1 = 4 layer groups; use n_layers divisible by 4 \(e.g. 4 or 8\)"),
+        ({"model.pipeline_microbatches": 3}, r"microbatches in \[1, 2, 4\]"),
+        ({"model.pipeline_schedule": "circular", "model.pipeline_repeats": 2, "model.pipeline_microbatches": 2}, "needs microbatches >= stages"),
         ({"model.scan_layers": False}, "set model.scan_layers=True"),
         ({"optimizer.name": "muon_clip"}, "track_attn_logits"),
-        ({"pipeline.schedule": "pipedream"}, "is not one of gpipe, circular, 1f1b, zb_h1"),
+        ({"model.pipeline_schedule": "pipedream"}, "is not one of gpipe, circular, 1f1b, zb_h1"),
         ({"optimizer.name": "diloco", "replicas": "data"}, "does not run beside a stage axis"),
     ],
 )
@@ -247,9 +247,9 @@ def test_train_step_runs_the_schedule_in_force(schedule, ticks):
     """`train_lib.make_train_step` takes 1F1B's and ZB-H1's own loss and gradients (loops of their tables' ticks,
     carrying buffers of the tables' sizes) and differentiates GPipe's forward loop (M + S - 1 ticks); evaluation
     runs the forward loop under all three."""
-    spec = run_spec.build_run(_config({"mesh": "stage:4,data:2", "pipeline.schedule": schedule}))
+    spec = run_spec.build_run(_config({"mesh": "stage:4,data:2", "model.pipeline_schedule": schedule}))
     batch = jax.ShapeDtypeStruct((BATCH, SEQ_LEN + 1), np.int32, sharding=spec.shardings.batch)
-    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules), pipeline.use_pipeline(spec.pipeline):
+    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
         state = train_lib.abstract_state(spec.model_def, spec.tx, spec.shardings)
         step = jax.make_jaxpr(train_lib.make_train_step(spec.model_def, spec.tx))(state, batch)
         evaluation = jax.make_jaxpr(train_lib.make_eval_step(spec.model_def))(state["params"], batch)

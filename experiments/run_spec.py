@@ -12,7 +12,6 @@ from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 
 from experiments import train_lib
 from experiments.cli import UsageError
@@ -21,10 +20,8 @@ from lm import hf
 from lm import model as model_lib
 from lm import moe
 from lm.data import input_pipeline
-from lm.parallel import context_attention
-from lm.parallel import pipeline
+from lm.parallel import check as parallel
 from optim import build, registry
-from sharding import axes
 from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib
@@ -144,13 +141,6 @@ def _check_replicas_named(config: ml_collections.ConfigDict, mesh: jax.sharding.
         )
 
 
-def _check_context(cfg: model_config_lib.ModelConfig, seq_len: int, mesh: jax.sharding.Mesh, rules: rules_lib.Rules) -> None:
-    """Sequence length and head counts against the ``context`` shards (`lm.context_attention.check`)."""
-    ways = lambda name: int(np.prod([mesh.shape[a] for a in dict(rules.activations).get(name, ()) if a in mesh.shape]))  # noqa: E731
-    if axes.CONTEXT in dict(rules.activations).get("seq", ()):
-        context_attention.check(cfg, seq_len, mesh.shape.get(axes.CONTEXT, 1), ways("heads"))
-
-
 def build_run(config: ml_collections.ConfigDict) -> RunSpec:
     """Checks ``config`` and builds its `RunSpec`; every bad-input error becomes a `UsageError`."""
     try:
@@ -169,25 +159,17 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
             raise ValueError(f"config.devices={config.devices} but only {len(jax.devices())} devices are present")
         mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[: config.devices] if config.devices else None)
         rules = rules_lib.make_rules(config.rules, rules_lib.parse_overrides(config.get("rule_overrides", "")))
-        n_batch_shards = int(np.prod([mesh.shape[a] for a in dict(rules.activations).get("batch", ()) if a in mesh.shape]))
+        n_batch_shards = parallel.shards(mesh, rules, "batch")
         if (config.batch_size // config.grad_accum_steps) % n_batch_shards:
             raise ValueError(
                 f"the micro-batch of {config.batch_size // config.grad_accum_steps} sequences cannot be split over "
                 f"{n_batch_shards} batch shards of mesh {dict(mesh.shape)}; use a batch_size divisible by {n_batch_shards * config.grad_accum_steps}"
             )
-        _check_context(cfg, config.data.seq_len, mesh, rules)
-        pipeline.check(
-            cfg, stages=mesh.shape.get(axes.STAGE, 1), batch=config.batch_size // config.grad_accum_steps, batch_shards=n_batch_shards
-        )
-        _check_replicas_named(config, mesh)
         replica_axis = config.get("replicas") or None
+        parallel.check(cfg, mesh, rules, batch=config.batch_size // config.grad_accum_steps, seq_len=config.data.seq_len, replicas=replica_axis or "")
+        _check_replicas_named(config, mesh)
         if replica_axis:
             _check_replica_kernels(config, mesh)
-            if mesh.shape.get(axes.STAGE, 1) > 1:
-                raise ValueError(
-                    f"config.replicas={replica_axis} (a replica-local step, for {config.optimizer.name}) does not run beside "
-                    f"a stage axis yet (mesh {dict(mesh.shape)}); drop the stage axis or use an optimizer that is not replica-local"
-                )
         balancing(config)  # checked here so a bad value is a usage error
         model_def = model_lib.define(cfg)
         # The fused quantized-state kernel runs per shard of these specs (optim.quantize_state).

@@ -1,0 +1,45 @@
+"""Every parallel mode of a model checked against a mesh and its rules, before anything is traced.
+
+One place for all of them, so a new mode adds its check here and every entry point (training, the
+planner, benchmarks; all build their run through `experiments.run_spec`) refuses a bad layout with one
+line naming the fix:
+
+- ``context`` (`lm.parallel.context_attention`): the sequence and head counts split over the shards;
+- ``stage`` (`lm.parallel.pipeline`): layers, microbatches and repeats split over the stages;
+- a replica-local train step (``replicas``, a mesh axis whose slices keep their own optimizer state)
+  does not run beside a ``stage`` axis;
+- ``expert`` needs nothing beyond the rules' own checks (`sharding.rules.logical_to_mesh_spec`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from lm.config import ModelConfig
+from lm.parallel import context_attention, pipeline
+from sharding import axes
+from sharding.rules import Rules
+
+
+def shards(mesh: jax.sharding.Mesh, rules: Rules, logical: str) -> int:
+    """How many ways the activation rules of ``rules`` split logical axis ``logical`` on ``mesh``."""
+    return math.prod(mesh.shape[a] for a in dict(rules.activations).get(logical, ()) if a in mesh.shape)
+
+
+def check(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules, *, batch: int, seq_len: int, replicas: str = "") -> None:
+    """Raises a one-line ValueError naming the fix when model ``cfg`` cannot run its parallel modes on ``mesh``.
+
+    ``batch``: sequences per gradient-accumulation micro-batch; ``seq_len``: tokens per sequence;
+    ``replicas``: the replica axis of a replica-local step (empty: none).
+    """
+    if axes.CONTEXT in dict(rules.activations).get("seq", ()):
+        context_attention.check(cfg, seq_len, mesh.shape.get(axes.CONTEXT, 1), shards(mesh, rules, "heads"))
+    stages = mesh.shape.get(axes.STAGE, 1)
+    pipeline.check(cfg, stages=stages, batch=batch, batch_shards=shards(mesh, rules, "batch"))
+    if replicas and stages > 1:
+        raise ValueError(
+            f"config.replicas={replicas} (a replica-local step) does not run beside a stage axis yet (mesh "
+            f"{dict(mesh.shape)}); drop the stage axis or use an optimizer that is not replica-local"
+        )

@@ -54,7 +54,7 @@ def load_tokenizer(workdir: str | Path, spec: str | None = None) -> tokenizer.To
     try:
         if spec:
             return tokenizer.load(spec)
-        return input_pipeline.run_tokenizer(run_config(workdir).data)
+        return input_pipeline.run_tokenizer(run_spec.data_config(run_config(workdir)))
     except ValueError as e:
         raise cli.UsageError(f"{e} (--tokenizer=FILE)") from e
 
@@ -71,4 +71,4 @@ def run_config(workdir: str | Path) -> ml_collections.ConfigDict:
 
 def run_manifest(workdir: str | Path) -> dict | None:
     """The training shards' manifest of the run in ``workdir`` (None for the text corpus or shards without one)."""
-    return input_pipeline.train_manifest(run_config(workdir).data)
+    return input_pipeline.train_manifest(run_spec.data_config(run_config(workdir)))

@@ -36,6 +36,11 @@ _RESUMABLE_MODEL_CHANGES = (
 )  # fmt: skip
 
 
+def data_config(config: ml_collections.ConfigDict) -> input_pipeline.DataConfig:
+    """The `DataConfig` of ``config.data`` (defaults for keys an older run's config lacks)."""
+    return input_pipeline.DataConfig(**config.data.to_dict())
+
+
 def model_config(config: ml_collections.ConfigDict) -> model_config_lib.ModelConfig:
     """The `ModelConfig` for ``config.model``: the preset plus every key that is set (the vocabulary, when
     unset, from the manifest of ``data.train_files`` if they have one; the document separator, when
@@ -43,10 +48,10 @@ def model_config(config: ml_collections.ConfigDict) -> model_config_lib.ModelCon
     overrides = {k: v for k, v in config.model.items() if k != "preset" and v is not None}
     if config.get("init_from_hf"):
         return _hf_model_config(config, overrides)
-    if "vocab_size" not in overrides and (vocab_size := input_pipeline.manifest_vocab_size(config.data)) is not None:
+    if "vocab_size" not in overrides and (vocab_size := input_pipeline.manifest_vocab_size(data_config(config))) is not None:
         overrides["vocab_size"] = vocab_size
     if "document_separator" not in overrides:
-        overrides["document_separator"] = input_pipeline.document_separator(config.data)
+        overrides["document_separator"] = input_pipeline.document_separator(data_config(config))
     return model_config_lib.from_preset(config.model.preset, **overrides)
 
 
@@ -67,7 +72,7 @@ def _hf_model_config(config: ml_collections.ConfigDict, overrides: dict) -> mode
     if conflicts:
         raise ValueError(f"init_from_hf={directory} fixes the architecture, but the config sets {', '.join(conflicts)}; drop those keys")
     computes = {k: v for k, v in overrides.items() if k not in hf.CONFIG_FIELDS}
-    return hf.read_config(directory, **computes, document_separator=input_pipeline.document_separator(config.data))
+    return hf.read_config(directory, **computes, document_separator=input_pipeline.document_separator(data_config(config)))
 
 
 def balancing(config: ml_collections.ConfigDict) -> moe.Balancing:

@@ -21,7 +21,7 @@ import numpy as np
 
 from experiments import checkpointing, hardware, metrics_io, train_lib
 from experiments.cli import UsageError
-from experiments.run_spec import RunSpec, balancing, build_run, run_meta
+from experiments.run_spec import RunSpec, balancing, build_run, data_config, run_meta
 from lm import hf
 from lm.data import batches as batches_lib
 from lm.data import input_pipeline
@@ -59,7 +59,7 @@ class LoopSettings:
             eval_every=config.eval_every,
             log_every=config.log_every,
             max_bad_steps=config.max_bad_steps,
-            token_shares=input_pipeline.token_shares(config),
+            token_shares=input_pipeline.token_shares(data_config(config), config.steps * config.batch_size),
         )
 
     @property
@@ -88,7 +88,10 @@ class _Checkpoints:
 def load_data(config: ml_collections.ConfigDict, vocab_size: int) -> tuple[batches_lib.PackedBatches, input_pipeline.ValidationSet]:
     """This process's training iterator and validation batches (`lm.input_pipeline`), for a model of ``vocab_size``."""
     try:
-        return input_pipeline.build(config, vocab_size, process_index=jax.process_index(), process_count=jax.process_count())
+        return input_pipeline.build(
+            data_config(config), vocab_size, seed=config.seed, batch_size=config.batch_size, eval_batches=config.eval_batches,
+            process_index=jax.process_index(), process_count=jax.process_count(),
+        )
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from e
 

@@ -8,6 +8,7 @@ from ml_collections import config_dict
 
 from experiments.configs import blocks
 from lm import config as model_config
+from lm.data import input_pipeline
 from optim import registry, spec
 
 
@@ -51,19 +52,8 @@ def get_config() -> ml_collections.ConfigDict:
     # sets the architecture, config.model only how it computes. Empty: a fresh initialisation.
     config.init_from_hf = ""
 
-    config.data = ml_collections.ConfigDict()
-    config.data.path = ""  # empty: the Python standard-library corpus; else a text file or folder
-    config.data.seq_len = 128
-    config.data.val_fraction = 0.02
-    config.data.cache_dir = ""  # empty: ~/.cache/spmdlab
-    # Pre-tokenized shards instead (llm.c .bin or .npy; globs, comma-separated): e.g. "data/x/train_*.bin".
-    config.data.train_files = ""
-    config.data.val_files = ""
-    config.data.mixture = ""  # instead of train_files: "GLOB_A:0.7,GLOB_B:0.3" samples sources by weight
-    config.data.val_tokens = 0  # fixed validation set of this many tokens (e.g. 10485760); 0: eval_batches batches
-    config.data.bos_aligned = False  # every sequence starts at a document start (a separator token)
-    config.data.document_mask = False  # attention stays inside documents (segment ids from the separator)
-    config.data.separator_id = config_dict.placeholder(int)  # None: the manifest's (EOS for the byte corpus)
+    # What the run reads: every `lm.data.input_pipeline.DataConfig` field (lm/data/input_pipeline.py documents them).
+    config.data = blocks.dataclass_block(input_pipeline.DataConfig)
 
     config.loss = ml_collections.ConfigDict()
     config.loss.z_loss = 0.0

@@ -1,4 +1,4 @@
-"""The training input a ``config.data`` block describes: the stdlib / text corpus, or pre-tokenized shards.
+"""The training input a `DataConfig` (``--config.data.*``) describes: the stdlib / text corpus, or pre-tokenized shards.
 
 With ``data.train_files`` or ``data.mixture`` (`lm.mixture`), and ``data.val_files``, the run reads
 llm.c ``.bin`` / ``.npy`` shards memory-mapped (`lm.shards`); a ``manifest.json`` beside them (written
@@ -18,18 +18,36 @@ times the split's tokens (one separator per document included) over its UTF-8 by
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 
 import grain
-import ml_collections
 import numpy as np
 
 from lm.data import corpus, batches, documents, mixture, shards, tokenizer
 
 MANIFEST = "manifest.json"
 VOCAB_MULTIPLE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """What a run reads and how it batches it; the ``data`` config block is generated from these fields."""
+
+    path: str = ""  # empty: the Python standard-library corpus; else a text file or folder
+    seq_len: int = 128
+    val_fraction: float = 0.02
+    cache_dir: str = ""  # empty: ~/.cache/spmdlab
+    # Pre-tokenized shards instead (llm.c .bin or .npy; globs, comma-separated): e.g. "data/x/train_*.bin".
+    train_files: str = ""
+    val_files: str = ""
+    mixture: str = ""  # instead of train_files: "GLOB_A:0.7,GLOB_B:0.3" samples sources by weight
+    val_tokens: int = 0  # fixed validation set of this many tokens (e.g. 10485760); 0: eval_batches batches
+    bos_aligned: bool = False  # every sequence starts at a document start (a separator token)
+    document_mask: bool = False  # attention stays inside documents (segment ids from the separator)
+    separator_id: int | None = None  # None: the manifest's (EOS for the byte corpus)
 
 
 class ValidationSet(list):
@@ -61,41 +79,41 @@ def padded(vocab_size: int) -> int:
     return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
-def train_patterns(data_config: ml_collections.ConfigDict) -> list[tuple[str, float]]:
+def train_patterns(data_config: DataConfig) -> list[tuple[str, float]]:
     """The training shards' globs with their weights: ``data.mixture``'s, or ``data.train_files`` with weight 1."""
-    if data_config.get("mixture") and data_config.get("train_files"):
+    if data_config.mixture and data_config.train_files:
         raise ValueError("data.mixture and data.train_files are both set; give one (a mixture names its own globs)")
-    if data_config.get("mixture"):
+    if data_config.mixture:
         return mixture.parse(data_config.mixture)
-    return [(data_config.train_files, 1.0)] if data_config.get("train_files") else []
+    return [(data_config.train_files, 1.0)] if data_config.train_files else []
 
 
-def manifest_vocab_size(data_config: ml_collections.ConfigDict) -> int | None:
+def manifest_vocab_size(data_config: DataConfig) -> int | None:
     """The model vocabulary the training shards ask for: their manifests' largest, padded; None without one."""
-    what = "data.mixture" if data_config.get("mixture") else "data.train_files"
+    what = "data.mixture" if data_config.mixture else "data.train_files"
     manifests = [read_manifest(documents.expand(p, what=what)) for p, _ in train_patterns(data_config)]
     sizes = [int(m["vocab_size"]) for m in manifests if m is not None]
     return padded(max(sizes)) if sizes else None
 
 
-def token_shares(config: ml_collections.ConfigDict) -> dict[str, float] | None:
-    """Each mixture source's share of the tokens of the run's ``steps`` batches (None without a mixture)."""
-    if not config.data.get("mixture"):
+def token_shares(data_config: DataConfig, sequences: int) -> dict[str, float] | None:
+    """Each mixture source's share of the tokens of a run's first ``sequences`` sequences (None without a mixture)."""
+    if not data_config.mixture:
         return None
-    patterns = mixture.parse(config.data.mixture)
-    counts = mixture.Schedule([w for _, w in patterns]).counts(config.steps * config.batch_size)
+    patterns = mixture.parse(data_config.mixture)
+    counts = mixture.Schedule([w for _, w in patterns]).counts(sequences)
     return {p: float(c / counts.sum()) for (p, _), c in zip(patterns, counts)}
 
 
-def train_manifest(data_config: ml_collections.ConfigDict) -> dict | None:
+def train_manifest(data_config: DataConfig) -> dict | None:
     """The manifest of the (first source's) training shards; None for the text corpus or shards without one."""
     patterns = train_patterns(data_config)
     if not patterns:
         return None
-    return read_manifest(documents.expand(patterns[0][0], what="data.mixture" if data_config.get("mixture") else "data.train_files"))
+    return read_manifest(documents.expand(patterns[0][0], what="data.mixture" if data_config.mixture else "data.train_files"))
 
 
-def run_tokenizer(data_config: ml_collections.ConfigDict) -> tokenizer.Tokenizer:
+def run_tokenizer(data_config: DataConfig) -> tokenizer.Tokenizer:
     """The tokenizer a run's data was made with: byte-level for the text corpus, else the one the training
     shards' manifest names, checked against the manifest's sha256.
 
@@ -116,10 +134,10 @@ def run_tokenizer(data_config: ml_collections.ConfigDict) -> tokenizer.Tokenizer
     return tok
 
 
-def separator_id(data_config: ml_collections.ConfigDict) -> int | None:
+def separator_id(data_config: DataConfig) -> int | None:
     """The token that opens (or closes) documents: ``data.separator_id``, else the training shards' manifest's,
     else EOS for the byte-level corpus; None for shards without a manifest."""
-    if data_config.get("separator_id") is not None:
+    if data_config.separator_id is not None:
         return data_config.separator_id
     if not train_patterns(data_config):
         return tokenizer.EOS
@@ -127,13 +145,13 @@ def separator_id(data_config: ml_collections.ConfigDict) -> int | None:
     return None if manifest is None else manifest.get("separator_id")
 
 
-def document_separator(data_config: ml_collections.ConfigDict) -> int | None:
+def document_separator(data_config: DataConfig) -> int | None:
     """The model's ``document_separator``: `separator_id` with ``data.document_mask``, else None.
 
     Raises:
       ValueError: ``data.document_mask`` is set and the separator is unknown.
     """
-    if not data_config.get("document_mask"):
+    if not data_config.document_mask:
         return None
     separator = separator_id(data_config)
     if separator is None:
@@ -149,8 +167,8 @@ def _open(pattern: str, what: str, vocab_size: int) -> tuple[list[np.ndarray], d
     return streams, read_manifest(files)
 
 
-def _windows(streams: list[np.ndarray], seq_len: int, data_config, separator_id: int | None) -> batches.Windows:
-    if not data_config.get("bos_aligned"):
+def _windows(streams: list[np.ndarray], seq_len: int, data_config: DataConfig, separator_id: int | None) -> batches.Windows:
+    if not data_config.bos_aligned:
         return batches.Windows(streams, seq_len)
     if separator_id is None:
         raise ValueError("data.bos_aligned needs the document separator: give data.separator_id or shards with a manifest.json")
@@ -158,22 +176,21 @@ def _windows(streams: list[np.ndarray], seq_len: int, data_config, separator_id:
 
 
 def build(
-    config: ml_collections.ConfigDict, vocab_size: int, *, process_index: int = 0, process_count: int = 1
+    d: DataConfig, vocab_size: int, *, seed: int, batch_size: int, eval_batches: int, process_index: int = 0, process_count: int = 1
 ) -> tuple[batches.PackedBatches, ValidationSet]:
-    """This process's training batches and validation set for ``config`` (its ``data`` block, ``seed``,
-    ``batch_size``, ``eval_batches``), checked against the model's ``vocab_size``.
+    """This process's training batches (``batch_size`` sequences each, shuffled by ``seed``) and validation set
+    (``eval_batches`` batches unless ``d.val_tokens``) for ``d``, checked against the model's ``vocab_size``.
 
     Raises:
       ValueError: an empty glob, a bad shard or manifest, a token id at or above ``vocab_size``, or too little data.
     """
-    d = config.data
-    seq_len, batch = d.seq_len, config.batch_size
-    num_val = d.get("val_tokens", 0) // (batch * seq_len) if d.get("val_tokens", 0) else config.eval_batches
-    if d.get("val_tokens", 0) and num_val < 1:
+    seq_len, batch = d.seq_len, batch_size
+    num_val = d.val_tokens // (batch * seq_len) if d.val_tokens else eval_batches
+    if d.val_tokens and num_val < 1:
         raise ValueError(f"data.val_tokens={d.val_tokens} is less than one batch of {batch} x {seq_len} tokens")
     patterns = train_patterns(d)
     if not patterns:
-        if d.get("val_files"):
+        if d.val_files:
             raise ValueError("data.val_files is set without data.train_files; give both (or neither, for data.path)")
         streams = corpus.load(d.path, val_fraction=d.val_fraction, cache_dir=d.cache_dir or None)
         for split, tokens in streams.items():
@@ -181,25 +198,25 @@ def build(
         train, val = [[streams["train"]]], [streams["validation"]]
         tokens_per_byte = 1.0
     else:
-        if not d.get("val_files"):
+        if not d.val_files:
             raise ValueError("training shards need data.val_files too (e.g. the val_*.bin shards beside them)")
-        what = "data.mixture" if d.get("mixture") else "data.train_files"
+        what = "data.mixture" if d.mixture else "data.train_files"
         opened = [_open(p, what, vocab_size) for p, _ in patterns]
         train = [streams for streams, _ in opened]
         val, val_manifest = _open(d.val_files, "data.val_files", vocab_size)
         split = (val_manifest or {}).get("splits", {}).get("val")
         tokens_per_byte = split["tokens"] / split["bytes"] if split and split.get("bytes") else None
-    sources = [_windows(streams, seq_len, d, separator_id(d) if d.get("bos_aligned") else None) for streams in train]
-    name = f"mixture={d.get('mixture', '')} train_files={d.get('train_files', '')} path={d.path} bos_aligned={bool(d.get('bos_aligned'))}"
-    shares = {"seed": config.seed, "process_index": process_index, "process_count": process_count, "name": name}
-    if d.get("mixture"):
-        shuffled = [grain.MapDataset.source(s).shuffle(seed=(config.seed + k) % 2**32) for k, s in enumerate(sources)]
+    sources = [_windows(streams, seq_len, d, separator_id(d) if d.bos_aligned else None) for streams in train]
+    name = f"mixture={d.mixture} train_files={d.train_files} path={d.path} bos_aligned={d.bos_aligned}"
+    shares = {"seed": seed, "process_index": process_index, "process_count": process_count, "name": name}
+    if d.mixture:
+        shuffled = [grain.MapDataset.source(s).shuffle(seed=(seed + k) % 2**32) for k, s in enumerate(sources)]
         mixed = grain.MapDataset.source(mixture.Mixture(shuffled, [w for _, w in patterns]))
         train_iter = batches.PackedBatches(mixed, seq_len, batch, shuffle=False, **shares)
     else:
         train_iter = batches.PackedBatches(sources[0], seq_len, batch, **shares)
     validation = batches.validation_batches(
         batches.Windows(val, seq_len), seq_len, batch, num_val,
-        process_index=process_index, process_count=process_count, leading=bool(d.get("val_tokens")),
+        process_index=process_index, process_count=process_count, leading=bool(d.val_tokens),
     )  # fmt: skip
     return train_iter, ValidationSet(validation, tokens_per_byte)

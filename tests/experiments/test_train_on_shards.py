@@ -10,7 +10,7 @@ import pytest
 from experiments import cli, run_spec, tokenize, trainer
 from experiments.configs import default
 from experiments.metrics_io import read_metrics
-from lm.data import batches, documents, input_pipeline, shards, tokenizer
+from lm.data import batches, documents, shards, tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -107,11 +107,11 @@ def test_corrupt_shard_is_a_usage_error_naming_it(dataset, tmp_path):
 
 
 def test_fixed_validation_set_is_the_leading_val_tokens_for_any_batch_size(dataset):
-    _, val = input_pipeline.build(_config(dataset, **{"data.val_tokens": 2 * 8 * 32 + 5}), 384)
+    _, val = trainer.load_data(_config(dataset, **{"data.val_tokens": 2 * 8 * 32 + 5}), 384)
     assert len(val) == 2 and val[0].shape == (8, 33)
     stream = shards.read(dataset / "val_000000.bin")
     np.testing.assert_array_equal(np.concatenate(val)[:, :-1].reshape(-1), stream[: 2 * 8 * 32])
-    _, halves = input_pipeline.build(_config(dataset, **{"data.val_tokens": 2 * 8 * 32, "batch_size": 4}), 384)
+    _, halves = trainer.load_data(_config(dataset, **{"data.val_tokens": 2 * 8 * 32, "batch_size": 4}), 384)
     np.testing.assert_array_equal(np.concatenate(halves), np.concatenate(val))
 
 

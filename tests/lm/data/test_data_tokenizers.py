@@ -1,6 +1,7 @@
 """Tokenizers from local files (built here, never downloaded) behind `lm.tokenizer.load`, and the offline BPE trainer."""
 
 import base64
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -105,7 +106,6 @@ def test_a_run_finds_the_tokenizer_its_shards_were_written_with(files, tmp_path)
     """`input_pipeline.run_tokenizer` (what `experiments.sample` decodes with): bytes for the text corpus, the
     manifest's tokenizer for shards, refused when the file changed since the shards were written."""
     from experiments import tokenize
-    from experiments.configs import default
     from lm.data import documents, input_pipeline
 
     (tmp_path / "text").mkdir()
@@ -115,9 +115,9 @@ def test_a_run_finds_the_tokenizer_its_shards_were_written_with(files, tmp_path)
     (tok_dir / "tokenizer.json").write_bytes(Path(files["hf"]).read_bytes())
     spec = str(tok_dir / "tokenizer.json")
     tokenize.tokenize(spec, documents.expand(str(tmp_path / "text")), tmp_path / "shards", val_fraction=0.0, shard_tokens=10_000, workers=1)
-    data = default.get_config().data
+    data = input_pipeline.DataConfig()
     assert input_pipeline.run_tokenizer(data).name == "bytes"
-    data.train_files = str(tmp_path / "shards" / "train_*.bin")
+    data = dataclasses.replace(data, train_files=str(tmp_path / "shards" / "train_*.bin"))
     tok = input_pipeline.run_tokenizer(data)
     assert tok.fingerprint == tokenizer.load(files["hf"]).fingerprint and tok.decode(tok.encode(SAMPLE)) == SAMPLE
     other = train_tokenizer.train_bpe([TEXT], 300, tmp_path / "other")  # a different, valid tokenizer at that path

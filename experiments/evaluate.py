@@ -105,7 +105,7 @@ def from_hf(directory: str | Path, mesh: str = "", tokenizer_spec: str = "") -> 
     device_mesh = mesh_lib.make_mesh(mesh)
     rules = rules_lib.make_rules("fsdp")
     try:
-        model_def, params = model_lib.from_hf(directory, device_mesh, rules)
+        model_def, params = hf.load_model(directory, device_mesh, rules)
     except (hf.UnsupportedArchitecture, hf.CheckpointMismatch, FileNotFoundError) as e:
         raise cli.UsageError(str(e)) from e
     default = str(directory / "tokenizer.json") if (directory / "tokenizer.json").is_file() else "bytes"

@@ -34,7 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lm import model as model_lib
 from lm.config import ModelConfig
+from sharding import partition
+from sharding import rules as rules_lib
 
 Params = dict[str, Any]
 Path_ = tuple[Any, ...]  # a leaf's keys in the parameter dict, e.g. ("blocks", "attn", "q_proj", "kernel")
@@ -633,3 +636,20 @@ def _unflatten(flat: dict[Path_, Any]) -> Params:
             node = node.setdefault(key, {})
         node[path[-1]] = leaf
     return out
+
+
+def load_model(
+    directory: str | Path, mesh: jax.sharding.Mesh | None = None, rules: rules_lib.Rules | None = None, **overrides: Any
+) -> tuple[model_lib.ModelDef, Params]:
+    """A local transformers checkpoint (Llama, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V2) as ``(model_def, params)``.
+
+    The config comes from ``directory/config.json`` with ``overrides`` (``dtype``, ``scan_layers``,
+    ``attention``, ...). With ``mesh`` the parameters are placed by ``rules`` (default: the ``fsdp``
+    preset), each device's shard read straight from the files; without, on the first device.
+    """
+    model_def = model_lib.define(read_config(directory, **overrides))
+    shardings = None
+    if mesh is not None:
+        rules = rules or rules_lib.make_rules()
+        shardings = partition.named_shardings(model_def.logical_specs, mesh, rules, model_def.abstract_params)
+    return model_def, load_params(directory, model_def.config, model_def.abstract_params, shardings)

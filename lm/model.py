@@ -9,17 +9,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
 from flax import nnx
 
-from lm import hf, transformer
+from lm import transformer
 from lm.config import ModelConfig
 from lm.transformer import Transformer
-from sharding import partition
-from sharding import rules as rules_lib
 
 Params = dict[str, Any]
 
@@ -103,23 +100,6 @@ def init_params(model_def: ModelDef, seed: int, shardings: Params | None = None)
         return params
 
     return jax.jit(init, out_shardings=shardings)()
-
-
-def from_hf(
-    directory: str | Path, mesh: jax.sharding.Mesh | None = None, rules: rules_lib.Rules | None = None, **overrides: Any
-) -> tuple[ModelDef, Params]:
-    """A local transformers checkpoint (Llama, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V2; `lm.hf`) as ``(model_def, params)``.
-
-    The config comes from ``directory/config.json`` with ``overrides`` (``dtype``, ``scan_layers``,
-    ``attention``, ...). With ``mesh`` the parameters are placed by ``rules`` (default: the ``fsdp``
-    preset), each device's shard read straight from the files; without, on the first device.
-    """
-    model_def = define(hf.read_config(directory, **overrides))
-    shardings = None
-    if mesh is not None:
-        rules = rules or rules_lib.make_rules()
-        shardings = partition.named_shardings(model_def.logical_specs, mesh, rules, model_def.abstract_params)
-    return model_def, hf.load_params(directory, model_def.config, model_def.abstract_params, shardings)
 
 
 def apply(model_def: ModelDef, params: Params, tokens: jax.Array, *, return_aux: bool = False, model_layout: bool = False):

@@ -55,7 +55,7 @@ def test_the_export_is_the_runs_model(run, exported):
     assert json.loads((exported / hf.CONFIG).read_text())["architectures"] == ["Qwen3ForCausalLM"]
     assert (exported / hf.INDEX_FILE).is_file()
     model_def, params, step = restore.load_params(run)
-    hf_def, hf_params = model_lib.from_hf(exported)
+    hf_def, hf_params = hf.load_model(exported)
     assert step == 4 and hf_def.config == model_def.config
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(hf_params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

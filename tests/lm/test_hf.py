@@ -211,7 +211,7 @@ def test_round_trip_is_bit_identical_and_lands_in_the_run_shardings(name, tmp_pa
     assert (tmp_path / hf.INDEX_FILE).is_file() and len(list(tmp_path.glob("model-*.safetensors"))) > 2
     mesh = mesh_lib.make_mesh("data:2,fsdp:2,tensor:2")
     rules = rules_lib.make_rules("fsdp")
-    model_def, loaded = model_lib.from_hf(tmp_path, mesh, rules)
+    model_def, loaded = hf.load_model(tmp_path, mesh, rules)
     assert model_def.config == cfg
     expected = partition.named_shardings(model_def.logical_specs, mesh, rules, model_def.abstract_params)
     flat = lambda t: jax.tree_util.tree_flatten_with_path(t)[0]  # noqa: E731
@@ -226,7 +226,7 @@ def test_a_bfloat16_export_holds_the_rounded_weights(tmp_path):
     hf.save(tmp_path, cfg, params, dtype="bfloat16")
     assert json.loads((tmp_path / hf.CONFIG).read_text())["torch_dtype"] == "bfloat16"
     assert {t.dtype for t in load_file(tmp_path / hf.SINGLE_FILE).values()} == {np.dtype(jax.numpy.bfloat16)}
-    _, loaded = model_lib.from_hf(tmp_path)
+    _, loaded = hf.load_model(tmp_path)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
         assert b.dtype == np.float32
         np.testing.assert_array_equal(np.asarray(a).astype(jax.numpy.bfloat16).astype(np.float32), np.asarray(b))
@@ -236,7 +236,7 @@ def test_a_stacked_export_imports_unrolled(tmp_path):
     cfg = CONFIGS["llama"]
     params = _params(cfg)
     hf.save(tmp_path, cfg, params)
-    model_def, loaded = model_lib.from_hf(tmp_path, scan_layers=False)
+    model_def, loaded = hf.load_model(tmp_path, scan_layers=False)
     assert not model_def.config.scan_layers
     for i in range(cfg.n_layers):
         np.testing.assert_array_equal(loaded["blocks"][i]["attn"]["k_proj"]["kernel"], params["blocks"]["attn"]["k_proj"]["kernel"][i])
@@ -284,17 +284,17 @@ def test_a_wrong_shape_or_missing_or_extra_tensor_is_named(tmp_path):
     tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)  # a buffer: ignored
     save_file(tensors | {"model.layers.0.mlp.extra.weight": np.ones(2, np.float32)}, tmp_path / hf.SINGLE_FILE)
     with pytest.raises(hf.CheckpointMismatch, match="holds tensor model.layers.0.mlp.extra.weight"):
-        model_lib.from_hf(tmp_path)
+        hf.load_model(tmp_path)
     save_file(tensors, tmp_path / hf.SINGLE_FILE)
-    model_lib.from_hf(tmp_path)
+    hf.load_model(tmp_path)
     tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:-1]
     save_file(tensors, tmp_path / hf.SINGLE_FILE)
     with pytest.raises(hf.CheckpointMismatch, match=r"model.layers.1.mlp.up_proj.weight in .* has shape \(47, 32\); .* needs \(48, 32\)"):
-        model_lib.from_hf(tmp_path)
+        hf.load_model(tmp_path)
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, tmp_path / hf.SINGLE_FILE)
     with pytest.raises(hf.CheckpointMismatch, match="lacks tensor model.layers.1.mlp.up_proj.weight"):
-        model_lib.from_hf(tmp_path)
+        hf.load_model(tmp_path)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -74,7 +74,7 @@ class DESLOC(spec.WrapperSpec):
     static_args: ClassVar[tuple[str, ...]] = ("sync_every", "mu_sync_every", "nu_sync_every")
 
     def transform(self) -> optax.GradientTransformationExtraArgs:
-        k_x, k_u, k_v = diloco._statics(
+        k_x, k_u, k_v = diloco.static_ints(
             self.static_args, sync_every=self.sync_every, mu_sync_every=self.mu_sync_every, nu_sync_every=self.nu_sync_every
         )
         return _des_loc(self.inner, k_x, k_u, k_v, self.axis_name)

@@ -85,23 +85,24 @@ def outer_nesterov(theta: Any, m: Any, delta: Any, lr: float, momentum: float) -
     return jax.tree.map(lambda t, m, d: t - lr * (d + momentum * m), theta, m, delta), m
 
 
-def _statics(static_args: Sequence[str], **values: Any) -> list[int]:
+def static_ints(static_args: Sequence[str], **values: Any) -> list[int]:
     """``values`` as Python ints: they set the schedule's Python control flow (or shapes), so under
     `optax.inject_hyperparams` they must be static (`common.static_int` names them)."""
     return [common.static_int(name, v, static_args) for name, v in values.items()]
 
 
-def _concrete(x: Any) -> bool:
+def is_concrete(x: Any) -> bool:
     """Whether ``x`` can be range-checked in Python (not an injected hyperparameter)."""
     return isinstance(x, numbers.Real)
 
 
-def _check(sync_every: int, outer_learning_rate: Any, outer_momentum: Any, warm_start_steps: int = 0) -> None:
+def check_outer(sync_every: int, outer_learning_rate: Any, outer_momentum: Any, warm_start_steps: int = 0) -> None:
+    """Raises a ValueError naming the bad value among the outer loop's settings (shared by DiLoCo's variants)."""
     if warm_start_steps < 0:
         raise ValueError(f"warm_start_steps={warm_start_steps} must be >= 0 (data-parallel steps before the first round)")
     if sync_every < 1:
         raise ValueError(f"sync_every={sync_every} must be >= 1 (inner steps between synchronisations)")
-    if _concrete(outer_learning_rate) and _concrete(outer_momentum):
+    if is_concrete(outer_learning_rate) and is_concrete(outer_momentum):
         if outer_learning_rate <= 0 or not 0 <= outer_momentum < 1:
             raise ValueError(
                 f"outer_learning_rate={outer_learning_rate} must be > 0 and outer_momentum={outer_momentum} in [0, 1)"
@@ -177,8 +178,8 @@ def _diloco(
     axis_name: str | None,
     warm_start_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
-    sync_every, warm_start_steps = _statics(DiLoCo.static_args, sync_every=sync_every, warm_start_steps=warm_start_steps)
-    _check(sync_every, outer_learning_rate, outer_momentum, warm_start_steps)
+    sync_every, warm_start_steps = static_ints(DiLoCo.static_args, sync_every=sync_every, warm_start_steps=warm_start_steps)
+    check_outer(sync_every, outer_learning_rate, outer_momentum, warm_start_steps)
     mean = (lambda t: t) if axis_name is None else (lambda t: jax.lax.pmean(t, axis_name))  # noqa: E731
 
     def synchronise(rounds, local, theta, momentum):
@@ -303,14 +304,14 @@ def _streaming_diloco(
     axis_name: str | None,
     warm_start_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
-    sync_every, warm_start_steps, fragments, overlap = _statics(
+    sync_every, warm_start_steps, fragments, overlap = static_ints(
         StreamingDiLoCo.static_args,
         sync_every=sync_every, warm_start_steps=warm_start_steps, fragments=fragments, overlap=overlap,
     )  # fmt: skip
-    _check(sync_every, outer_learning_rate, outer_momentum, warm_start_steps)
+    check_outer(sync_every, outer_learning_rate, outer_momentum, warm_start_steps)
     inner = optax.with_extra_args_support(inner)
     warm_gradients, warm_outer = _warm_start(warm_start_steps, axis_name)
-    if fragments < 1 or not 0 <= overlap < sync_every or (_concrete(mixing) and not 0 <= mixing <= 1):
+    if fragments < 1 or not 0 <= overlap < sync_every or (is_concrete(mixing) and not 0 <= mixing <= 1):
         raise ValueError(
             f"streaming_diloco needs fragments >= 1 (got {fragments}), 0 <= overlap < sync_every "
             f"(got {overlap}, {sync_every}) and 0 <= mixing <= 1 (got {mixing})"

@@ -72,16 +72,16 @@ def block_count(shape: tuple[int, ...], tile: tuple[int, int]) -> tuple[int, int
 
 def _blocks(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
     """``(*lead, R, C)`` (or ``(C,)``) -> ``(*lead, nR, nC, tr tc)``, zero-padded."""
-    m = x.reshape(qz._as_matrix(x.shape))
-    t = qz._tiles(m, tile)
+    m = x.reshape(qz.as_matrix(x.shape))
+    t = qz.tiles(m, tile)
     t = jnp.moveaxis(t, -3, -2)
     return t.reshape(*t.shape[:-2], tile[0] * tile[1])
 
 
 def _unblocks(b: jax.Array, tile: tuple[int, int], shape: tuple[int, ...]) -> jax.Array:
-    matrix = qz._as_matrix(shape)
+    matrix = qz.as_matrix(shape)
     t = b.reshape(*b.shape[:-1], *tile)
-    return qz._untile(jnp.moveaxis(t, -2, -3), *matrix[-2:]).reshape(shape)
+    return qz.untile(jnp.moveaxis(t, -2, -3), *matrix[-2:]).reshape(shape)
 
 
 def _window_shape(shape: tuple[int, ...], tile: tuple[int, int], m: int, k: int) -> tuple[int, ...]:

@@ -75,10 +75,10 @@ class NoLoCo(diloco.DiLoCo):
     partner_pull: float = spec.param(0.7, valid="[0, inf)")
 
     def transform(self) -> optax.GradientTransformationExtraArgs:
-        sync_every, warm_start_steps = diloco._statics(
+        sync_every, warm_start_steps = diloco.static_ints(
             self.static_args, sync_every=self.sync_every, warm_start_steps=self.warm_start_steps
         )
-        diloco._check(sync_every, self.outer_learning_rate, self.outer_momentum, warm_start_steps)
+        diloco.check_outer(sync_every, self.outer_learning_rate, self.outer_momentum, warm_start_steps)
         synchronise = functools.partial(
             _synchronise, sync_every, self.outer_learning_rate, self.outer_momentum, self.partner_pull, self.axis_name
         )
@@ -88,7 +88,7 @@ class NoLoCo(diloco.DiLoCo):
 def _synchronise(sync_every, beta, alpha, gamma, axis_name, rounds, local, phi, delta):
     replicas = cross_replica.replica_count(axis_name)
     schedule = round_robin_partners(replicas) if replicas > 1 else [[0]]
-    theta_only = diloco._concrete(beta) and diloco._concrete(gamma) and beta == gamma
+    theta_only = diloco.is_concrete(beta) and diloco.is_concrete(gamma) and beta == gamma
 
     def outer_step(partner, local, phi, delta):
         theta = jax.tree.map(lambda x: x.astype(jnp.float32), local)

@@ -217,13 +217,14 @@ def _unpack(packed: jax.Array, bits: int, cols: int) -> jax.Array:
     return pairs.reshape(*packed.shape[:-1], -1)[..., :cols]
 
 
-def _as_matrix(shape: tuple[int, ...]) -> tuple[int, ...]:
+def as_matrix(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a leaf of ``shape`` is tiled as: itself with >= 2 axes, a vector as one row."""
     if not shape:
         raise ValueError("cannot quantize a scalar; keep scalar state leaves unquantized")
     return shape if len(shape) >= 2 else (1, *shape)
 
 
-def _tiles(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
+def tiles(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
     """``(*lead, R, C)`` -> ``(*lead, nR, tr, nC, tc)``, zero-padded to whole tiles."""
     (tr, tc), (rows, cols) = tile, x.shape[-2:]
     nr, nc = -(-rows // tr), -(-cols // tc)
@@ -231,7 +232,8 @@ def _tiles(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
     return x.reshape(*x.shape[:-2], nr, tr, nc, tc)
 
 
-def _untile(t: jax.Array, rows: int, cols: int) -> jax.Array:
+def untile(t: jax.Array, rows: int, cols: int) -> jax.Array:
+    """The inverse of `tiles`: ``(*lead, nR, tr, nC, tc)`` -> ``(*lead, rows, cols)``, padding dropped."""
     *lead, nr, tr, nc, tc = t.shape
     return t.reshape(*lead, nr * tr, nc * tc)[..., :rows, :cols]
 
@@ -250,12 +252,12 @@ def quantize_blockwise(
     stochastic rounding when ``key`` is given). An all-zero block stores ``absmax = 0`` and decodes to
     zeros. Values outside the table's range (negatives under "unsigned"/"linear") clamp to its ends.
     """
-    matrix = _as_matrix(x.shape)
+    matrix = as_matrix(x.shape)
     tile = tile_shape(x.shape, block_size)
-    t = _tiles(x.astype(jnp.float32).reshape(matrix), tile)
+    t = tiles(x.astype(jnp.float32).reshape(matrix), tile)
     absmax = jnp.max(jnp.abs(t), axis=(-3, -1))
     y = t / jnp.where(absmax > 0, absmax, 1.0)[..., :, None, :, None]
-    codes = _untile(_round(y, code, bits, key), *matrix[-2:])
+    codes = untile(_round(y, code, bits, key), *matrix[-2:])
     return BlockQuantized(
         codes=_pack(codes, bits).reshape(*x.shape[:-1], -1),
         absmax=absmax if x.ndim >= 2 else absmax[0],
@@ -296,16 +298,16 @@ def quantize_rank1(
 def quantize_minmax(x: jax.Array, *, bits: int = 4, block_size: int = 256) -> MinMaxQuantized:
     """Block-wise asymmetric quantization of ``x``: per tile ``lo = min x``, ``hi = max x`` (over the
     tile's own elements, not its padding), ``code = floor((x - lo) / u + 1/2)``, ``u = (hi - lo) / (2^bits - 1)``."""
-    matrix = _as_matrix(x.shape)
+    matrix = as_matrix(x.shape)
     tile = tile_shape(x.shape, block_size)
     xm = x.astype(jnp.float32).reshape(matrix)
-    inside = _tiles(jnp.ones(matrix, bool), tile)
-    t = _tiles(xm, tile)
+    inside = tiles(jnp.ones(matrix, bool), tile)
+    t = tiles(xm, tile)
     lo = jnp.min(jnp.where(inside, t, jnp.inf), axis=(-3, -1))
     hi = jnp.max(jnp.where(inside, t, -jnp.inf), axis=(-3, -1))
     step = ((hi - lo) / (2**bits - 1))[..., :, None, :, None]
     y = jnp.where(step > 0, (t - lo[..., :, None, :, None]) / jnp.where(step > 0, step, 1.0), 0.0)
-    codes = _untile(jnp.clip(jnp.floor(y + 0.5), 0, 2**bits - 1).astype(jnp.uint8), *matrix[-2:])
+    codes = untile(jnp.clip(jnp.floor(y + 0.5), 0, 2**bits - 1).astype(jnp.uint8), *matrix[-2:])
     squeeze = (lambda a: a) if x.ndim >= 2 else (lambda a: a[0])
     return MinMaxQuantized(
         codes=_pack(codes, bits).reshape(*x.shape[:-1], -1),
@@ -323,20 +325,20 @@ def dequantize(q: Quantized) -> jax.Array:
     if isinstance(q, MinMaxQuantized):
         return _dequantize_minmax(q)
     table = jnp.asarray(code_table(q.code, q.bits))
-    matrix = _as_matrix(q.shape)
+    matrix = as_matrix(q.shape)
     codes = _unpack(q.codes, q.bits, q.shape[-1]).reshape(matrix)
     if isinstance(q, Rank1Quantized):
         x = table[codes] * jnp.minimum(q.row, q.col)
     else:
         absmax = q.absmax if len(q.shape) >= 2 else q.absmax[None]
-        x = _untile(_tiles(table[codes], q.tile) * absmax[..., :, None, :, None], *matrix[-2:])
+        x = untile(tiles(table[codes], q.tile) * absmax[..., :, None, :, None], *matrix[-2:])
     return x.reshape(q.shape).astype(q.dtype)
 
 
 def _dequantize_minmax(q: MinMaxQuantized) -> jax.Array:
-    matrix = _as_matrix(q.shape)
+    matrix = as_matrix(q.shape)
     codes = _unpack(q.codes, q.bits, q.shape[-1]).reshape(matrix).astype(jnp.float32)
     lo, hi = (q.lo, q.hi) if len(q.shape) >= 2 else (q.lo[None], q.hi[None])
     step = ((hi - lo) / (2**q.bits - 1))[..., :, None, :, None]
-    x = _untile(lo[..., :, None, :, None] + _tiles(codes, q.tile) * step, *matrix[-2:])
+    x = untile(lo[..., :, None, :, None] + tiles(codes, q.tile) * step, *matrix[-2:])
     return x.reshape(q.shape).astype(q.dtype)

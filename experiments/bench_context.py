@@ -12,7 +12,7 @@ Four sections, each a Markdown table (and all of them in one JSON file):
   all-gather the whole sequence's K and V, ring two blocks (the one in use and the one arriving),
   Ulysses the whole sequence's q, k, v and output for ``heads / C`` heads.
 - ``bytes``: the collectives of one attention layer's forward and forward + backward (``jax.grad``)
-  at ``context:C``, counted from the compiled HLO (`experiments.bench_comm.collectives`; ring
+  at ``context:C``, counted from the compiled HLO (`experiments.hlo_bytes.collectives`; ring
   algorithm bytes a device sends), next to the formula for the forward pass, with ``KV`` the bytes of
   one layer's whole-sequence K and V and ``A`` those of q, k, v and the output: ring ``(C-1)/C KV``
   (C-1 hops of one shard), all-gather the same once, Ulysses ``(C-1)/C A / C`` (four all-to-alls,
@@ -44,7 +44,7 @@ import ml_collections
 import numpy as np
 from absl import app, flags
 
-from experiments import bench_comm, cli, run_spec, timing, train_lib
+from experiments import cli, hlo_bytes, run_spec, timing, train_lib
 from experiments.configs import default
 from lm import attention as attention_lib
 from lm import loss as loss_lib
@@ -128,7 +128,7 @@ def wire_bytes(modes: list[str], seq_len: int, shards: int, batch: int) -> list[
         measured = {}
         for direction, backward, in_model_layout in (("forward", False, True), ("forward_backward", True, True), ("forward_in_order", False, False)):
             hlo = _attention_hlo(cfg, mode, f"context:{shards}", batch, seq_len, backward=backward, zigzag=zigzag and in_model_layout)
-            found = bench_comm.collectives(hlo, shards)
+            found = hlo_bytes.collectives(hlo, shards)
             measured[direction] = {
                 "ring_bytes": sum(c.ring * c.count for c in found),
                 "ops": {kind: sum(c.count for c in found if c.kind == kind) for kind in {c.kind for c in found}},

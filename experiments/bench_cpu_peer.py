@@ -11,7 +11,7 @@ twin's parameter count equals ours and its loss on a batch equals ours within ``
 
 A training step is, on both sides, forward, backward, global-norm clipping to 1, a non-finite check
 and AdamW (betas 0.9 / 0.95, decay 0.1 on matrices; ours is `experiments.train`'s real jitted step,
-`experiments.bench_throughput.compile_train_steps`; the twin's `torch.optim.AdamW` at PyTorch's
+`experiments.train_steps.compile_train_steps`; the twin's `torch.optim.AdamW` at PyTorch's
 defaults otherwise). The machine may be shared, so the two are timed in turn, in one process:
 ``--repeats`` samples of ``--steps`` steps each, ours and the twin's alternating (the first to run
 alternates too), and the table gives each side's median tokens/s and the median of the per-sample
@@ -41,7 +41,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from experiments import bench_throughput, cli, host_memory, run_spec, train_lib
+from experiments import cli, host_memory, run_spec, train_lib, train_steps
 from lm import config as model_config_lib
 from lm import model as model_lib
 from optim import build
@@ -180,9 +180,9 @@ def in_turn(runs: tuple[Callable[[int], float], Callable[[int], float]], repeats
 
 
 def _case(preset: str, batch: int, seq_len: int, base: Any, *, warmup: int, repeats: int, steps: int, seed: int) -> dict[str, Any]:
-    config = bench_throughput.case_config(preset, batch, seq_len, "float32", "", "adamw", "fsdp", base=base)
+    config = train_steps.case_config(preset, batch, seq_len, "float32", "", "adamw", "fsdp", base=base)
     config.optimizer.schedule = "constant"
-    ours = bench_throughput.compile_train_steps(config, seed)
+    ours = train_steps.compile_train_steps(config, seed)
     spec = ours.spec
     with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
         params = model_lib.init_params(spec.model_def, seed, spec.shardings.params)
@@ -291,7 +291,7 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
         for name in ("warmup", "repeats", "steps"):
             if f[name].value < 1:
                 raise cli.UsageError(f"--{name}={f[name].value} must be >= 1")
-        shapes = [bench_throughput.parse_batch_shape(s) for s in f.batch_shapes]
+        shapes = [train_steps.parse_batch_shape(s) for s in f.batch_shapes]
         cases = [(p, b, t) for p in f.presets for b, t in shapes]
         cases += [(f.presets[0], int(b), shapes[0][1]) for b in f.sweep_batches if (f.presets[0], int(b), shapes[0][1]) not in cases]
         for preset in dict.fromkeys(p for p, _, _ in cases):
@@ -303,7 +303,7 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     checks = {}
     for preset, _, seq_len in cases:
         if preset not in checks:
-            config = bench_throughput.case_config(preset, 4, seq_len, "float32", "", "adamw", "fsdp", base=config_flag.value)
+            config = train_steps.case_config(preset, 4, seq_len, "float32", "", "adamw", "fsdp", base=config_flag.value)
             model_def = run_spec.build_run(config).model_def
             rows = np.random.default_rng(f.seed + 1).integers(0, model_def.config.vocab_size, (4, seq_len + 1), dtype=np.int32)
             checks[preset] = check_twin(model_def, model_lib.init_params(model_def, f.seed), rows)

@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 from absl import app, flags, logging
 
-from experiments import cli, tokenize, train_tokenizer, trainer
+from experiments import cli, trainer
 from experiments.configs import default
 from lm.data import batches as batches_lib
-from lm.data import documents, shards
+from lm.data import documents, shards, tokenize, tokenizer
 
 ROWS = ("loader", "tokenize", "input_wait")
 SHARD_TOKENS = 10_000_000
@@ -103,7 +103,7 @@ def _stdlib_prefix(max_bytes: float) -> list[Path]:
 
 def _tokenize_rows(scratch: Path) -> list[dict[str, Any]]:
     files = _stdlib_prefix(FLAGS.tokenize_mb * 1e6)
-    bpe = train_tokenizer.train_bpe((t for f in files for t in documents.read(f)), FLAGS.bpe_vocab, scratch / "bpe")
+    bpe = tokenizer.train_bpe((t for f in files for t in documents.read(f)), FLAGS.bpe_vocab, scratch / "bpe")
     rows = []
     for name, spec in (("bytes", "bytes"), (f"bpe{FLAGS.bpe_vocab}", str(bpe))):
         start = time.perf_counter()

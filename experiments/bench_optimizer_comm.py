@@ -5,7 +5,7 @@ r"""Collective bytes per training step of the matrix optimizers next to AdamW, f
 
 Each row is `experiments.train`'s step for one optimizer on a GSPMD mesh (``fsdp:8``: ZeRO-3;
 ``fsdp:4,tensor:2``: ZeRO-3 with Megatron tensor parallelism, rules ``tp``), compiled, never run.
-Collectives are counted as `experiments.bench_comm` counts them (payload and ring bytes per
+Collectives are counted by `experiments.hlo_bytes` (payload and ring bytes per
 device, loops multiplied; a conditional branch once per ``H`` steps, where ``H`` is the row's
 ``sync_every``, 1 here: none of these optimizers branches on its step). AdamW's bytes are the
 data-parallel floor: the gradient reduction and the parameter all-gathers that the sharded
@@ -24,7 +24,7 @@ import jax
 import ml_collections
 from absl import app, flags
 
-from experiments import bench_comm, cli
+from experiments import cli, hlo_bytes
 
 ROWS: dict[str, dict[str, Any]] = {
     "adamw": {"optimizer.name": "adamw"},
@@ -55,12 +55,12 @@ def row_config(name: str, mesh: str, base: ml_collections.ConfigDict) -> ml_coll
 
 def measure(name: str, mesh: str, base: ml_collections.ConfigDict) -> dict[str, Any]:
     config = row_config(name, mesh, base)
-    found = bench_comm.collectives(bench_comm.compiled_hlo(config), jax.device_count())
+    found = hlo_bytes.collectives(hlo_bytes.compiled_hlo(config), jax.device_count())
     tokens = config.batch_size * config.data.seq_len
     by_kind: dict[str, float] = {}
     for c in found:
         by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.payload * c.count
-    return {"row": name, "mesh": mesh, "payload_by_kind": by_kind, **bench_comm.summarize(found, 1, tokens)}
+    return {"row": name, "mesh": mesh, "payload_by_kind": by_kind, **hlo_bytes.summarize(found, 1, tokens)}
 
 
 def print_table(results: list[dict[str, Any]]) -> None:

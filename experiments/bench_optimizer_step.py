@@ -26,7 +26,7 @@ settings, with the refresh interval set beyond the timed steps), ``shampoo_refre
 
 With ``--train_batch=BATCHxSEQ_LEN`` every row is instead the whole training step of the model
 preset named by ``--trees`` (any preset of `lm.config`; forward, backward, clipping, update:
-`experiments.bench_throughput`'s step on random tokens at ``--train_dtype``, default attention
+`experiments.train_steps`'s step on random tokens at ``--train_dtype``, default attention
 implementation, state carried from step to step), which is what the published overheads of
 distributed Shampoo (arXiv:2002.09018) compare. Only registered rows (and their ``_refresh``
 variants) can run this way:
@@ -52,7 +52,7 @@ import ml_collections
 import optax
 from absl import app, flags
 
-from experiments import bench_throughput, cli
+from experiments import cli, train_steps
 from experiments.configs import default
 from lm import config as config_lib
 from optim import build, labels, memory, registry
@@ -232,9 +232,9 @@ def train_step_calls(
     optimizer, and the optimizer's state bytes per parameter of the model."""
     calls, state_bytes = {}, {}
     for name in names:
-        config = bench_throughput.case_config(preset, batch, seq_len, dtype, "", "adamw", "fsdp")
+        config = train_steps.case_config(preset, batch, seq_len, dtype, "", "adamw", "fsdp")
         config.optimizer = row_config(name)
-        steps = bench_throughput.compile_train_steps(config)
+        steps = train_steps.compile_train_steps(config)
         steps.run(1)  # compilation, and the first step (SOAP's basis initialisation, Shampoo's first roots)
         calls[name] = functools.partial(steps.run, 1)
         params = steps.spec.model_def.abstract_params
@@ -249,7 +249,7 @@ def main(argv: list[str]) -> None:
     cli.quiet_logging(f.verbose)
     train_step = bool(f.train_batch)
     try:
-        batch, seq_len = bench_throughput.parse_batch_shape(f.train_batch) if train_step else (0, 0)
+        batch, seq_len = train_steps.parse_batch_shape(f.train_batch) if train_step else (0, 0)
     except cli.UsageError as e:
         cli.usage_exit(str(e))
     check_trees(f.trees, train_step=train_step)

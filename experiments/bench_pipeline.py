@@ -8,7 +8,7 @@ On ``--devices`` fake CPU devices (default 8), for the `tiny` model with ``n_lay
   (`lm.pipeline.forward_table`, `lm.pipeline_schedule.tick_table`) next to its formula;
 - **memory**: `compiled.memory_analysis()` of the whole train step on ``stage:4,data:2`` at
   ``M = 4, 8, 16``: temporaries per device (the activations a schedule keeps live among them);
-- **stage-to-stage bytes**: the collective-permutes of the compiled step (`experiments.bench_comm`'s
+- **stage-to-stage bytes**: the collective-permutes of the compiled step (`experiments.hlo_bytes`'s
   HLO counting: payload per execution and executions per step), next to one microbatch's activations
   and the schedule's tick count;
 - **exactness**: ``--steps`` steps of AdamW and Muon on ``stage:4,data:2`` and
@@ -25,7 +25,7 @@ import ml_collections
 import numpy as np
 from absl import app, flags
 
-from experiments import bench_comm, run_spec, train_lib
+from experiments import hlo_bytes, run_spec, train_lib
 from experiments.configs import default
 from lm.parallel import pipeline, pipeline_schedule
 from sharding import partition
@@ -112,7 +112,7 @@ def memory_and_bytes() -> list[dict]:
             config = _config("stage:4,data:2", "fsdp", schedule, m, batch=batch)
             spec, compiled = _compiled_step(config)
             memory = compiled.memory_analysis()
-            permutes = [c for c in bench_comm.collectives(compiled.as_text(), spec.mesh.size) if c.kind == "collective-permute"]
+            permutes = [c for c in hlo_bytes.collectives(compiled.as_text(), spec.mesh.size) if c.kind == "collective-permute"]
             activation = (batch // m // 2) * config.data.seq_len * spec.cfg.d_model * 4  # one microbatch's shard, fp32
             rows.append({
                 "schedule": schedule, "microbatches": m, "batch": batch,

@@ -26,101 +26,26 @@ device count; compare meshes there by tokens/s.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import json
-import math
 import statistics
 import sys
-import time
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 from absl import app, flags
 
-from experiments import cli, hardware, host_memory, run_spec, train_lib
-from experiments.configs import default
+from experiments import cli, hardware, host_memory, run_spec, train_steps
 from lm import config as model_config_lib
 from lm import model as model_lib
 from lm.loss import flops_per_token
-from sharding import mesh as mesh_lib
-from sharding import partition
-
-
-def parse_batch_shape(text: str) -> tuple[int, int]:
-    """``"8x128"`` -> ``(8, 128)``: sequences per step and tokens per sequence."""
-    batch, sep, seq = text.strip().partition("x")
-    if not sep or not batch.isdigit() or not seq.isdigit() or int(batch) < 1 or int(seq) < 1:
-        raise cli.UsageError(f"batch shape {text!r} is not BATCHxSEQ_LEN, e.g. 8x128")
-    return int(batch), int(seq)
-
-
-def case_config(
-    preset: str,
-    batch: int,
-    seq_len: int,
-    dtype: str,
-    mesh: str,
-    optimizer: str,
-    rules: str,
-    base: ml_collections.ConfigDict | None = None,
-) -> ml_collections.ConfigDict:
-    """The training config of one case (``base`` or the default for every other key); a mesh with no -1
-    runs on the first devices it needs."""
-    config = copy.deepcopy(base) if base is not None else default.get_config()
-    config.model.preset = preset
-    config.model.dtype = dtype
-    config.batch_size = batch
-    config.data.seq_len = seq_len
-    config.mesh = mesh
-    sizes = [n for _, n in mesh_lib.parse_mesh_spec(mesh)]
-    config.devices = 0 if -1 in sizes else math.prod(sizes)  # a smaller mesh takes the first devices
-    config.rules = rules
-    config.optimizer.name = optimizer
-    return config
-
-
-class TrainSteps(NamedTuple):
-    """A compiled training run on random tokens: ``run(n)`` takes ``n`` more steps and returns their seconds."""
-
-    spec: run_spec.RunSpec
-    run: Callable[[int], float]
-
-
-def compile_train_steps(config: ml_collections.ConfigDict, seed: int = 0) -> TrainSteps:
-    """The real jitted training step of ``config`` on one fixed batch of random tokens.
-
-    The state is carried (and donated) from call to call, so consecutive steps count up like a
-    training run's (what Shampoo's and SOAP's refresh schedules key on). Compilation happens in
-    the first call.
-    """
-    spec = run_spec.build_run(config)
-    shardings = spec.shardings
-    rows = np.random.default_rng(seed).integers(0, spec.cfg.vocab_size, (config.batch_size, config.data.seq_len + 1), dtype=np.int32)
-    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
-        carried = [train_lib.init_state(spec.model_def, spec.tx, seed, shardings)]
-        step = train_lib.jit_train_step(train_lib.make_train_step(spec.model_def, spec.tx), shardings)
-        batch = train_lib.global_batch(rows, shardings)
-
-    def run(n: int) -> float:
-        with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
-            start = time.perf_counter()
-            state = carried.pop()
-            for _ in range(n):
-                state, _ = step(state, batch)
-            carried.append(jax.block_until_ready(state))
-            return time.perf_counter() - start
-
-    return TrainSteps(spec, run)
 
 
 def benchmark(config: ml_collections.ConfigDict, *, warmup: int, repeats: int, steps: int, seed: int = 0) -> dict[str, Any]:
     """Times the training step of ``config``; see the module docstring."""
-    spec, run = compile_train_steps(config, seed)
+    spec, run = train_steps.compile_train_steps(config, seed)
     tokens_per_step = config.batch_size * config.data.seq_len
     warmup_seconds = run(warmup)
     rates = [steps * tokens_per_step / run(steps) for _ in range(repeats)]
@@ -192,9 +117,9 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
         if f[name].value < 1:
             cli.usage_exit(f"--{name}={f[name].value} must be >= 1")
     try:
-        shapes = [parse_batch_shape(s) for s in f.batch_shapes]
+        shapes = [train_steps.parse_batch_shape(s) for s in f.batch_shapes]
         configs = [
-            case_config(preset, b, t, dtype, mesh, f.optimizer, f.rules, base=config_flag.value)
+            train_steps.case_config(preset, b, t, dtype, mesh, f.optimizer, f.rules, base=config_flag.value)
             for preset in f.presets
             for b, t in shapes
             for dtype in f.dtypes

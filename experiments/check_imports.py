@@ -3,7 +3,8 @@
 - no import circle inside a package (module imports, lazy ones in functions included);
 - no import against the dependency direction between top-level packages (`ALLOWED`);
 - no import of a third-party package a package must not use (`FORBIDDEN`: flax in `optim`);
-- no import of a pure entry point (`ENTRY_POINTS`: the training script; the run is a library).
+- no import of an entry point (a module with an ``if __name__ == "__main__":`` block: a script, whose
+  reusable parts belong in a library module).
 
     python -m experiments.check_imports     # prints each problem, exit code 1 if there is one
 
@@ -28,7 +29,6 @@ ALLOWED = {
     "kernels_pallas": set(),
 }
 FORBIDDEN = {"optim": {"flax"}}
-ENTRY_POINTS = {"experiments.train"}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -39,6 +39,16 @@ def module_name(path: Path, root: Path) -> str:
 def modules(root: Path = ROOT) -> dict[str, Path]:
     """Every module of the packages in `ALLOWED`, by dotted name."""
     return {module_name(p, root): p for package in ALLOWED for p in sorted((root / package).rglob("*.py"))}
+
+
+def is_entry_point(path: Path) -> bool:
+    """Whether the module at ``path`` has a top-level ``if __name__ == "__main__":`` block."""
+    for node in ast.parse(path.read_text(), str(path)).body:
+        test = node.test if isinstance(node, ast.If) else None
+        if isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__":
+            if any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators):
+                return True
+    return False
 
 
 def imported_names(path: Path, name: str) -> Iterator[str]:
@@ -113,6 +123,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def problems(root: Path = ROOT) -> list[str]:
     """One line per import circle inside a package, upward import and forbidden import."""
     edges, external = graph(root)
+    entry_points = {name for name, path in modules(root).items() if is_entry_point(path)}
     out = []
     for package in ALLOWED:
         inside = {m: {t for t in ts if t.split(".")[0] == package} for m, ts in edges.items() if m.split(".")[0] == package}
@@ -125,7 +136,7 @@ def problems(root: Path = ROOT) -> list[str]:
                 out.append(f"upward import: {name} imports {target} ({package} may import {', '.join(sorted(ALLOWED[package])) or 'no package'})")
         for lib in sorted(external[name] & FORBIDDEN.get(package, set())):
             out.append(f"forbidden import: {name} imports {lib}")
-        for entry in sorted(targets & ENTRY_POINTS):
+        for entry in sorted(targets & entry_points):
             out.append(f"entry point imported: {name} imports {entry}; import the library modules it uses instead")
     return out
 

@@ -3,24 +3,20 @@ r"""Trains a byte-level BPE tokenizer offline and writes ``DIR/tokenizer.json``.
     python -m experiments.train_tokenizer --vocab_size=8192 --out=runs/bpe8k
     python -m experiments.train_tokenizer --vocab_size=32768 --out=runs/bpe32k --input='texts/*.jsonl'
 
-With no ``--input`` it trains on the standard-library corpus (`lm.corpus`'s default). The tokenizer
+With no ``--input`` it trains on the standard-library corpus (`lm.data.corpus`'s default) with `lm.data.tokenizer.train_bpe`. The tokenizer
 splits text GPT-2 style into words and byte-level pieces, so any text encodes with no unknown token,
 and it reserves ``<|endoftext|>`` as the document separator. Load it with
-``lm.tokenizer.load("DIR/tokenizer.json")``.
+``lm.data.tokenizer.load("DIR/tokenizer.json")``.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 
 from absl import app, flags
 
 from experiments import cli
 from lm.data import documents, tokenizer
-
-MIN_VOCAB = 256 + 1  # every byte, plus the separator
 
 FLAGS = flags.FLAGS
 
@@ -42,35 +38,6 @@ def _budgeted(texts: Iterable[str], max_bytes: int) -> Iterator[str]:
             return
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> Path:
-    """Trains a byte-level BPE of ``vocab_size`` ids on ``texts``; returns the path of its ``tokenizer.json``.
-
-    Raises:
-      ValueError: ``vocab_size`` is below 257 (every byte and the separator).
-    """
-    if vocab_size < MIN_VOCAB:
-        raise ValueError(f"--vocab_size={vocab_size} must be at least {MIN_VOCAB} (256 bytes and the separator)")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[tokenizer.TIKTOKEN_EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=sys.stderr.isatty(),
-    )
-    bpe.train_from_iterator(texts, trainer)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "tokenizer.json"
-    tmp = path.with_suffix(".json.tmp")
-    bpe.save(str(tmp))
-    tmp.replace(path)
-    return path
-
-
 def main(argv: list[str]) -> None:
     del argv
     if not FLAGS.out:
@@ -78,7 +45,7 @@ def main(argv: list[str]) -> None:
     try:
         files = documents.expand(FLAGS.input) if FLAGS.input else documents.stdlib_files()
         texts = (text for f in files for text in documents.read(f))
-        path = train_bpe(_budgeted(texts, FLAGS.max_bytes), FLAGS.vocab_size, FLAGS.out)
+        path = tokenizer.train_bpe(_budgeted(texts, FLAGS.max_bytes), FLAGS.vocab_size, FLAGS.out)
         tok = tokenizer.load(str(path))
     except (ValueError, OSError) as e:
         cli.usage_exit(str(e))

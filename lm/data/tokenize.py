@@ -1,9 +1,6 @@
-r"""Tokenizes text into llm.c / modded-nanogpt ``.bin`` shards plus a JSON manifest.
+"""Tokenizes text into llm.c / modded-nanogpt ``.bin`` shards plus a JSON manifest (`experiments.tokenize` is its command).
 
-    python -m experiments.tokenize --tokenizer=runs/bpe8k/tokenizer.json --out=data/stdlib-bpe8k
-    python -m experiments.tokenize --tokenizer=runs/bpe8k/tokenizer.json --input='texts/*.jsonl' --out=data/mine
-
-With no ``--input`` it reads the standard-library corpus (`lm.corpus`'s default). Inputs are plain text files (one document each), JSONL (one document per line, its ``text`` field) and
+Inputs are plain text files (one document each), JSONL (one document per line, its ``text`` field) and
 Parquet (one per row of its ``text`` column). Every document is preceded by the tokenizer's separator
 (``<|endoftext|>``, EOS, else BOS), as in llm.c's FineWeb shards, and goes to ``val_*.bin`` when a stable
 hash of its text falls below ``--val_fraction``, else to ``train_*.bin``. Shards hold
@@ -29,26 +26,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from absl import app, flags
 from tqdm import tqdm
 
-from experiments import cli
 from lm.data import documents, shards, tokenizer
 
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
-
-FLAGS = flags.FLAGS
-
-
-def define_flags() -> None:
-    """The command-line flags (defined under ``__main__`` only: scripts share absl's flag registry)."""
-    flags.DEFINE_string("tokenizer", "bytes", "'bytes' or a local tokenizer.json / SentencePiece .model / .tiktoken file.")
-    flags.DEFINE_string("input", "", "Text / JSONL / Parquet files (a glob, comma-separated globs or a folder); empty: the stdlib corpus.")
-    flags.DEFINE_string("out", None, "Output folder for train_*.bin, val_*.bin and manifest.json (must hold no manifest).")
-    flags.DEFINE_float("val_fraction", 0.01, "Share of documents (by a hash of their text) written to val_*.bin.")
-    flags.DEFINE_integer("shard_tokens", 100_000_000, "Tokens per shard (modded-nanogpt's FineWeb shards hold 10^8).")
-    flags.DEFINE_integer("workers", 0, "Tokenizing processes; 0: one per CPU core.")
 
 _worker_tokenizer: tokenizer.Tokenizer | None = None
 
@@ -183,24 +166,3 @@ def tokenize(spec: str, files: list[Path], out: str | Path, *, val_fraction: flo
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return manifest
-
-
-def main(argv: list[str]) -> None:
-    del argv
-    if not FLAGS.out:
-        cli.usage_exit("--out is required: the folder to write the shards and manifest.json into")
-    try:
-        files = documents.expand(FLAGS.input) if FLAGS.input else documents.stdlib_files()
-        manifest = tokenize(
-            FLAGS.tokenizer, files, FLAGS.out,
-            val_fraction=FLAGS.val_fraction, shard_tokens=FLAGS.shard_tokens, workers=FLAGS.workers,
-        )  # fmt: skip
-    except (ValueError, OSError) as e:
-        cli.usage_exit(str(e))
-    counts = {split: (s["tokens"], len(s["files"])) for split, s in manifest["splits"].items()}
-    print(f"wrote {FLAGS.out}: " + ", ".join(f"{split} {n:,} tokens in {k} shards" for split, (n, k) in counts.items()))
-
-
-if __name__ == "__main__":
-    define_flags()
-    app.run(main, flags_parser=cli.parse_flags)

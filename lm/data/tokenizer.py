@@ -14,7 +14,8 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,7 @@ TIKTOKEN_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 )
 TIKTOKEN_EOS = "<|endoftext|>"
+MIN_BPE_VOCAB = 256 + 1  # `train_bpe`: every byte, plus the separator
 
 
 class TokenizerError(ValueError):
@@ -208,3 +210,32 @@ def load(spec: str = "bytes") -> Tokenizer:
     if loader is None:
         raise TokenizerError(f"tokenizer file {str(path)!r} has an unknown kind; expected tokenizer.json, a SentencePiece .model or a .tiktoken rank file")
     return loader(path, hashlib.sha256(path.read_bytes()).hexdigest())
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> Path:
+    """Trains a byte-level BPE of ``vocab_size`` ids on ``texts``; returns the path of its ``tokenizer.json``.
+
+    Raises:
+      ValueError: ``vocab_size`` is below 257 (every byte and the separator).
+    """
+    if vocab_size < MIN_BPE_VOCAB:
+        raise ValueError(f"--vocab_size={vocab_size} must be at least {MIN_BPE_VOCAB} (256 bytes and the separator)")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[TIKTOKEN_EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=sys.stderr.isatty(),
+    )
+    bpe.train_from_iterator(texts, trainer)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "tokenizer.json"
+    tmp = path.with_suffix(".json.tmp")
+    bpe.save(str(tmp))
+    tmp.replace(path)
+    return path

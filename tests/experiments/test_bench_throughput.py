@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from experiments import bench_throughput, cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,9 +42,3 @@ def test_bad_input_is_one_line_and_exit_2():
     result = _cli("--batch_shapes=8x128,8by128")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["error: batch shape '8by128' is not BATCHxSEQ_LEN, e.g. 8x128"]
-
-
-def test_parse_batch_shape():
-    assert bench_throughput.parse_batch_shape(" 8x128") == (8, 128)
-    with pytest.raises(cli.UsageError):
-        bench_throughput.parse_batch_shape("0x128")

@@ -18,7 +18,7 @@ def test_it_finds_a_circle_an_upward_import_flax_in_optim_and_an_imported_entry_
         "lm/__init__.py": "",
         "lm/model.py": "",
         "experiments/__init__.py": "",
-        "experiments/train.py": "",
+        "experiments/train.py": 'if __name__ == "__main__":\n    pass\n',
         "experiments/sample.py": "from experiments import train\n",
     }
     for name, text in files.items():

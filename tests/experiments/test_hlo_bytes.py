@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from experiments import bench_comm
+from experiments import hlo_bytes
 from optim import cross_replica
 
 
@@ -24,9 +24,9 @@ def test_counts_collectives_in_loops_and_branches_of_a_compiled_program():
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P("r"), out_specs=jax.P("r"), check_vma=False))
     hlo = fn.lower(jnp.ones((4, 16)), jnp.ones((4,), bool)).compile().as_text()
-    found = bench_comm.collectives(hlo, 4)
+    found = hlo_bytes.collectives(hlo, 4)
     assert {c.kind for c in found} == {"all-reduce", "all-gather"} and all(c.group == 4 for c in found)
-    summary = bench_comm.summarize(found, sync_every=10, tokens_per_step=8)
+    summary = hlo_bytes.summarize(found, sync_every=10, tokens_per_step=8)
     assert summary["payload"]["every_step"] == 4 * 64
     assert summary["payload"]["per_sync"] == 64  # the gathered result
     assert summary["payload"]["per_step"] == pytest.approx(4 * 64 + 64 / 10)
@@ -51,9 +51,9 @@ def test_one_branch_of_a_switch_counts_and_a_sync_period_scope_sets_its_amortisa
         return jax.lax.switch(index[0], [lambda v: v, pair, twice], x)
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P("r"), out_specs=jax.P("r"), check_vma=False))
-    found = bench_comm.collectives(fn.lower(jnp.ones((4, 16)), jnp.ones((4,), jnp.int32)).compile().as_text(), 4)
+    found = hlo_bytes.collectives(fn.lower(jnp.ones((4, 16)), jnp.ones((4,), jnp.int32)).compile().as_text(), 4)
     assert [(c.kind, c.period, c.conditional) for c in found] == [("all-reduce", 5, True)] * 2
-    summary = bench_comm.summarize(found, sync_every=10, tokens_per_step=8)
+    summary = hlo_bytes.summarize(found, sync_every=10, tokens_per_step=8)
     assert summary["payload"]["per_sync"] == 128
     assert summary["payload"]["per_step"] == pytest.approx(128 / 5)
 
@@ -70,7 +70,7 @@ def test_gather_scatter_and_all_to_all_of_one_buffer_count_the_same_bytes():
         return gathered + exchanged + jnp.sum(scattered)
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P("r"), out_specs=jax.P("r"), check_vma=False))
-    found = bench_comm.collectives(fn.lower(jnp.ones((4, 16)), jnp.ones((16, 16))).compile().as_text(), 4)
+    found = hlo_bytes.collectives(fn.lower(jnp.ones((4, 16)), jnp.ones((16, 16))).compile().as_text(), 4)
     assert sorted((c.kind, c.payload, c.ring) for c in found) == [
         ("all-gather", 256, 192),
         ("all-to-all", 256, 192),
@@ -85,7 +85,7 @@ def test_async_all_gather_counts_its_result_not_the_input_output_tuple():
   ROOT %agd = f32[16]{0} all-gather-done((f32[4]{0}, f32[16]{0}) %ags)
 }
 """
-    assert bench_comm.collectives(hlo, 4) == [bench_comm.Collective("all-gather", 64, 4, 1, False)]
+    assert hlo_bytes.collectives(hlo, 4) == [hlo_bytes.Collective("all-gather", 64, 4, 1, False)]
 
 
 @pytest.mark.parametrize(
@@ -98,4 +98,4 @@ def test_async_all_gather_counts_its_result_not_the_input_output_tuple():
     ],
 )
 def test_replica_group_formats(line, size):
-    assert bench_comm._group_size(line, 8) == size
+    assert hlo_bytes.group_size(line, 8) == size

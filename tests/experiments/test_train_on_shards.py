@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from experiments import cli, run_spec, tokenize, trainer
+from experiments import cli, run_spec, trainer
 from experiments.configs import default
 from experiments.metrics_io import read_metrics
-from lm.data import batches, documents, shards, tokenizer
+from lm.data import batches, documents, shards, tokenize, tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -90,7 +90,7 @@ def test_fsdp_power_iteration_moves_only_r_wide_factors_and_matches_one_device(s
     """Weights, momentum and Q laid out as training lays them (either side of the weight split over 8
     devices): no collective carries more than an r-wide factor (GSPMD alone all-reduced and gathered
     whole matrices with fan-out split), and the steps equal the single-device ones."""
-    from experiments import bench_comm
+    from experiments import hlo_bytes
     from sharding import partition
 
     rng = np.random.default_rng(7)
@@ -116,6 +116,6 @@ def test_fsdp_power_iteration_moves_only_r_wide_factors_and_matches_one_device(s
         for g, want in zip(grads, expected[1:], strict=True):
             p, s = sharded(p, jax.device_put(g, shard), s)
             ref.assert_trees_close((p, s), want)
-    found = bench_comm.collectives(hlo, 8)
+    found = hlo_bytes.collectives(hlo, 8)
     widest = max(c.payload for c in found)  # an all-gather's payload is its gathered result
     assert widest <= layers * max(fan_in, fan_out) * r * 4 + layers * r * 4, (widest, found)

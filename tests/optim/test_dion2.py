@@ -11,7 +11,7 @@ import muon_reference as ref
 import numpy as np
 import pytest
 
-from experiments import bench_comm
+from experiments import hlo_bytes
 from optim.dion2 import dion2, scale_by_dion2
 
 POLAR_EXPRESS = [  # microsoft/dion polar_express.py
@@ -134,7 +134,7 @@ def test_local_selection_gathers_fewer_bytes_than_global():
             tx = scale_by_dion2(selection_scope=scope)
             state = type(tx.init(x))(mu=x)
             hlo = jax.jit(tx.update, out_shardings=(sharding, None)).lower(x, state).compile().as_text()
-            found[scope] = [(c.kind, c.payload * c.count) for c in bench_comm.collectives(hlo, 8)]
+            found[scope] = [(c.kind, c.payload * c.count) for c in hlo_bytes.collectives(hlo, 8)]
     quarter = 4 * 16 * 128 * 4  # the selected rows, gathered for Newton-Schulz
     assert found["local"] == [("all-gather", quarter)]
     assert sum(b for _, b in found["global"]) > quarter  # and the slice norms of every device

@@ -12,10 +12,10 @@ import cross_replica_worker
 import jax
 import pytest
 
-from experiments import tokenize, trainer
+from experiments import trainer
 from experiments.configs import default
 from experiments.metrics_io import read_metrics
-from lm.data import documents
+from lm.data import documents, tokenize
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,8 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from experiments import tokenize
-from lm.data import batches, documents, shards, tokenizer
+from lm.data import batches, documents, shards, tokenize, tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments import train_tokenizer
 from lm.data import tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,7 +19,7 @@ SAMPLE = "def the_value(x):\n    return x * 3  # ünïcode ✓\n"
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("tokenizers")
-    hf = train_tokenizer.train_bpe([TEXT], 320, root / "hf")
+    hf = tokenizer.train_bpe([TEXT], 320, root / "hf")
 
     import sentencepiece as spm
 
@@ -99,14 +98,13 @@ def test_train_tokenizer_cli_on_given_text_and_bad_flags(tmp_path):
     empty = run(f"--out={tmp_path / 'x'}", f"--input={tmp_path / 'none*.txt'}")
     assert empty.returncode == 2 and empty.stderr.count("\n") == 1 and "matches no files" in empty.stderr
     with pytest.raises(ValueError, match="--vocab_size=100 must be at least 257"):
-        train_tokenizer.train_bpe(["text"], 100, tmp_path / "small")
+        tokenizer.train_bpe(["text"], 100, tmp_path / "small")
 
 
 def test_a_run_finds_the_tokenizer_its_shards_were_written_with(files, tmp_path):
     """`input_pipeline.run_tokenizer` (what `experiments.sample` decodes with): bytes for the text corpus, the
     manifest's tokenizer for shards, refused when the file changed since the shards were written."""
-    from experiments import tokenize
-    from lm.data import documents, input_pipeline
+    from lm.data import documents, input_pipeline, tokenize
 
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "a.txt").write_text(TEXT)
@@ -120,7 +118,7 @@ def test_a_run_finds_the_tokenizer_its_shards_were_written_with(files, tmp_path)
     data = dataclasses.replace(data, train_files=str(tmp_path / "shards" / "train_*.bin"))
     tok = input_pipeline.run_tokenizer(data)
     assert tok.fingerprint == tokenizer.load(files["hf"]).fingerprint and tok.decode(tok.encode(SAMPLE)) == SAMPLE
-    other = train_tokenizer.train_bpe([TEXT], 300, tmp_path / "other")  # a different, valid tokenizer at that path
+    other = tokenizer.train_bpe([TEXT], 300, tmp_path / "other")  # a different, valid tokenizer at that path
     (tok_dir / "tokenizer.json").write_bytes(Path(other).read_bytes())
     with pytest.raises(ValueError, match="tokenizer.json is not the tokenizer the shards were written with"):
         input_pipeline.run_tokenizer(data)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from experiments import bench_comm, run_spec
+from experiments import hlo_bytes, run_spec
 from experiments.cli import UsageError
 from experiments.configs import default
 from kernels_pallas.attention import reference
@@ -117,7 +117,7 @@ def test_mla_sends_the_latent_not_per_head_keys(mode):
     with jax.set_mesh(mesh), partition.use_rules(rules):
         hlo = jax.jit(lambda p, t: model_lib.apply(model_def, p, t)).lower(model_def.abstract_params, tokens).compile().as_text()
     # Inside the scanned layers (positions and segment ids are loop-invariant: gathered once, before).
-    per_layer = [c for c in bench_comm.collectives(hlo, shards) if c.count % cfg.n_layers == 0]
+    per_layer = [c for c in hlo_bytes.collectives(hlo, shards) if c.count % cfg.n_layers == 0]
     sent = sum(c.ring * c.count for c in per_layer) / cfg.n_layers
     shard = SEQ_LEN // shards
     latent = shard * (cfg.kv_lora_rank + cfg.rope_head_dim) * 4

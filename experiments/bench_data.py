@@ -5,7 +5,7 @@ r"""Input-pipeline speed: the loader from shards, tokenization, and the main job
 
 Rows:
 
-- **loader**: tokens per second that `lm.data.PackedBatches` delivers to the host (one process, batch
+- **loader**: tokens per second that `lm.data.batches.PackedBatches` delivers to the host (one process, batch
   ``--batch x --seq_len``, 64 x 1024 by default) from llm.c shards, with Grain read-ahead threads and
   without. Without ``--train_files`` it writes ``--synthetic_tokens`` random GPT-2-sized ids into
   temporary version-1 shards of 10^7 tokens.

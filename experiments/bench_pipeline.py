@@ -5,7 +5,7 @@ r"""Pipeline schedules measured: bubble, per-device memory, stage-to-stage bytes
 On ``--devices`` fake CPU devices (default 8), for the `tiny` model with ``n_layers=8``:
 
 - **bubble**: the share of idle (tick, stage) entries of each schedule's own tick table
-  (`lm.pipeline.forward_table`, `lm.pipeline_schedule.tick_table`) next to its formula;
+  (`lm.parallel.pipeline.forward_table`, `lm.parallel.pipeline_schedule.tick_table`) next to its formula;
 - **memory**: `compiled.memory_analysis()` of the whole train step on ``stage:4,data:2`` at
   ``M = 4, 8, 16``: temporaries per device (the activations a schedule keeps live among them);
 - **stage-to-stage bytes**: the collective-permutes of the compiled step (`experiments.hlo_bytes`'s

@@ -5,7 +5,7 @@ r"""Evaluates a training run's checkpoint or a transformers checkpoint: bits per
     python -m experiments.evaluate --hf=exports/tiny --tasks=tests/data/eval/synthetic_choice.jsonl
     python -m experiments.evaluate --hf=exports/bpe --val_files='data/stdlib-bpe8k/val_*.bin'
 
-Bits per byte: of the run's fixed validation set (`lm.input_pipeline`, as training reports it), of
+Bits per byte: of the run's fixed validation set (`lm.data.input_pipeline`, as training reports it), of
 held-out token shards (``--val_files``; tokens per byte from their ``manifest.json``), or of a text
 file (``--text``): the file is one document, tokenized after a separator so every token is predicted
 once, in windows of ``--seq_len``:  ``bpb = sum_t -log2 p(x_t | x_<t) / utf8_bytes``.
@@ -133,7 +133,7 @@ def text_bits_per_byte(scorer: Scorer, text: str, *, seq_len: int, batch_size: i
 
 
 def shards_bits_per_byte(scorer: Scorer, pattern: str, *, seq_len: int, batch_size: int, max_tokens: int = 0) -> dict:
-    """Loss and bits per byte of held-out token shards (``.bin`` / ``.npy``, `lm.shards`), in disjoint windows
+    """Loss and bits per byte of held-out token shards (``.bin`` / ``.npy``, `lm.data.shards`), in disjoint windows
     of ``seq_len + 1`` tokens (the first ``max_tokens`` of them; 0: all). Bits per byte need the shards'
     ``manifest.json`` (its ``val`` split's tokens per byte, as training uses; None without one)."""
     try:
@@ -321,7 +321,7 @@ def define_flags() -> None:
     flags.DEFINE_string("val_files", None, "Held-out token shards (glob, comma-separated) to report bits per byte on.")
     flags.DEFINE_integer("max_tokens", 1 << 20, "Score at most this many tokens of --val_files; 0: all.")
     flags.DEFINE_list("tasks", [], "Multiple-choice JSONL files ({context, choices, label} per line).")
-    flags.DEFINE_string("tokenizer", None, "Tokenizer spec (lm.tokenizer.load); default: the run's, or --hf's tokenizer.json, else bytes.")
+    flags.DEFINE_string("tokenizer", None, "Tokenizer spec (lm.data.tokenizer.load); default: the run's, or --hf's tokenizer.json, else bytes.")
     flags.DEFINE_string("mesh", "", "Mesh to evaluate on (sharding.mesh.make_mesh); empty: every device data-parallel.")
     flags.DEFINE_integer("seq_len", 0, "Window of --text scoring; 0: the run's data.seq_len (--hf: min(1024, max_seq_len)).")
     flags.DEFINE_integer("batch_size", 16, "Rows per scoring batch (rounded up to a multiple of the batch shards).")

@@ -9,7 +9,7 @@ their ``model.safetensors.index.json``) in the layout `lm.hf` describes: Llama, 
 Qwen3-MoE, Mixtral (routed MoE) or DeepSeek-V2 (MLA). A run trained on shards of a subword tokenizer (their ``manifest.json`` names
 it) also gets its tokenizer file (``tokenizer.json``, or ``tokenizer.model`` for SentencePiece) and
 the BOS / EOS ids in ``config.json``. The byte-level tokenizer has no transformers equivalent: such
-an export holds the weights only (token ``i`` is byte ``i``; see `lm.tokenizer`).
+an export holds the weights only (token ``i`` is byte ``i``; see `lm.data.tokenizer`).
 """
 
 from __future__ import annotations

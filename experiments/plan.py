@@ -10,7 +10,7 @@ as many fake CPU devices as the mesh needs, so a laptop can plan a pod slice; XL
 assignment then stands in for the accelerator's, which fuses and lays out differently (treat the
 activation figure as an estimate). Exit code 0 when it fits, 1 when it does not, 2 for bad input.
 
-With a ``context`` mesh axis (long sequences, `lm.context_attention`) the report adds the context
+With a ``context`` mesh axis (long sequences, `lm.parallel.context_attention`) the report adds the context
 shards, the mode, each device's share of a sequence and the K/V one layer holds in flight.
 """
 

@@ -86,7 +86,7 @@ class _Checkpoints:
 
 
 def load_data(config: ml_collections.ConfigDict, vocab_size: int) -> tuple[batches_lib.PackedBatches, input_pipeline.ValidationSet]:
-    """This process's training iterator and validation batches (`lm.input_pipeline`), for a model of ``vocab_size``."""
+    """This process's training iterator and validation batches (`lm.data.input_pipeline`), for a model of ``vocab_size``."""
     try:
         return input_pipeline.build(
             data_config(config), vocab_size, seed=config.seed, batch_size=config.batch_size, eval_batches=config.eval_batches,

@@ -4,7 +4,7 @@ Query head ``h`` reads kv head ``h // (n_heads // n_kv_heads)`` (GQA, Ainslie et
 arXiv:2305.13245). `attend` asks the attention op (`kernels_pallas.attention.api.attention`) for
 ``model.attention`` (``auto``, ``xla``, ``cudnn`` or ``pallas``; the op owns the choice, its fallbacks
 and their log lines). What it adds is the mesh: whether the sequence is sharded (over a ``context``
-axis: `lm.context_attention`'s all-gather, ring or Ulysses attention), and for the Pallas
+axis: `lm.parallel.context_attention`'s all-gather, ring or Ulysses attention), and for the Pallas
 kernel a per-shard run (`sharding.partition.logical_shard_map`) in which batch and heads may be
 sharded, the sequence may not, and the max logits are reduced over the batch shards.
 """
@@ -74,8 +74,8 @@ def attend(
         batch and the causal (query, key) pairs, shape ``(n_heads,)``.
       segment_ids: ``(batch, seq)`` int or None; a query sees only keys of its own segment (document).
       context_parallel: with the sequence split over a ``context`` mesh axis, how keys and values
-        reach the queries (`lm.context_attention`): ``all_gather``, ``ring`` or ``ulysses``.
-      zigzag: the sequence is in the zig-zag layout of `lm.context_attention.model_order`.
+        reach the queries (`lm.parallel.context_attention`): ``all_gather``, ``ring`` or ``ulysses``.
+      zigzag: the sequence is in the zig-zag layout of `lm.parallel.context_attention.model_order`.
 
     Returns:
       ``(out, max_logits)``: out ``(batch, seq, n_heads, head_dim)`` in q's dtype; max_logits is

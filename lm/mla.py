@@ -15,7 +15,7 @@ Training materialises ``k_h, v_h`` and runs the shared attention implementations
 ``model.attention``: XLA, cuDNN or the Pallas flash kernel, which takes ``d_v != d_n + d_r``). With the
 sequence split over a ``context`` axis, the latent ``c`` and the RoPE key ``k_r`` (``r + d_r`` numbers
 per token instead of ``H (d_n + d_r + d_v)``) are what the all-gather or the ring sends; each shard
-expands the block it holds (`lm.context_attention.Compressed`).
+expands the block it holds (`lm.parallel.context_attention.Compressed`).
 Decoding absorbs the up-projections (Sec. 2.1.3): ``q_h . k_h = (q_n^h W_uk^h^T) . c + q_r^h . k_r`` and
 ``p v_h = (p c) W_uv^h``, so attention runs against the cached latents and no per-head key or value is
 ever formed. The equations are the paper's (9)-(19); the latent and the RoPE key come from two matrices

@@ -46,7 +46,7 @@ class Block(nnx.Module):
         """``x -> (x', (attention max logits or None, MoE statistics or None))``; tokens attend within their segment.
 
         ``order``: the positions of ``x``'s rows when the sequence is in the zig-zag layout
-        (`lm.context_attention.model_order`), else None (in order).
+        (`lm.parallel.context_attention.model_order`), else None (in order).
         """
         attn_out, max_logits = self.attn(self.attn_norm(x), segment_ids, order)
         x = constrain(x + attn_out, ACTIVATION)
@@ -83,7 +83,7 @@ def document_segments(cfg: ModelConfig, tokens: jax.Array) -> jax.Array | None:
 
 
 def in_model_layout(cfg: ModelConfig, x: jax.Array | None) -> jax.Array | None:
-    """``x`` ``(batch, seq, ...)`` permuted along ``seq`` into the model's layout (`lm.context_attention.model_order`)."""
+    """``x`` ``(batch, seq, ...)`` permuted along ``seq`` into the model's layout (`lm.parallel.context_attention.model_order`)."""
     order = None if x is None else context_attention.model_order(cfg.context_parallel, x.shape[1])
     return x if order is None else constrain(x[:, order], ("batch", "seq", *(None,) * (x.ndim - 2)))
 
@@ -149,7 +149,7 @@ class Transformer(nnx.Module):
         """Logits ``(batch, seq, vocab)`` for ``tokens`` ``(batch, seq)``.
 
         Under a ``context`` split with ring or all-gather attention the sequence runs in zig-zag
-        layout (`lm.context_attention.model_order`): tokens and segment ids are permuted once here and
+        layout (`lm.parallel.context_attention.model_order`): tokens and segment ids are permuted once here and
         RoPE reads the permuted positions. The logits are inverted to sequence order unless
         ``model_layout`` (for a token-mean loss, whose targets `in_model_layout` permutes alike).
 

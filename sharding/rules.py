@@ -18,7 +18,7 @@ Presets (mesh axis names ``data``, ``fsdp``, ``tensor``, ``seq``, ``expert``, ``
 - ``sp``: the ``tp`` rules plus activations sharded along ``seq`` over ``seq`` (context parallelism).
 
 Context parallelism splits activations along ``seq`` over the ``context`` axis in every preset;
-attention then runs as explicit `jax.shard_map` code (`lm.context_attention`: all-gather, ring or
+attention then runs as explicit `jax.shard_map` code (`lm.parallel.context_attention`: all-gather, ring or
 Ulysses, ``--config.model.context_parallel``) instead of GSPMD's propagation.
 
 ``expert`` parallelism maps ``experts`` onto the ``expert`` axis in every preset. The ``expert`` axis
@@ -33,7 +33,7 @@ free too, so MLA's up-projections ``(latent, heads)`` are split under FSDP while
 Pipeline parallelism maps the scanned block stack's ``layers`` axis of every parameter (and so of its
 gradient and optimizer state) onto the ``stage`` axis in every preset: stage ``s`` holds the ``s``-th
 contiguous group of layers of the same ``[L, ...]`` arrays that every other mesh stores
-(`lm.pipeline`). Activations never take ``stage``.
+(`lm.parallel.pipeline`). Activations never take ``stage``.
 
 Optional mesh axes: a mesh axis written with a trailing ``?`` (``embed: ("fsdp", "expert?")``, or
 ``--config.rule_overrides=embed=fsdp+expert?``) is taken by a dimension only where no other dimension

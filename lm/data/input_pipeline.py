@@ -1,10 +1,10 @@
 """The training input a `DataConfig` (``--config.data.*``) describes: the stdlib / text corpus, or pre-tokenized shards.
 
-With ``data.train_files`` or ``data.mixture`` (`lm.mixture`), and ``data.val_files``, the run reads
-llm.c ``.bin`` / ``.npy`` shards memory-mapped (`lm.shards`); a ``manifest.json`` beside them (written
+With ``data.train_files`` or ``data.mixture`` (`lm.data.mixture`), and ``data.val_files``, the run reads
+llm.c ``.bin`` / ``.npy`` shards memory-mapped (`lm.data.shards`); a ``manifest.json`` beside them (written
 by ``experiments.tokenize``) gives the vocabulary, the document separator and the tokens and UTF-8
-bytes of the validation split. Without them the run reads `lm.corpus` (byte-level). Either way the
-batches come from `lm.data.PackedBatches`.
+bytes of the validation split. Without them the run reads `lm.data.corpus` (byte-level). Either way the
+batches come from `lm.data.batches.PackedBatches`.
 
 Validation is a fixed set: the first ``data.val_tokens`` tokens of the validation split (rounded down
 to whole batches), or with ``val_tokens`` 0, ``eval_batches`` batches of windows spread evenly over

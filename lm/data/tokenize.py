@@ -5,7 +5,7 @@ Parquet (one per row of its ``text`` column). Every document is preceded by the 
 (``<|endoftext|>``, EOS, else BOS), as in llm.c's FineWeb shards, and goes to ``val_*.bin`` when a stable
 hash of its text falls below ``--val_fraction``, else to ``train_*.bin``. Shards hold
 ``--shard_tokens`` tokens (the last of a split fewer) in version 1 (uint16) of the format in
-`lm.shards`, or version 2 (uint32) for vocabularies over 65,536 ids. ``manifest.json`` records the
+`lm.data.shards`, or version 2 (uint32) for vocabularies over 65,536 ids. ``manifest.json`` records the
 tokenizer (path and sha256), its vocabulary size and separator id, and per split the files, documents,
 tokens and UTF-8 bytes, from which training reports bits per byte.
 

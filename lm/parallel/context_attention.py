@@ -14,7 +14,7 @@ mode below is a `jax.shard_map` (`sharding.partition.logical_shard_map`) over th
   equal on every device. The model permutes its sequence into that layout once at input
   (`model_order`); called on a sequence in order, the call re-lays out its shards by two ppermutes
   of half a shard each way (`zigzag_pairs`) and back. The hops and their hand-written backward (dK/dV travel back around the ring) are
-  `lm.ring_attention`; each block is `kernels_pallas.attention.partial` (XLA, or the Pallas kernel
+  `lm.parallel.ring_attention`; each block is `kernels_pallas.attention.partial` (XLA, or the Pallas kernel
   returning its log-sum-exp).
 - ``all_gather``: each device keeps its queries and all-gathers the keys and values (and segment
   ids) once, then runs the ring's hops on blocks sliced out of the gathered arrays: the same zig-zag

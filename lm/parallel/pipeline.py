@@ -8,7 +8,7 @@ stage). The batch is split into ``M`` microbatches (row ``j`` of microbatch ``m`
 ``j M + m``, so every microbatch keeps the batch's data sharding).
 
 The loop is a `jax.lax.scan` over ticks inside a `jax.shard_map` that makes only ``stage`` manual (the
-other axes stay GSPMD-partitioned, as in `lm.context_attention`). On tick ``t`` stage ``s`` works on
+other axes stay GSPMD-partitioned, as in `lm.parallel.context_attention`). On tick ``t`` stage ``s`` works on
 item ``i = t - s`` (microbatch ``i mod M``, repeat ``i // M``) when ``0 <= i < R M``; otherwise it
 runs on stale data whose result is never used (the bubble). After each tick every stage sends its
 output to stage ``s + 1`` with one collective-permute (`jax.lax.ppermute`); under ``circular`` the
@@ -26,7 +26,7 @@ layout stays that of every other mesh.
 
 This module is the forward loop (``gpipe``, ``circular``) that ``jax.grad`` differentiates; the
 ``1f1b`` and ``zb_h1`` schedules, which compute the gradients themselves from a tick table
-(`lm.pipeline_schedule`), are `lm.pipeline_1f1b`.
+(`lm.parallel.pipeline_schedule`), are `lm.parallel.pipeline_1f1b`.
 """
 
 from __future__ import annotations

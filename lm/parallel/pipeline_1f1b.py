@@ -1,12 +1,12 @@
 """The 1F1B and ZB-H1 pipeline schedules: loss and gradients of one batch in a tick loop over ``stage``.
 
-GPipe (`lm.pipeline`) runs every microbatch forward and lets ``jax.grad`` run them all backward, so
+GPipe (`lm.parallel.pipeline`) runs every microbatch forward and lets ``jax.grad`` run them all backward, so
 each stage keeps the activations of all ``M`` microbatches. 1F1B (PipeDream-Flush, Narayanan et al.
 2021) starts a microbatch's backward pass as soon as the last stage has its loss, so a stage holds
 only the microbatches in flight; ZB-H1 (Qi et al. 2023, arXiv 2401.10241) splits that backward into
 the input gradient B, on the critical path, and the weight gradient W, which fills the cool-down.
 
-Both run one executor over the schedule's unit-time tick table (`lm.pipeline_schedule`): on every
+Both run one executor over the schedule's unit-time tick table (`lm.parallel.pipeline_schedule`): on every
 tick each stage runs exactly one op of its own row (a `jax.lax.switch` on the table entry at
 ``(tick, stage index)``), then two collective-permutes move every stage's output to ``s + 1`` and
 its input gradient to ``s - 1`` (zeros where the op made none; the receiver's row of the arrival
@@ -30,7 +30,7 @@ step, so a tick lasts as long as the slowest op any stage runs on it; the tables
 Embedding stays outside (GSPMD over the other axes; its gradient from stage 0's input gradients by
 the embedding's own `jax.vjp`); norm, head and loss run on the last stage (their parameters are
 replicated over ``stage``, their gradients summed over it). The stored ``[L, ...]`` layout of the
-block parameters is the one every mesh uses (`lm.pipeline`).
+block parameters is the one every mesh uses (`lm.parallel.pipeline`).
 """
 
 from __future__ import annotations

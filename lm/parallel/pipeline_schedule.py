@@ -1,4 +1,4 @@
-"""Unit-time tick tables of the 1F1B and ZB-H1 pipeline schedules (NumPy; executed by `lm.pipeline_1f1b`).
+"""Unit-time tick tables of the 1F1B and ZB-H1 pipeline schedules (NumPy; executed by `lm.parallel.pipeline_1f1b`).
 
 A table is a pair of ``(ticks, stages)`` int arrays: the op each stage runs on each tick and its
 microbatch (-1 where idle). Every op takes one tick, and a result computed on tick ``t`` reaches the

@@ -1,9 +1,9 @@
 """Ring attention over the ``context`` axis, forward and a hand-written backward (`jax.custom_vjp`).
 
-Runs inside the `jax.shard_map` of `lm.context_attention`, on zig-zag shards: device ``i`` of ``C``
+Runs inside the `jax.shard_map` of `lm.parallel.context_attention`, on zig-zag shards: device ``i`` of ``C``
 holds chunks ``i`` (half 0) and ``2C-1-i`` (half 1) of ``2C``. Keys and values travel as *sources*
 that ``expand(*params, *sources) -> (k, v)`` turns into keys and values per token (GQA: k and v
-themselves; MLA: the latent and the RoPE key, `lm.context_attention.Compressed`).
+themselves; MLA: the latent and the RoPE key, `lm.parallel.context_attention.Compressed`).
 
 Forward. Hop 0 attends the local block causally (within a zig-zag shard index order is position
 order). On hop ``t = 1 .. C-1`` the sources of device ``j = (i - t) mod C`` have arrived from the
@@ -186,7 +186,7 @@ def ring(
       segment_ids: ``(batch, S)`` int or None.
       axes: the mesh axes of the ring (inside `jax.shard_map`).
       past: ``(C, C)`` bool, ``[i, t]``: on hop ``t`` device ``i`` holds an earlier chunk pair
-        (`lm.context_attention.ring_schedule`'s ``[:, :, 0, 0]``).
+        (`lm.parallel.context_attention.ring_schedule`'s ``[:, :, 0, 0]``).
       expand: ``expand(*params, *sources) -> (k, v)``, per token.
       transport: how hop ``t`` gets device ``(i - t) mod C``'s sources: ``ring`` (`jax.lax.ppermute`
         from the left neighbour, gradients sent back around the ring) or ``all_gather`` (sliced out of

@@ -1,4 +1,4 @@
-"""Training from pre-tokenized shards (`lm.input_pipeline` behind `experiments.train`): vocabulary from the
+"""Training from pre-tokenized shards (`lm.data.input_pipeline` behind `experiments.train`): vocabulary from the
 manifest, bits per byte, exact resume, and bad shards as usage errors."""
 
 import json

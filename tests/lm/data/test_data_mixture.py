@@ -1,4 +1,4 @@
-"""Weighted mixtures (`lm.mixture`) and their use by `lm.input_pipeline`."""
+"""Weighted mixtures (`lm.data.mixture`) and their use by `lm.data.input_pipeline`."""
 
 import grain
 import numpy as np

@@ -1,4 +1,4 @@
-"""llm.c `.bin` / `.npy` shards (`lm.shards`), `experiments.tokenize`, and windows over several shards (`lm.data`)."""
+"""llm.c `.bin` / `.npy` shards (`lm.data.shards`), `lm.data.tokenize`, and windows over several shards (`lm.data.batches`)."""
 
 import base64
 import json

@@ -1,4 +1,4 @@
-"""Tokenizers from local files (built here, never downloaded) behind `lm.tokenizer.load`, and the offline BPE trainer."""
+"""Tokenizers from local files (built here, never downloaded) behind `lm.data.tokenizer.load`, and the offline BPE trainer."""
 
 import base64
 import dataclasses

@@ -1,4 +1,4 @@
-"""Context parallelism (`lm.context_attention`): each mode equals one device; the ring's causal work is balanced."""
+"""Context parallelism (`lm.parallel.context_attention`): each mode equals one device; the ring's causal work is balanced."""
 
 import contextlib
 import io

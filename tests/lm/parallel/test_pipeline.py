@@ -1,4 +1,4 @@
-"""Pipeline parallelism (`lm.pipeline`): every schedule equals one device on 8 CPU devices.
+"""Pipeline parallelism (`lm.parallel.pipeline`): every schedule equals one device on 8 CPU devices.
 
 Each case jits the model's loss and gradients once per mesh (`tiny` with 8 layers and packed
 documents) and steps AdamW and Muon on them from the same initial parameters, as

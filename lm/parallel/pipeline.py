@@ -24,6 +24,9 @@ replicated over ``stage``; the last stage's outputs reach every stage by one all
 stage-major groups each step (an all-to-all of the block weights over ``stage``), so the checkpoint
 layout stays that of every other mesh.
 
+The schedule is model configuration: ``model.pipeline_schedule`` (``S`` is the mesh's ``stage`` size),
+``model.pipeline_microbatches`` (``M``) and ``model.pipeline_repeats`` (``R``) of `lm.config.ModelConfig`.
+
 This module is the forward loop (``gpipe``, ``circular``) that ``jax.grad`` differentiates; the
 ``1f1b`` and ``zb_h1`` schedules, which compute the gradients themselves from a tick table
 (`lm.parallel.pipeline_schedule`), are `lm.parallel.pipeline_1f1b`.

@@ -15,6 +15,7 @@ from lm import model as model_lib
 from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib
+from tests.lm import rope_reference
 
 SMALL = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=48, max_seq_len=64, norm_eps=1e-5)
 CONFIGS = {
@@ -66,13 +67,18 @@ def _rotate_half(x):
     return np.concatenate([-x2, x1], axis=-1)
 
 
-def _rope(x, theta):
-    """``x`` ``(heads, seq, d)``: ``x cos + rotate_half(x) sin`` with frequencies ``theta^(-2i/d)`` repeated twice."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (np.arange(0, d, 2) / d)
+def _frequencies(c, dim, seq_len):
+    """transformers' inverse frequencies and attention factor for ``config.json`` ``c`` (`rope_reference`)."""
+    p = rope_reference.rope_parameters(c)
+    return rope_reference.INIT_FUNCTIONS[p["rope_type"]](p, dim, c["max_position_embeddings"], seq_len)
+
+
+def _rope(x, c):
+    """``x`` ``(heads, seq, d)``: ``(x cos + rotate_half(x) sin) a`` with the frequencies repeated twice."""
+    inv_freq, factor = _frequencies(c, x.shape[-1], x.shape[1])
     angles = np.arange(x.shape[1])[:, None] * inv_freq[None]
     emb = np.concatenate([angles, angles], axis=-1)
-    return x * np.cos(emb) + _rotate_half(x) * np.sin(emb)
+    return (x * np.cos(emb) + _rotate_half(x) * np.sin(emb)) * factor
 
 
 def _silu(x):
@@ -92,7 +98,7 @@ def _attention(x, w, p, c):
     v = (x @ w[f"{p}.v_proj.weight"].T).reshape(s, nkv, hd).transpose(1, 0, 2)
     if c["model_type"] in ("qwen3", "qwen3_moe"):
         q, k = _rms_norm(q, w[f"{p}.q_norm.weight"], c["rms_norm_eps"]), _rms_norm(k, w[f"{p}.k_norm.weight"], c["rms_norm_eps"])
-    q, k = _rope(q, c["rope_theta"]), _rope(k, c["rope_theta"])
+    q, k = _rope(q, c), _rope(k, c)
     k, v = np.repeat(k, nh // nkv, axis=0), np.repeat(v, nh // nkv, axis=0)
     scores = q @ k.transpose(0, 2, 1) / np.sqrt(hd)
     scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
@@ -101,20 +107,20 @@ def _attention(x, w, p, c):
     return (probs @ v).transpose(1, 0, 2).reshape(s, nh * hd) @ w[f"{p}.o_proj.weight"].T
 
 
-def _rope_pairs(x, theta):
-    """DeepSeek's RoPE: rotates adjacent pairs ``(x_2i, x_2i+1)`` by ``pos theta^(-2i/d)``."""
-    d = x.shape[-1]
-    angles = np.arange(x.shape[1])[:, None] * (1.0 / theta ** (np.arange(0, d, 2) / d))[None]
+def _rope_pairs(x, c):
+    """DeepSeek's RoPE: rotates adjacent pairs ``(x_2i, x_2i+1)`` by ``pos w_i``, times the attention factor."""
+    inv_freq, factor = _frequencies(c, x.shape[-1], x.shape[1])
+    angles = np.arange(x.shape[1])[:, None] * inv_freq[None]
     a, b = x[..., 0::2], x[..., 1::2]
     out = np.empty_like(x)
     out[..., 0::2] = a * np.cos(angles) - b * np.sin(angles)
     out[..., 1::2] = a * np.sin(angles) + b * np.cos(angles)
-    return out
+    return out * factor
 
 
-def _causal_attention(q, k, v):
+def _causal_attention(q, k, v, scale=1.0):
     s = q.shape[1]
-    scores = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
+    scores = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1]) * scale
     scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     return (probs / probs.sum(-1, keepdims=True)) @ v
@@ -131,10 +137,10 @@ def _deepseek_attention(x, w, p, c):
     compressed = x @ w[f"{p}.kv_a_proj_with_mqa.weight"].T
     kv = _rms_norm(compressed[:, :r], w[f"{p}.kv_a_layernorm.weight"], eps) @ w[f"{p}.kv_b_proj.weight"].T
     kv = kv.reshape(s, h, dn + dv).transpose(1, 0, 2)
-    k_pe = np.broadcast_to(_rope_pairs(compressed[None, :, r:], c["rope_theta"]), (h, s, dr))
-    q = np.concatenate([q[..., :dn], _rope_pairs(q[..., dn:], c["rope_theta"])], axis=-1)
+    k_pe = np.broadcast_to(_rope_pairs(compressed[None, :, r:], c), (h, s, dr))
+    q = np.concatenate([q[..., :dn], _rope_pairs(q[..., dn:], c)], axis=-1)
     k = np.concatenate([kv[..., :dn], k_pe], axis=-1)
-    out = _causal_attention(q, k, kv[..., dn:])
+    out = _causal_attention(q, k, kv[..., dn:], rope_reference.deepseek_softmax_mscale(rope_reference.rope_parameters(c)))
     return out.transpose(1, 0, 2).reshape(s, h * dv) @ w[f"{p}.o_proj.weight"].T
 
 
@@ -224,7 +230,8 @@ def test_a_bfloat16_export_holds_the_rounded_weights(tmp_path):
     cfg = CONFIGS["mixtral"]
     params = _params(cfg)
     hf.save(tmp_path, cfg, params, dtype="bfloat16")
-    assert json.loads((tmp_path / hf.CONFIG).read_text())["torch_dtype"] == "bfloat16"
+    written = json.loads((tmp_path / hf.CONFIG).read_text())
+    assert written["dtype" if hf.installed_spelling() >= 5 else "torch_dtype"] == "bfloat16"
     assert {t.dtype for t in load_file(tmp_path / hf.SINGLE_FILE).values()} == {np.dtype(jax.numpy.bfloat16)}
     _, loaded = model_lib.from_hf(tmp_path)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
@@ -271,8 +278,16 @@ def test_a_trained_router_bias_refuses_to_export(tmp_path):
 
 def test_unsupported_transformers_configs_are_named():
     hf_config = hf.to_hf_config(CONFIGS["llama"])
-    with pytest.raises(hf.UnsupportedArchitecture, match="rope_scaling"):
-        hf.from_hf_config(hf_config | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
+    for spelling in ("rope_scaling", "rope_parameters"):
+        with pytest.raises(hf.UnsupportedArchitecture, match="rope_type='longrope'"):
+            hf.from_hf_config(hf_config | {spelling: longrope})
+    with pytest.raises(hf.UnsupportedArchitecture, match="rope_type='llama3' without low_freq_factor, high_freq_factor"):
+        hf.from_hf_config(hf_config | {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(hf.UnsupportedArchitecture, match="partial_rotary_factor=0.5"):
+        hf.from_hf_config(hf_config | {"partial_rotary_factor": 0.5})
+    with pytest.raises(hf.UnsupportedArchitecture, match="layer_types"):
+        hf.from_hf_config(hf_config | {"layer_types": ["full_attention", "sliding_attention"]})
     with pytest.raises(hf.UnsupportedArchitecture, match="GPT2LMHeadModel"):
         hf.from_hf_config(hf_config | {"architectures": ["GPT2LMHeadModel"]})
 

@@ -326,3 +326,110 @@ def test_transformers_itself_gives_our_logits(name, tmp_path):
         theirs = theirs_model(torch.tensor(tokens)).logits.numpy()
     ours = np.asarray(model_lib.apply(model_lib.define(cfg), params, jax.numpy.asarray(tokens)))
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+# --------------------------------------------------------------- checkpoints transformers itself writes
+
+_TINY = dict(
+    vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+    max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+)  # fmt: skip
+_MLA = dict(num_key_value_heads=4, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_lora_rank=12, q_lora_rank=10)
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
+_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32, beta_slow=1)
+_LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
+# name -> (config class, its arguments); every theta differs from 10000 unless the case is about the scaling
+TRANSFORMERS_CASES = {
+    "llama_theta": ("LlamaConfig", dict(head_dim=8, rope_parameters=dict(rope_type="default", rope_theta=500_000.0))),
+    "llama_llama3": ("LlamaConfig", dict(head_dim=8, rope_parameters=_LLAMA3 | dict(rope_theta=500_000.0))),
+    "llama_linear": ("LlamaConfig", dict(head_dim=8, rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=1e4))),
+    "llama_dynamic": ("LlamaConfig", dict(head_dim=8, max_position_embeddings=8, rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4))),
+    "qwen3_theta": ("Qwen3Config", dict(head_dim=8, rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+    "qwen3_yarn": ("Qwen3Config", dict(head_dim=8, rope_parameters=_YARN | dict(rope_theta=1e6))),
+    "mixtral_default_theta": ("MixtralConfig", dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe_normalised": ("Qwen3MoeConfig", dict(head_dim=8, num_experts=4, norm_topk_prob=True, mlp_only_layers=[0], **_MOE)),
+    "qwen3_moe_unnormalised": ("Qwen3MoeConfig", dict(head_dim=8, num_experts=4, norm_topk_prob=False, rope_parameters=dict(rope_type="default", rope_theta=1e6), **_MOE)),
+    "deepseek_v2_theta": ("DeepseekV2Config", dict(**_MLA, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True, rope_parameters=dict(rope_type="default", rope_theta=5e5), **_MOE)),
+    "deepseek_v2_yarn": ("DeepseekV2Config", dict(**_MLA, first_k_dense_replace=2, rope_parameters=_YARN | dict(rope_theta=1e4, mscale=0.707, mscale_all_dim=0.707))),
+    "deepseek_v2_yarn_mscales": ("DeepseekV2Config", dict(**_MLA, first_k_dense_replace=2, rope_parameters=_YARN | dict(rope_theta=1e4, mscale=1.0, mscale_all_dim=0.5))),
+}  # fmt: skip
+
+
+def _transformers_checkpoint(directory, name, *, dtype="float32", max_shard_size=None):
+    """A random model of case ``name`` built by transformers itself and written with ``save_pretrained``; returns it (float32)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    class_name, kwargs = TRANSFORMERS_CASES[name]
+    config = getattr(transformers, class_name)(**_TINY | kwargs)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # every weight random (routers included), norm scales off 1
+        for param_name, p in model.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in param_name else 0.2 * torch.randn_like(p))
+    model.to(getattr(torch, dtype)).save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()  # its buffers in float32
+
+
+def _transformers_logits(model, tokens, incremental=False):
+    """Logits of transformers' ``model``: one forward, or (``incremental``) a prefill of half then one token at a time."""
+    import torch
+
+    tokens = torch.tensor(tokens)
+    with torch.no_grad():
+        if not incremental:
+            return model(tokens).logits.numpy()
+        half = tokens.shape[1] // 2
+        out = model(tokens[:, :half], use_cache=True)
+        logits, cache = [out.logits], out.past_key_values
+        for t in range(half, tokens.shape[1]):
+            out = model(tokens[:, t : t + 1], past_key_values=cache, use_cache=True)
+            logits.append(out.logits)
+            cache = out.past_key_values
+        return torch.cat(logits, dim=1).numpy()
+
+
+def _our_decode_logits(model_def, params, tokens):
+    """Our logits through the KV cache, in the same steps as `_transformers_logits` ``incremental``."""
+    from lm import kv_cache
+
+    tokens = jax.numpy.asarray(tokens)
+    half = tokens.shape[1] // 2
+    cache = kv_cache.init(model_def.config, tokens.shape[0], tokens.shape[1])
+    logits, cache = model_lib.decode(model_def, params, tokens[:, :half], cache, jax.numpy.int32(0))
+    out = [logits]
+    for t in range(half, tokens.shape[1]):
+        logits, cache = model_lib.decode(model_def, params, tokens[:, t : t + 1], cache, jax.numpy.int32(t))
+        out.append(logits)
+    return np.concatenate([np.asarray(o) for o in out], axis=1)
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMERS_CASES))
+def test_checkpoints_transformers_writes_give_its_logits(name, tmp_path):
+    """Runs only where torch and transformers are installed: transformers' config classes and ``save_pretrained``."""
+    theirs_model = _transformers_checkpoint(tmp_path, name)
+    model_def, params = model_lib.from_hf(tmp_path)
+    tokens = np.random.default_rng(2).integers(0, 64, (2, 12))
+    ours = np.asarray(model_lib.apply(model_def, params, jax.numpy.asarray(tokens)))
+    theirs = _transformers_logits(theirs_model, tokens)
+    print(f"\n{name}: forward max |ours - transformers| = {np.max(np.abs(ours - theirs)):.2e}")
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    if model_def.config.rope_scaling != "none":  # the scaled RoPE at every position of the KV cache too
+        ours_decode = _our_decode_logits(model_def, params, tokens)
+        theirs_decode = _transformers_logits(theirs_model, tokens, incremental=True)
+        print(f"{name}: decode max |ours - transformers| = {np.max(np.abs(ours_decode - theirs_decode)):.2e}")
+        np.testing.assert_allclose(ours_decode, theirs_decode, atol=1e-4, rtol=0)
+    hf.save(tmp_path / "again", model_def.config, params)  # and back: transformers reads our export as its own
+    again = type(theirs_model).from_pretrained(tmp_path / "again").eval()
+    np.testing.assert_allclose(_transformers_logits(again, tokens), theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype, shard", [("bfloat16", None), ("float32", "20KB")])
+def test_bfloat16_and_sharded_files_transformers_writes_import(dtype, shard, tmp_path):
+    theirs_model = _transformers_checkpoint(tmp_path, "qwen3_moe_normalised", dtype=dtype, max_shard_size=shard)
+    assert (tmp_path / hf.INDEX_FILE).is_file() == (shard is not None)
+    model_def, params = model_lib.from_hf(tmp_path)
+    tokens = np.random.default_rng(3).integers(0, 64, (2, 12))
+    ours = np.asarray(model_lib.apply(model_def, params, jax.numpy.asarray(tokens)))
+    theirs = _transformers_logits(theirs_model, tokens)  # the bf16 weights, upcast, in float32
+    print(f"\n{dtype} {shard}: max |ours - transformers| = {np.max(np.abs(ours - theirs)):.2e}")
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)

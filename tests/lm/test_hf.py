@@ -38,6 +38,13 @@ CONFIGS = {
     "deepseek_v2_dense_scanned": config_lib.ModelConfig(  # MLA reads no n_kv_heads: DeepSeek's is n_heads
         **SMALL | dict(n_kv_heads=4), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, rope_head_dim=6, v_head_dim=8,
     ),
+    "deepseek_v2_yarn": config_lib.ModelConfig(  # DeepSeek-V2's YaRN: frequencies, attention factor and softmax scale
+        **SMALL | dict(n_kv_heads=4), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, rope_head_dim=6, v_head_dim=8,
+        rope_scaling="yarn", rope_factor=8.0, rope_original_max_len=8, rope_mscale=1.0, rope_mscale_all_dim=0.5,
+    ),
+    "llama_llama3": config_lib.ModelConfig(
+        **SMALL, rope_theta=5e5, rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=16, rope_high_freq_factor=2.0,
+    ),
 }
 
 
@@ -261,6 +268,7 @@ def test_config_round_trip():
         (dict(attention_type="mla", n_experts=4, router_score="sigmoid"), "DeepSeek-V2 scores experts with a softmax"),
         (dict(n_experts=4, n_shared_experts=1, expert_mlp_dim=16, normalize_router_weights=True), "shared experts"),
         (dict(n_experts=4, expert_mlp_dim=16), "normalize_router_weights"),
+        (dict(attention_type="mla", n_experts=4, normalize_router_weights=True), "DeepSeek-V2 does not renormalise"),
     ],
 )
 def test_architectures_without_an_equivalent_name_the_difference(changes, message):
@@ -290,6 +298,88 @@ def test_unsupported_transformers_configs_are_named():
         hf.from_hf_config(hf_config | {"layer_types": ["full_attention", "sliding_attention"]})
     with pytest.raises(hf.UnsupportedArchitecture, match="GPT2LMHeadModel"):
         hf.from_hf_config(hf_config | {"architectures": ["GPT2LMHeadModel"]})
+
+
+# hand-written config.json files as transformers 4.x and 5 spell them (no torch needed)
+_LLAMA_4X = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 32},
+}  # fmt: skip
+_LLAMA_5 = {k: v for k, v in _LLAMA_4X.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")} | {
+    "dtype": "bfloat16",
+    "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+}  # fmt: skip
+
+
+def test_both_spellings_read_alike_and_the_installed_one_is_written():
+    old, new = hf.from_hf_config(_LLAMA_4X), hf.from_hf_config(_LLAMA_5)
+    assert old == new
+    assert (new.rope_theta, new.rope_scaling, new.rope_factor, new.rope_original_max_len, new.max_seq_len) == (5e5, "llama3", 8.0, 32, 128)
+    five, four = hf.to_hf_config(new, spelling=5), hf.to_hf_config(new, spelling=4)
+    assert five["rope_parameters"] == _LLAMA_5["rope_parameters"] and "rope_theta" not in five and "rope_scaling" not in five
+    assert four["rope_theta"] == 5e5 and four["rope_scaling"]["rope_type"] == "llama3" and "rope_parameters" not in four
+    assert hf.from_hf_config(five) == hf.from_hf_config(four) == new
+    assert hf.to_hf_config(new) == (five if hf.installed_spelling() >= 5 else four)
+    # a theta in rope_parameters wins over none at the top level; none anywhere: transformers' default (Mixtral's 1e6)
+    plain = {k: v for k, v in _LLAMA_5.items() if k != "rope_parameters"}
+    assert hf.from_hf_config(plain | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}).rope_theta == 1e6
+    assert hf.from_hf_config(plain).rope_theta == 10_000.0
+    mixtral = hf.to_hf_config(CONFIGS["mixtral"])
+    del mixtral["rope_parameters"]
+    assert hf.from_hf_config(mixtral).rope_theta == 1e6
+
+
+def test_scaling_keys_transformers_fills_in():
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": None, "mscale": 0.707, "mscale_all_dim": 0.707}
+    cfg = hf.from_hf_config(_LLAMA_5 | {"rope_parameters": yarn, "original_max_position_embeddings": 16})
+    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_len) == ("yarn", 8.0, 16)  # factor = 128 / 16
+    dynamic = hf.from_hf_config(_LLAMA_5 | {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}})
+    assert (dynamic.max_seq_len, dynamic.rope_original_max_len) == (256, 128)  # it runs to factor x the original context
+    assert hf.to_hf_config(dynamic, spelling=5)["max_position_embeddings"] == 128
+    assert hf.from_hf_config(hf.to_hf_config(dynamic)) == dynamic
+
+
+def test_moe_configs_in_both_spellings():
+    qwen = hf.to_hf_config(CONFIGS["qwen3_moe"], spelling=5)
+    assert qwen["num_local_experts"] == 4 and "num_experts" not in qwen
+    old = {k: v for k, v in qwen.items() if k != "num_local_experts"} | {"num_experts": 4}
+    assert hf.from_hf_config(old, scan_layers=False) == hf.from_hf_config(qwen, scan_layers=False) == CONFIGS["qwen3_moe"]
+    for normalised in (True, False):
+        assert hf.from_hf_config(qwen | {"norm_topk_prob": normalised}).normalize_router_weights == normalised
+    deepseek = hf.to_hf_config(CONFIGS["deepseek_v2"])
+    assert deepseek["norm_topk_prob"] is False
+    assert not hf.from_hf_config(deepseek | {"norm_topk_prob": True}).normalize_router_weights  # transformers ignores it
+    every_group = deepseek | {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 2}
+    assert hf.from_hf_config(every_group, scan_layers=False) == CONFIGS["deepseek_v2"]
+    with pytest.raises(hf.UnsupportedArchitecture, match="topk_group=1 < n_group=2"):
+        hf.from_hf_config(every_group | {"topk_group": 1})
+    with pytest.raises(hf.UnsupportedArchitecture, match=r"group_limited_greedy' needs n_group .* got n_group=None"):
+        hf.from_hf_config(every_group | {"n_group": None})
+    with pytest.raises(hf.UnsupportedArchitecture, match="has no 'num_experts_per_tok' \\(or it is null\\)"):
+        hf.from_hf_config(deepseek | {"num_experts_per_tok": None})
+
+
+def test_unreadable_files_are_named_with_the_fix(tmp_path):
+    cfg = CONFIGS["llama"]
+    hf.save(tmp_path / "one", cfg, _params(cfg))
+    files = hf.save(tmp_path / "sharded", cfg, _params(cfg), max_shard_bytes=20_000)
+    single = tmp_path / "one" / hf.SINGLE_FILE
+    single.write_bytes(single.read_bytes()[:-100])
+    with pytest.raises(hf.UnreadableCheckpoint, match=rf"{single} is not a readable safetensors file .*incomplete.* copy the checkpoint again"):
+        model_lib.from_hf(tmp_path / "one")
+    (tmp_path / "one" / hf.CONFIG).write_text('{"architectures": ["LlamaForCausalLM"],')
+    with pytest.raises(hf.UnreadableCheckpoint, match=rf"{tmp_path / 'one' / hf.CONFIG} is not readable JSON"):
+        hf.read_config(tmp_path / "one")
+    files[1].unlink()
+    with pytest.raises(hf.UnreadableCheckpoint, match=rf"shard {files[1]} named in {hf.INDEX_FILE} does not exist"):
+        model_lib.from_hf(tmp_path / "sharded")
+    (tmp_path / "sharded" / hf.INDEX_FILE).write_text("[]")
+    with pytest.raises(hf.UnreadableCheckpoint, match="holds a JSON list, not an object"):
+        model_lib.from_hf(tmp_path / "sharded")
 
 
 def test_a_wrong_shape_or_missing_or_extra_tensor_is_named(tmp_path):

@@ -105,7 +105,7 @@ def from_hf(directory: str | Path, mesh: str = "", tokenizer_spec: str = "") -> 
     rules = rules_lib.make_rules("fsdp")
     try:
         model_def, params = model_lib.from_hf(directory, device_mesh, rules)
-    except (hf.UnsupportedArchitecture, hf.CheckpointMismatch, FileNotFoundError) as e:
+    except (hf.CheckpointError, FileNotFoundError) as e:
         raise cli.UsageError(str(e)) from e
     default = str(directory / "tokenizer.json") if (directory / "tokenizer.json").is_file() else "bytes"
     return Scorer(model_def, params, device_mesh, rules, tokenizer.load(tokenizer_spec or default))

@@ -287,7 +287,12 @@ def from_hf_config(hf: dict[str, Any], where: str = CONFIG, **overrides: Any) ->
 
     Raises:
       UnsupportedArchitecture: an architecture other than Llama / Qwen3 / Qwen3-MoE / Mixtral / DeepSeek-V2, or a setting our
-        model does not compute (RoPE scaling, biases, sliding windows, another activation), named.
+        model does not compute (a RoPE scaling other than linear / dynamic / llama3 / yarn, biases, sliding windows,
+        another activation, group-limited or scaled DeepSeek routing), named.
+
+    Both spellings transformers has written are read (`installed_spelling`); where a key is absent the value is
+    transformers' default for the architecture. Router normalisation is what transformers computes: Mixtral always
+    renormalises the top-k gates, Qwen3-MoE by ``norm_topk_prob``, DeepSeek-V2 never (it ignores the key).
     """
     archs = _require(hf, "architectures", where)
     arch = archs[0] if isinstance(archs, list) and archs else archs
@@ -335,7 +340,7 @@ def from_hf_config(hf: dict[str, Any], where: str = CONFIG, **overrides: Any) ->
     try:
         return ModelConfig(**(fields | overrides))
     except ValueError as e:
-        raise UnsupportedArchitecture(f"{where} describes a model ours refuses: {e}") from e
+        raise UnsupportedArchitecture(f"{where}: {e}") from e
 
 
 def _rope_fields(hf: dict[str, Any], arch: str, problems: list[str]) -> dict[str, Any]:

@@ -216,7 +216,7 @@ def test_every_io_failure_is_one_line_naming_the_file_exit_2(run, exported, tmp_
     elif entry == "train":
         broken, named = _broken_copy(exported, tmp_path, damage)
         args = ["experiments.train", "--config=experiments/configs/default.py", f"--config.init_from_hf={broken}",
-                "--config.steps=1", f"--workdir={tmp_path / 'run'}"]  # fmt: skip
+                "--config.steps=1", "--config.optimizer.warmup_steps=0", f"--workdir={tmp_path / 'run'}"]  # fmt: skip
     elif entry == "export":  # the output folder cannot be made: a file is in the way
         (tmp_path / "file").write_text("")
         named = tmp_path / "file" / "hf"

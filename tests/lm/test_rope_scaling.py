@@ -113,3 +113,38 @@ def test_no_scaling_is_bit_identical_to_plain_rope():
 def test_bad_scaling_settings_are_named(changes, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(BASE, **changes)
+
+
+def test_every_scaling_field_is_a_config_flag():
+    from experiments import run_spec
+    from experiments.configs import default
+
+    config = default.get_config()
+    fields = {f.name for f in dataclasses.fields(ModelConfig) if f.name.startswith("rope_") and f.name != "rope_head_dim"}
+    assert fields <= set(config.model.keys())
+    config.update_from_flattened_dict({"model.rope_scaling": "llama3", "model.rope_factor": 8.0, "model.rope_original_max_len": 64})
+    cfg = run_spec.model_config(config)
+    assert (cfg.rope_scaling, cfg.rope_factor, rope.original_context(cfg)) == ("llama3", 8.0, 64)
+
+
+@pytest.mark.parametrize("case", ["yarn_deepseek"])  # MLA: its decode absorbs the up-projections, so the scales apply apart
+def test_the_kv_cache_decodes_with_the_scaled_rope(case):
+    """Prefill and step-by-step decoding through the KV cache equal the full forward pass."""
+    from lm import kv_cache
+    from lm import model as model_lib
+
+    mla = dict(attention_type="mla", n_kv_heads=4, kv_lora_rank=8, rope_head_dim=8) if case.startswith("yarn") else {}
+    cfg = dataclasses.replace(BASE, **CASES[case][0] | mla | dict(rope_original_max_len=4))
+    model_def = model_lib.define(cfg)
+    params = model_lib.init_params(model_def, 0)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 10)))
+    full = np.asarray(model_lib.apply(model_def, params, tokens))
+    cache = kv_cache.init(cfg, 2, 10)
+    logits, cache = model_lib.decode(model_def, params, tokens[:, :6], cache, jnp.int32(0))
+    steps = [logits]
+    for t in range(6, 10):
+        logits, cache = model_lib.decode(model_def, params, tokens[:, t : t + 1], cache, jnp.int32(t))
+        steps.append(logits)
+    np.testing.assert_allclose(np.concatenate([np.asarray(s) for s in steps], axis=1), full, atol=2e-5)
+    plain = np.asarray(model_lib.apply(model_lib.define(dataclasses.replace(cfg, rope_scaling="none")), params, tokens))
+    assert np.max(np.abs(plain - full)) > 1e-3  # the scaling changes the logits

@@ -410,7 +410,7 @@ def test_transformers_itself_gives_our_logits(name, tmp_path):
     cfg = CONFIGS[name]
     params = _params(cfg)
     hf.save(tmp_path, cfg, params)
-    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()
+    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 12))
     with torch.no_grad():
         theirs = theirs_model(torch.tensor(tokens)).logits.numpy()
@@ -453,9 +453,9 @@ def _transformers_checkpoint(directory, name, *, dtype="float32", max_shard_size
     config = getattr(transformers, class_name)(**_TINY | kwargs)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # every weight random (routers included), norm scales off 1
+    with torch.no_grad():  # every weight random (routers included, variance kept through each matrix), norm scales off 1
         for param_name, p in model.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in param_name else 0.2 * torch.randn_like(p))
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in param_name else torch.randn_like(p) / p.shape[-1] ** 0.5)
     model.to(getattr(torch, dtype)).save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()  # its buffers in float32
 
@@ -501,7 +501,7 @@ def test_checkpoints_transformers_writes_give_its_logits(name, tmp_path):
     tokens = np.random.default_rng(2).integers(0, 64, (2, 12))
     ours = np.asarray(model_lib.apply(model_def, params, jax.numpy.asarray(tokens)))
     theirs = _transformers_logits(theirs_model, tokens)
-    print(f"\n{name}: forward max |ours - transformers| = {np.max(np.abs(ours - theirs)):.2e}")
+    print(f"\n{name}: forward max |ours - transformers| = {np.max(np.abs(ours - theirs)):.2e} (max |logit| {np.max(np.abs(theirs)):.1f})")
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
     if model_def.config.rope_scaling != "none":  # the scaled RoPE at every position of the KV cache too
         ours_decode = _our_decode_logits(model_def, params, tokens)

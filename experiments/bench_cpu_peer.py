@@ -60,6 +60,7 @@ def check_twinnable(cfg: model_config_lib.ModelConfig) -> None:
         "qk_norm": cfg.qk_norm,
         "tie_embeddings": not cfg.tie_embeddings,
         "document_separator": cfg.document_separator is not None,
+        "rope_scaling": cfg.rope_scaling != "none",
     }
     bad = [name for name, is_bad in unsupported.items() if is_bad]
     if bad:

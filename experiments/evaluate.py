@@ -106,7 +106,7 @@ def from_hf(directory: str | Path, mesh: str = "", tokenizer_spec: str = "") -> 
     rules = rules_lib.make_rules("fsdp")
     try:
         model_def, params = hf.load_model(directory, device_mesh, rules)
-    except (hf.UnsupportedArchitecture, hf.CheckpointMismatch, FileNotFoundError) as e:
+    except (hf.CheckpointError, FileNotFoundError) as e:
         raise cli.UsageError(str(e)) from e
     default = str(directory / "tokenizer.json") if (directory / "tokenizer.json").is_file() else "bytes"
     return Scorer(model_def, params, device_mesh, rules, tokenizer.load(tokenizer_spec or default))

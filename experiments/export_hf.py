@@ -60,8 +60,10 @@ def export(
     try:
         hf.architecture(model_def.config)
         files = hf.save(out, model_def.config, params, max_shard_bytes=max_shard_bytes, dtype=dtype)
-    except hf.UnsupportedArchitecture as e:
+    except hf.CheckpointError as e:
         raise cli.UsageError(str(e)) from e
+    except OSError as e:
+        raise cli.UsageError(f"cannot write the export into {out} ({e}); give --out a writable folder with room") from e
     manifest = run_manifest(workdir)
     if manifest is not None:
         config_path = out / hf.CONFIG

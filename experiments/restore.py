@@ -66,7 +66,10 @@ def run_config(workdir: str | Path) -> ml_collections.ConfigDict:
     path = Path(workdir) / "config.json"
     if not path.is_file():
         raise cli.UsageError(f"{path} does not exist; pass the --workdir of a training run")
-    return ml_collections.ConfigDict(json.loads(path.read_text()))
+    try:
+        return ml_collections.ConfigDict(json.loads(path.read_text()))
+    except (OSError, UnicodeDecodeError, ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
+        raise cli.UsageError(f"{path} is not the JSON object a run writes ({e}); restore it from the run or train again") from e
 
 
 def run_manifest(workdir: str | Path) -> dict | None:

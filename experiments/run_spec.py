@@ -61,7 +61,7 @@ def _hf_model_config(config: ml_collections.ConfigDict, overrides: dict) -> mode
     directory = config.init_from_hf
     try:
         from_hf = hf.read_config(directory)
-    except FileNotFoundError as e:
+    except (hf.CheckpointError, FileNotFoundError) as e:
         raise ValueError(f"init_from_hf: {e}") from e
     defaults = {f.name: f.default for f in dataclasses.fields(model_config_lib.ModelConfig)}
     conflicts = [

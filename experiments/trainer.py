@@ -153,7 +153,7 @@ def run(
                 if config.get("init_from_hf"):
                     try:
                         params = hf.load_params(config.init_from_hf, spec.cfg, spec.model_def.abstract_params, shardings.params)
-                    except (hf.CheckpointMismatch, FileNotFoundError) as e:
+                    except (hf.CheckpointError, FileNotFoundError) as e:
                         raise UsageError(f"init_from_hf: {e}") from e
                 state, start = train_lib.init_state(spec.model_def, spec.tx, config.seed, shardings, params), 0
             else:

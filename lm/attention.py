@@ -17,9 +17,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from kernels_pallas.attention import api as attention_api
-from lm import kv_cache, remat
+from lm import kv_cache, remat, rope
 from lm.config import ModelConfig
-from lm.layers import RMSNorm, linear, rotary_embedding, split_heads
+from lm.layers import RMSNorm, linear, split_heads
 from lm.parallel import context_attention
 from sharding import partition
 
@@ -122,7 +122,7 @@ class Attention(nnx.Module):
         v = split_heads(self.v_proj(x), cfg.n_kv_heads, _KV)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return rotary_embedding(q, positions, cfg.rope_theta), rotary_embedding(k, positions, cfg.rope_theta), v
+        return rope.rotary_embedding(q, positions, cfg), rope.rotary_embedding(k, positions, cfg), v
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, order: jax.typing.ArrayLike | None = None):
         """``order``: the positions of ``x``'s rows when the model laid its sequence out zig-zag, else None."""

@@ -13,6 +13,7 @@ from lm.data import tokenizer
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")  # see lm/attention.py
 CONTEXT_PARALLEL = ("all_gather", "ring", "ulysses")  # see lm/parallel/context_attention.py
 ATTENTION_TYPES = ("gqa", "mla")
+ROPE_SCALINGS = ("none", "linear", "dynamic", "llama3", "yarn")  # see lm/rope.py
 MOE_MATMULS = ("auto", "ragged_dot", "gmm")  # see lm/moe.py  # grouped-query (lm/attention.py) or multi-head latent (lm/mla.py)
 
 
@@ -29,6 +30,18 @@ class ModelConfig:
     mlp_dim: int = 384
     max_seq_len: int = 1024
     rope_theta: float = 10_000.0
+    # RoPE context-extension scaling (lm/rope.py); "none" keeps theta's frequencies.
+    rope_scaling: str = "none"  # none | linear | dynamic | llama3 | yarn
+    rope_factor: float = 1.0  # s: how much longer than the original context
+    rope_original_max_len: int = 0  # L0, the pretraining context (original_max_position_embeddings); 0: max_seq_len
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above L0 / this are divided by s
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below L0 / this are kept
+    rope_beta_fast: float = 32.0  # yarn: pairs turning more often than this over L0 keep their frequency
+    rope_beta_slow: float = 1.0  # yarn: pairs turning less often are divided by s
+    rope_mscale: float = 0.0  # yarn: attention factor m(s, mscale) / m(s, mscale_all_dim) when both are set
+    rope_mscale_all_dim: float = 0.0  # yarn; with mla also the softmax scale times m(s, mscale_all_dim)^2
+    rope_attention_factor: float = 0.0  # yarn: the attention factor itself; 0: from the mscales
+    rope_truncate: bool = True  # yarn: round the ramp's ends to whole pairs
     norm_eps: float = 1e-6
     tie_embeddings: bool = True
     qk_norm: bool = False
@@ -87,6 +100,8 @@ class ModelConfig:
             problems.append(f"model.attention={self.attention!r} must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
         if self.context_parallel not in CONTEXT_PARALLEL:
             problems.append(f"model.context_parallel={self.context_parallel!r} must be one of {', '.join(CONTEXT_PARALLEL)}")
+        if self.rope_scaling != "none":
+            problems += self._rope_problems()
         if self.n_experts:
             problems += self._moe_problems()
         if self.attention_type not in ATTENTION_TYPES:
@@ -100,6 +115,22 @@ class ModelConfig:
                 problems.append("model.qk_norm applies to gqa only (mla normalises its latents); set it to False")
         if problems:
             raise ValueError("; ".join(problems))
+
+    def _rope_problems(self) -> list[str]:
+        if self.rope_scaling not in ROPE_SCALINGS:
+            return [f"model.rope_scaling={self.rope_scaling!r} must be one of {', '.join(ROPE_SCALINGS)}"]
+        problems = []
+        if self.rope_factor <= 0:
+            problems.append(f"model.rope_factor={self.rope_factor} must be > 0")
+        if self.rope_original_max_len < 0:
+            problems.append(f"model.rope_original_max_len={self.rope_original_max_len} must be >= 0 (0: model.max_seq_len)")
+        if self.rope_scaling == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            problems.append("llama3 RoPE needs 0 < model.rope_low_freq_factor < model.rope_high_freq_factor")
+        if self.rope_scaling == "dynamic" and self.head_dim <= 2:
+            problems.append("dynamic RoPE needs model.head_dim > 2")
+        if self.rope_scaling == "yarn" and (self.rope_beta_fast <= 0 or self.rope_beta_slow <= 0):
+            problems.append("yarn RoPE needs model.rope_beta_fast and model.rope_beta_slow > 0")
+        return problems
 
     def _moe_problems(self) -> list[str]:
         problems = []

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.metadata
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm import model as model_lib
+from lm import rope
 from lm.config import ModelConfig
 from sharding import partition
 from sharding import rules as rules_lib
@@ -52,21 +54,47 @@ CONFIG_FIELDS = (
     "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "max_seq_len", "rope_theta",
     "norm_eps", "tie_embeddings", "qk_norm", "attention_type", "n_experts", "experts_per_token", "n_shared_experts",
     "moe_every", "first_dense_layers", "expert_mlp_dim", "router_score", "normalize_router_weights", "kv_lora_rank",
-    "q_lora_rank", "rope_head_dim", "v_head_dim",
+    "q_lora_rank", "rope_head_dim", "v_head_dim", "rope_scaling", "rope_factor", "rope_original_max_len",
+    "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim",
+    "rope_attention_factor", "rope_truncate",
 )  # fmt: skip
 
 _BUFFERS = ("rotary_emb.inv_freq",)  # saved by older transformers versions; recomputed, not parameters
 _LLAMA, _QWEN3, _QWEN3_MOE = "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
 _MIXTRAL, _DEEPSEEK = "MixtralForCausalLM", "DeepseekV2ForCausalLM"
 _MODEL_TYPES = {_LLAMA: "llama", _QWEN3: "qwen3", _QWEN3_MOE: "qwen3_moe", _MIXTRAL: "mixtral", _DEEPSEEK: "deepseek_v2"}
+_DEFAULT_THETA = {_MIXTRAL: 1_000_000.0}  # transformers' default when a config.json names none; else 10000
+# transformers' rope_type -> ours; the keys each reads besides rope_type and rope_theta (modeling_rope_utils.py)
+_ROPE_TYPES = {"default": "none", "linear": "linear", "dynamic": "dynamic", "llama3": "llama3", "yarn": "yarn"}
+_ROPE_KEYS = {
+    "none": (), "linear": ("factor",), "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate"),
+}  # fmt: skip
+# our field of each transformers rope key
+_ROPE_FIELDS = {
+    "factor": "rope_factor", "original_max_position_embeddings": "rope_original_max_len",
+    "low_freq_factor": "rope_low_freq_factor", "high_freq_factor": "rope_high_freq_factor", "beta_fast": "rope_beta_fast",
+    "beta_slow": "rope_beta_slow", "mscale": "rope_mscale", "mscale_all_dim": "rope_mscale_all_dim",
+    "attention_factor": "rope_attention_factor", "truncate": "rope_truncate",
+}  # fmt: skip
 
 
-class UnsupportedArchitecture(ValueError):
+class CheckpointError(ValueError):
+    """A transformers checkpoint that cannot be used; the message names the file and the fix (entry points: exit 2)."""
+
+
+class UnsupportedArchitecture(CheckpointError):
     """A model (or a transformers config) that has no equivalent on the other side."""
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(CheckpointError):
     """A transformers checkpoint whose tensors do not fit the model (a name or shape differs)."""
+
+
+class UnreadableCheckpoint(CheckpointError):
+    """A file of the checkpoint is missing, truncated or not what its name says (malformed JSON, bad safetensors)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,14 +162,51 @@ def _deepseek_architecture(cfg: ModelConfig) -> str:
         differences.append("DeepSeek-V2 scores experts with a softmax: set model.router_score=softmax")
     if cfg.n_experts and cfg.moe_every != 1:
         differences.append("DeepSeek-V2 places MoE blocks by first_k_dense_replace only: set model.moe_every=1")
+    if cfg.n_experts and cfg.normalize_router_weights:
+        differences.append(
+            "transformers' DeepSeek-V2 does not renormalise the top-k gates (it ignores norm_topk_prob): "
+            "set model.normalize_router_weights=False"
+        )
     if differences:
         raise UnsupportedArchitecture(f"this MLA model has no transformers equivalent: {'; '.join(differences)}")
     return _DEEPSEEK
 
 
-def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
-    """The transformers ``config.json`` of ``cfg`` with weights in ``dtype``."""
+def installed_spelling() -> int:
+    """The major version of the installed transformers (4 or 5), whose ``config.json`` spelling `to_hf_config` writes;
+    5 when none is installed.
+
+    transformers 5 writes ``rope_theta`` and the scaling inside ``rope_parameters``, Qwen3-MoE's expert count as
+    ``num_local_experts`` and the weight dtype as ``dtype``; 4.x writes top-level ``rope_theta`` / ``rope_scaling``,
+    ``num_experts`` and ``torch_dtype``. 5 reads both; 4.x only its own.
+    """
+    try:
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return 5
+    return 4 if int(version.split(".")[0]) < 5 else 5
+
+
+def _rope_config(cfg: ModelConfig) -> dict[str, Any]:
+    """``cfg``'s RoPE as transformers' ``rope_parameters`` (``rope_type``, ``rope_theta`` and the type's keys)."""
+    kind = next(theirs for theirs, ours in _ROPE_TYPES.items() if ours == cfg.rope_scaling)
+    out: dict[str, Any] = {"rope_type": kind, "rope_theta": cfg.rope_theta}
+    for key in _ROPE_KEYS[cfg.rope_scaling]:
+        value = getattr(cfg, _ROPE_FIELDS[key])
+        if key == "original_max_position_embeddings":
+            value = rope.original_context(cfg)
+        if key in ("mscale", "mscale_all_dim", "attention_factor") and not value:
+            continue  # unset
+        out[key] = value
+    return out
+
+
+def to_hf_config(cfg: ModelConfig, dtype: str = "float32", spelling: int | None = None) -> dict[str, Any]:
+    """The transformers ``config.json`` of ``cfg`` with weights in ``dtype``, in the ``spelling`` of transformers 4 or 5
+    (default: `installed_spelling`)."""
     arch = architecture(cfg)
+    spelling = spelling or installed_spelling()
+    rope_config = _rope_config(cfg)
     out = {
         "architectures": [arch],
         "model_type": _MODEL_TYPES[arch],
@@ -153,22 +218,25 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
+        # dynamic NTK scales beyond max_position_embeddings, which is then the original context
+        "max_position_embeddings": rope.original_context(cfg) if cfg.rope_scaling == "dynamic" else cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "torch_dtype": dtype,
     }
+    if spelling >= 5:
+        out |= {"rope_parameters": rope_config, "dtype": dtype}
+    else:
+        theta = rope_config.pop("rope_theta")
+        out |= {"rope_theta": theta, "rope_scaling": rope_config if cfg.rope_scaling != "none" else None, "torch_dtype": dtype}
     if arch == _LLAMA:
         out["mlp_bias"] = False
     if arch in (_QWEN3, _QWEN3_MOE):
         out |= {"use_sliding_window": False, "sliding_window": None}
     if arch == _QWEN3_MOE:
         out |= {
-            "num_experts": cfg.n_experts,
+            "num_local_experts" if spelling >= 5 else "num_experts": cfg.n_experts,
             "num_experts_per_tok": cfg.experts_per_token,
             "moe_intermediate_size": cfg.expert_mlp_dim or cfg.mlp_dim,
             "norm_topk_prob": cfg.normalize_router_weights,
@@ -195,7 +263,7 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
             "moe_intermediate_size": cfg.expert_mlp_dim or cfg.mlp_dim,
             "first_k_dense_replace": cfg.first_dense_layers if moe else cfg.n_layers,
             "moe_layer_freq": 1,
-            "norm_topk_prob": cfg.normalize_router_weights,
+            "norm_topk_prob": False,  # transformers ignores it: its DeepSeek-V2 never renormalises (`architecture` refuses)
             "routed_scaling_factor": 1.0,
             "scoring_func": "softmax",
             "topk_method": "greedy",
@@ -212,8 +280,8 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
 
 
 def _require(hf: dict[str, Any], key: str, where: str) -> Any:
-    if key not in hf:
-        raise UnsupportedArchitecture(f"{where} has no {key!r}; is it a transformers config.json?")
+    if hf.get(key) is None:
+        raise UnsupportedArchitecture(f"{where} has no {key!r} (or it is null); is it a complete transformers config.json?")
     return hf[key]
 
 
@@ -222,15 +290,18 @@ def from_hf_config(hf: dict[str, Any], where: str = CONFIG, **overrides: Any) ->
 
     Raises:
       UnsupportedArchitecture: an architecture other than Llama / Qwen3 / Qwen3-MoE / Mixtral / DeepSeek-V2, or a setting our
-        model does not compute (RoPE scaling, biases, sliding windows, another activation), named.
+        model does not compute (a RoPE scaling other than linear / dynamic / llama3 / yarn, biases, sliding windows,
+        another activation, group-limited or scaled DeepSeek routing), named.
+
+    Both spellings transformers has written are read (`installed_spelling`); where a key is absent the value is
+    transformers' default for the architecture. Router normalisation is what transformers computes: Mixtral always
+    renormalises the top-k gates, Qwen3-MoE by ``norm_topk_prob``, DeepSeek-V2 never (it ignores the key).
     """
     archs = _require(hf, "architectures", where)
     arch = archs[0] if isinstance(archs, list) and archs else archs
     if arch not in _MODEL_TYPES:
         raise UnsupportedArchitecture(f"{where}: architecture {arch!r} does not convert; supported: {', '.join(_MODEL_TYPES)}")
     problems = []
-    if hf.get("rope_scaling"):
-        problems.append(f"rope_scaling={hf['rope_scaling']!r} (our RoPE is unscaled)")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             problems.append(f"{key}=true (our projections have no bias)")
@@ -238,6 +309,9 @@ def from_hf_config(hf: dict[str, Any], where: str = CONFIG, **overrides: Any) ->
         problems.append(f"hidden_act={hf['hidden_act']!r} (our MLP is SwiGLU)")
     if hf.get("sliding_window") and (arch == _MIXTRAL or hf.get("use_sliding_window")):
         problems.append(f"sliding_window={hf['sliding_window']} (our attention is full causal)")
+    if any(kind != "full_attention" for kind in hf.get("layer_types") or ()):
+        problems.append(f"layer_types={sorted(set(hf['layer_types']))} (our attention is full causal in every block)")
+    rope_fields = _rope_fields(hf, arch, problems)
     if problems:
         raise UnsupportedArchitecture(f"{where} describes a model ours does not compute: {'; '.join(problems)}")
     n_heads = _require(hf, "num_attention_heads", where)
@@ -251,11 +325,10 @@ def from_hf_config(hf: dict[str, Any], where: str = CONFIG, **overrides: Any) ->
         head_dim=hf.get("head_dim") or d_model // n_heads,
         mlp_dim=_require(hf, "intermediate_size", where),
         max_seq_len=hf.get("max_position_embeddings", 2048),
-        rope_theta=float(hf.get("rope_theta", 10_000.0)),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qk_norm=arch in (_QWEN3, _QWEN3_MOE),
-    )
+    ) | rope_fields
     if arch == _MIXTRAL:
         fields |= dict(
             n_experts=_require(hf, "num_local_experts", where),
@@ -267,7 +340,48 @@ def from_hf_config(hf: dict[str, Any], where: str = CONFIG, **overrides: Any) ->
         fields |= _deepseek_fields(hf, where)
     if arch == _QWEN3_MOE:
         fields |= _qwen3_moe_fields(hf, where)
-    return ModelConfig(**(fields | overrides))
+    try:
+        return ModelConfig(**(fields | overrides))
+    except ValueError as e:
+        raise UnsupportedArchitecture(f"{where}: {e}") from e
+
+
+def _rope_fields(hf: dict[str, Any], arch: str, problems: list[str]) -> dict[str, Any]:
+    """Our RoPE fields of a ``config.json`` in either spelling: transformers 5's ``rope_parameters`` (``rope_theta`` inside),
+    or 4.x's top-level ``rope_theta`` and ``rope_scaling`` (which wins where both are present, as in transformers).
+    A scaling other than `_ROPE_TYPES` is appended to ``problems``, named."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        problems.append(f"rope_parameters={params!r} (ours: one RoPE for every block)")
+        return {}
+    theta = params.get("rope_theta", hf.get("rope_theta") or _DEFAULT_THETA.get(arch, 10_000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    out: dict[str, Any] = {"rope_theta": float(theta)}
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        problems.append(f"partial_rotary_factor={partial} (ours rotates the whole head)")
+    if kind not in _ROPE_TYPES:
+        problems.append(f"RoPE scaling rope_type={kind!r} (ours: {', '.join(_ROPE_TYPES)})")
+        return out
+    ours = out["rope_scaling"] = _ROPE_TYPES[kind]
+    max_len = hf.get("max_position_embeddings", 2048)
+    if ours in ("llama3", "yarn"):  # transformers: a top-level value first, then max_position_embeddings
+        original = hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") or max_len
+        params = params | {"original_max_position_embeddings": original}
+        if ours == "yarn" and params.get("factor") is None:
+            params["factor"] = max_len / original
+    if ours == "dynamic":  # it extends max_position_embeddings by `factor`: run to that length
+        out |= {"rope_original_max_len": max_len, "max_seq_len": int(max_len * params.get("factor", 1))}
+    if arch == _DEEPSEEK and ours != "yarn" and params.get("mscale_all_dim"):  # transformers would scale the softmax
+        problems.append(f"mscale_all_dim with rope_type={kind!r} (ours: with yarn only)")
+    missing = [key for key in _ROPE_KEYS[ours] if key in ("factor", "low_freq_factor", "high_freq_factor") and params.get(key) is None]
+    if missing:
+        problems.append(f"rope_type={kind!r} without {', '.join(missing)}")
+    for key in _ROPE_KEYS[ours]:
+        if params.get(key) is not None:
+            value = params[key]
+            out[_ROPE_FIELDS[key]] = bool(value) if key == "truncate" else int(value) if key.startswith("original") else float(value)
+    return out
 
 
 def _qwen3_moe_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
@@ -278,7 +392,7 @@ def _qwen3_moe_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
         raise UnsupportedArchitecture(f"{where}: mlp_only_layers={dense} (ours: dense blocks only at the start)")
     moe_every = hf.get("decoder_sparse_step", 1)
     return dict(
-        n_experts=_require(hf, "num_experts", where),
+        n_experts=hf.get("num_experts") or _require(hf, "num_local_experts", where),  # 4.x's name, 5's
         experts_per_token=_require(hf, "num_experts_per_tok", where),
         expert_mlp_dim=_require(hf, "moe_intermediate_size", where),
         normalize_router_weights=bool(hf.get("norm_topk_prob", False)),
@@ -305,8 +419,18 @@ def _deepseek_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     problems = []
     if hf.get("scoring_func", "softmax") != "softmax":
         problems.append(f"scoring_func={hf['scoring_func']!r} (ours: softmax for DeepSeek-V2)")
-    if hf.get("topk_method", "greedy") != "greedy" and hf.get("topk_group", 1) < hf.get("n_group", 1):
-        problems.append(f"topk_method={hf['topk_method']!r} with topk_group < n_group (ours chooses experts greedily)")
+    method = hf.get("topk_method") or "greedy"
+    if method == "group_limited_greedy":
+        n_group, topk_group = hf.get("n_group"), hf.get("topk_group")
+        if not isinstance(n_group, int) or not isinstance(topk_group, int) or n_group < 1 or hf["n_routed_experts"] % n_group:
+            raise UnsupportedArchitecture(
+                f"{where}: topk_method='group_limited_greedy' needs n_group dividing n_routed_experts and topk_group, "
+                f"got n_group={n_group}, topk_group={topk_group}; set both (topk_group = n_group routes greedily)"
+            )
+        if topk_group < n_group:
+            problems.append(f"topk_method={method!r} with topk_group={topk_group} < n_group={n_group} (ours chooses experts greedily)")
+    elif method != "greedy":
+        problems.append(f"topk_method={method!r} (ours: greedy, or group_limited_greedy over every group)")
     if hf.get("routed_scaling_factor", 1.0) != 1.0:
         problems.append(f"routed_scaling_factor={hf['routed_scaling_factor']} (ours does not scale the gates)")
     if hf.get("moe_layer_freq", 1) != 1:
@@ -320,7 +444,7 @@ def _deepseek_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
         n_shared_experts=hf.get("n_shared_experts") or 0,
         expert_mlp_dim=_require(hf, "moe_intermediate_size", where),
         first_dense_layers=first_dense,
-        normalize_router_weights=bool(hf.get("norm_topk_prob", False)),
+        normalize_router_weights=False,  # transformers' DeepSeek-V2 ignores norm_topk_prob (4.x and 5.x alike)
         scan_layers=first_dense == 0,
     )
 
@@ -525,38 +649,60 @@ def save(
 # ------------------------------------------------------------------------------------ import
 
 
+def _read_json(path: Path, fix: str) -> dict[str, Any]:
+    """The JSON object in ``path``; `UnreadableCheckpoint` (naming the file and ``fix``) if it is missing or malformed."""
+    try:
+        out = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise UnreadableCheckpoint(f"{path} does not exist; {fix}") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UnreadableCheckpoint(f"{path} is not readable JSON ({e}); {fix}") from e
+    if not isinstance(out, dict):
+        raise UnreadableCheckpoint(f"{path} holds a JSON {type(out).__name__}, not an object; {fix}")
+    return out
+
+
+_COPY_AGAIN = "download or copy the checkpoint again"
+
+
 def read_config(directory: str | Path, **overrides: Any) -> ModelConfig:
     """The `ModelConfig` of the transformers checkpoint in ``directory`` (see `from_hf_config`)."""
     path = Path(directory) / CONFIG
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; give the folder of a transformers checkpoint (config.json, *.safetensors)")
-    try:
-        hf = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from e
-    return from_hf_config(hf, str(path), **overrides)
+        raise UnreadableCheckpoint(f"{path} does not exist; give the folder of a transformers checkpoint (config.json, *.safetensors)")
+    return from_hf_config(_read_json(path, _COPY_AGAIN), str(path), **overrides)
 
 
 def _weight_map(directory: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it (from the index, or the one file's header)."""
-    from safetensors import safe_open
-
     if (directory / INDEX_FILE).is_file():
-        weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
-        return {name: directory / file for name, file in weight_map.items()}
+        weight_map = _read_json(directory / INDEX_FILE, _COPY_AGAIN).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise UnreadableCheckpoint(f"{directory / INDEX_FILE} has no 'weight_map' object; {_COPY_AGAIN}")
+        out = {name: directory / file for name, file in weight_map.items()}
+        if missing := sorted({str(f) for f in out.values() if not f.is_file()}):
+            raise UnreadableCheckpoint(f"shard {missing[0]} named in {INDEX_FILE} does not exist ({len(missing)} missing); {_COPY_AGAIN}")
+        return out
     single = directory / SINGLE_FILE
     if not single.is_file():
-        raise FileNotFoundError(f"{directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}; is it a transformers safetensors checkpoint?")
-    with safe_open(single, "numpy") as f:
-        return dict.fromkeys(f.keys(), single)
+        raise UnreadableCheckpoint(f"{directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}; is it a transformers safetensors checkpoint?")
+    with _open_files({single}) as handles:
+        return dict.fromkeys(handles[single].keys(), single)
 
 
 @contextlib.contextmanager
 def _open_files(files: set[Path]) -> Iterator[dict[Path, Any]]:
-    from safetensors import safe_open
+    """Each safetensors file open for reading; `UnreadableCheckpoint` names one that is truncated or corrupt."""
+    from safetensors import SafetensorError, safe_open
 
     with contextlib.ExitStack() as stack:
-        yield {file: stack.enter_context(safe_open(file, "numpy")) for file in files}
+        handles = {}
+        for file in sorted(files):
+            try:
+                handles[file] = stack.enter_context(safe_open(file, "numpy"))
+            except (SafetensorError, OSError) as e:
+                raise UnreadableCheckpoint(f"{file} is not a readable safetensors file ({e}); it may be truncated: {_COPY_AGAIN}") from e
+        yield handles
 
 
 def load_params(directory: str | Path, cfg: ModelConfig, abstract: Params, shardings: Params | None = None) -> Params:
@@ -574,6 +720,7 @@ def load_params(directory: str | Path, cfg: ModelConfig, abstract: Params, shard
 
     Raises:
       CheckpointMismatch: a tensor is missing or has another shape than the model needs (named).
+      UnreadableCheckpoint: a file is missing, truncated or corrupt (named).
     """
     directory = Path(directory)
     table = _checked_layout(cfg, abstract)
@@ -597,7 +744,7 @@ def load_params(directory: str | Path, cfg: ModelConfig, abstract: Params, shard
             if source is None:
                 out[path] = jax.jit(lambda s=leaf.shape: jnp.zeros(s, jnp.float32), out_shardings=sharding)()
                 continue
-            slices = {name: handles[weight_map[name]].get_slice(name) for name in source.names.flat}
+            slices = {name: _slice(handles[weight_map[name]], name, weight_map[name]) for name in source.names.flat}
             for name, tensor in slices.items():
                 if tuple(tensor.get_shape()) != (expected := shapes[name]):
                     raise CheckpointMismatch(
@@ -605,6 +752,15 @@ def load_params(directory: str | Path, cfg: ModelConfig, abstract: Params, shard
                     )
             out[path] = jax.make_array_from_callback(leaf.shape, sharding, _reader(source, slices))
     return _unflatten(out)
+
+
+def _slice(handle: Any, name: str, file: Path) -> Any:
+    from safetensors import SafetensorError
+
+    try:
+        return handle.get_slice(name)
+    except SafetensorError as e:
+        raise UnreadableCheckpoint(f"{file} lacks tensor {name}, which {INDEX_FILE} places there ({e}); {_COPY_AGAIN}") from e
 
 
 def _reader(source: Source, slices: dict[str, Any]):

@@ -84,18 +84,25 @@ def swiglu_gate(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
-def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rotary_embedding(
+    x: jax.Array, positions: jax.Array, theta: float, *, freqs: jax.Array | None = None, scale: float = 1.0
+) -> jax.Array:
     """RoPE (Su et al., arXiv:2104.09864), rotate-half form: pairs ``(x_i, x_{i + d/2})``.
 
     Args:
       x: ``(batch, seq, heads, head_dim)``.
       positions: ``(seq,)`` integer positions.
       theta: base of the frequencies ``theta^(-2i/d)``.
+      freqs: ``(head_dim / 2,)`` frequencies instead of theta's (a scaled RoPE, `lm.rope`).
+      scale: multiplies the rotated vector (YaRN's attention factor).
     """
     half = x.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if freqs is None:
+        freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # (seq, half)
     cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)

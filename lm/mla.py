@@ -31,10 +31,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from lm import kv_cache, remat
+from lm import kv_cache, remat, rope
 from lm.attention import attend
 from lm.config import ModelConfig
-from lm.layers import RMSNorm, linear, rotary_embedding, split_heads
+from lm.layers import RMSNorm, linear, split_heads
 from lm.parallel import context_attention
 from sharding.partition import constrain
 
@@ -78,17 +78,19 @@ class MultiHeadLatentAttention(nnx.Module):
         )
 
     def _queries(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``(q_n, RoPE(q_r))``: ``(batch, seq, heads, head_dim)`` and ``(..., rope_head_dim)``."""
+        """``(q_n, RoPE(q_r))``: ``(batch, seq, heads, head_dim)`` and ``(..., rope_head_dim)``, times `lm.rope.softmax_scale_factor`."""
         cfg = self.cfg
         q = self.q_up(self.q_norm(self.q_down(x))) if cfg.q_lora_rank else self.q_proj(x)
         q = split_heads(q, cfg.n_heads, _HEADS)
-        q_nope, q_rope = q[..., : cfg.head_dim], q[..., cfg.head_dim :]
-        return q_nope, rotary_embedding(q_rope, positions, cfg.rope_theta)
+        q_nope, q_rope = q[..., : cfg.head_dim], rope.rotary_embedding(q[..., cfg.head_dim :], positions, cfg)
+        if (scale := rope.softmax_scale_factor(cfg)) != 1.0:  # YaRN's softmax scale, on the queries
+            q_nope, q_rope = q_nope * scale, q_rope * scale
+        return q_nope, q_rope
 
     def _latent(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(c, k_r)``: the normalised latent ``(batch, seq, r)`` and the RoPE key ``(batch, seq, d_r)``."""
         latent = constrain(self.kv_norm(self.kv_down(x)), _LATENT)
-        k_rope = rotary_embedding(self.k_rope_proj(x)[:, :, None, :], positions, self.cfg.rope_theta)[:, :, 0]
+        k_rope = rope.rotary_embedding(self.k_rope_proj(x)[:, :, None, :], positions, self.cfg)[:, :, 0]
         return latent, k_rope
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, order: jax.typing.ArrayLike | None = None):

@@ -186,3 +186,49 @@ def test_bits_per_byte_of_held_out_shards(exported, tmp_path):
     assert results["shards_tokens"] == 24 * len(windows) and len(windows) > 4
     assert results["shards_loss"] == pytest.approx(nats / (24 * len(windows)), rel=1e-5)
     assert results["shards_bits_per_byte"] == pytest.approx(results["shards_loss"] / math.log(2) * 1.5, rel=1e-6)
+
+
+def _broken_copy(exported, tmp_path, damage):
+    """A copy of the export with one file damaged: ``truncated``, ``missing_shard`` or ``malformed_config``."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for file in exported.iterdir():
+        (broken / file.name).write_bytes(file.read_bytes())
+    shard = sorted(broken.glob("model-*.safetensors"))[1]
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-64])
+        return broken, shard
+    if damage == "missing_shard":
+        shard.unlink()
+        return broken, shard
+    (broken / hf.CONFIG).write_text((broken / hf.CONFIG).read_text()[:-20])
+    return broken, broken / hf.CONFIG
+
+
+@pytest.mark.parametrize(
+    "entry, damage",
+    [("evaluate", "truncated"), ("evaluate", "malformed_config"), ("train", "missing_shard"), ("train", "truncated"),
+     ("export", None), ("sample", None)],
+)  # fmt: skip
+def test_every_io_failure_is_one_line_naming_the_file_exit_2(run, exported, tmp_path, entry, damage):
+    if entry == "evaluate":
+        broken, named = _broken_copy(exported, tmp_path, damage)
+        args = ["experiments.evaluate", f"--hf={broken}", f"--tasks={TASK}"]
+    elif entry == "train":
+        broken, named = _broken_copy(exported, tmp_path, damage)
+        args = ["experiments.train", "--config=experiments/configs/default.py", f"--config.init_from_hf={broken}",
+                "--config.steps=1", "--config.optimizer.warmup_steps=0", f"--workdir={tmp_path / 'run'}"]  # fmt: skip
+    elif entry == "export":  # the output folder cannot be made: a file is in the way
+        (tmp_path / "file").write_text("")
+        named = tmp_path / "file" / "hf"
+        args = ["experiments.export_hf", f"--workdir={run}", f"--out={named}"]
+    else:  # the run's own config.json is damaged
+        workdir = tmp_path / "run"
+        workdir.mkdir()
+        named = workdir / "config.json"
+        named.write_text((run / "config.json").read_text()[:50])
+        args = ["experiments.sample", f"--workdir={workdir}"]
+    result = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and str(named) in lines[0], result.stderr

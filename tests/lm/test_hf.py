@@ -15,6 +15,7 @@ from lm import model as model_lib
 from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib
+from tests.lm import rope_reference
 
 SMALL = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=48, max_seq_len=64, norm_eps=1e-5)
 CONFIGS = {
@@ -36,6 +37,13 @@ CONFIGS = {
     ),
     "deepseek_v2_dense_scanned": config_lib.ModelConfig(  # MLA reads no n_kv_heads: DeepSeek's is n_heads
         **SMALL | dict(n_kv_heads=4), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, rope_head_dim=6, v_head_dim=8,
+    ),
+    "deepseek_v2_yarn": config_lib.ModelConfig(  # DeepSeek-V2's YaRN: frequencies, attention factor and softmax scale
+        **SMALL | dict(n_kv_heads=4), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, rope_head_dim=6, v_head_dim=8,
+        rope_scaling="yarn", rope_factor=8.0, rope_original_max_len=8, rope_mscale=1.0, rope_mscale_all_dim=0.5,
+    ),
+    "llama_llama3": config_lib.ModelConfig(
+        **SMALL, rope_theta=5e5, rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=16, rope_high_freq_factor=2.0,
     ),
 }
 
@@ -66,13 +74,18 @@ def _rotate_half(x):
     return np.concatenate([-x2, x1], axis=-1)
 
 
-def _rope(x, theta):
-    """``x`` ``(heads, seq, d)``: ``x cos + rotate_half(x) sin`` with frequencies ``theta^(-2i/d)`` repeated twice."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (np.arange(0, d, 2) / d)
+def _frequencies(c, dim, seq_len):
+    """transformers' inverse frequencies and attention factor for ``config.json`` ``c`` (`rope_reference`)."""
+    p = rope_reference.rope_parameters(c)
+    return rope_reference.INIT_FUNCTIONS[p["rope_type"]](p, dim, c["max_position_embeddings"], seq_len)
+
+
+def _rope(x, c):
+    """``x`` ``(heads, seq, d)``: ``(x cos + rotate_half(x) sin) a`` with the frequencies repeated twice."""
+    inv_freq, factor = _frequencies(c, x.shape[-1], x.shape[1])
     angles = np.arange(x.shape[1])[:, None] * inv_freq[None]
     emb = np.concatenate([angles, angles], axis=-1)
-    return x * np.cos(emb) + _rotate_half(x) * np.sin(emb)
+    return (x * np.cos(emb) + _rotate_half(x) * np.sin(emb)) * factor
 
 
 def _silu(x):
@@ -92,7 +105,7 @@ def _attention(x, w, p, c):
     v = (x @ w[f"{p}.v_proj.weight"].T).reshape(s, nkv, hd).transpose(1, 0, 2)
     if c["model_type"] in ("qwen3", "qwen3_moe"):
         q, k = _rms_norm(q, w[f"{p}.q_norm.weight"], c["rms_norm_eps"]), _rms_norm(k, w[f"{p}.k_norm.weight"], c["rms_norm_eps"])
-    q, k = _rope(q, c["rope_theta"]), _rope(k, c["rope_theta"])
+    q, k = _rope(q, c), _rope(k, c)
     k, v = np.repeat(k, nh // nkv, axis=0), np.repeat(v, nh // nkv, axis=0)
     scores = q @ k.transpose(0, 2, 1) / np.sqrt(hd)
     scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
@@ -101,20 +114,20 @@ def _attention(x, w, p, c):
     return (probs @ v).transpose(1, 0, 2).reshape(s, nh * hd) @ w[f"{p}.o_proj.weight"].T
 
 
-def _rope_pairs(x, theta):
-    """DeepSeek's RoPE: rotates adjacent pairs ``(x_2i, x_2i+1)`` by ``pos theta^(-2i/d)``."""
-    d = x.shape[-1]
-    angles = np.arange(x.shape[1])[:, None] * (1.0 / theta ** (np.arange(0, d, 2) / d))[None]
+def _rope_pairs(x, c):
+    """DeepSeek's RoPE: rotates adjacent pairs ``(x_2i, x_2i+1)`` by ``pos w_i``, times the attention factor."""
+    inv_freq, factor = _frequencies(c, x.shape[-1], x.shape[1])
+    angles = np.arange(x.shape[1])[:, None] * inv_freq[None]
     a, b = x[..., 0::2], x[..., 1::2]
     out = np.empty_like(x)
     out[..., 0::2] = a * np.cos(angles) - b * np.sin(angles)
     out[..., 1::2] = a * np.sin(angles) + b * np.cos(angles)
-    return out
+    return out * factor
 
 
-def _causal_attention(q, k, v):
+def _causal_attention(q, k, v, scale=1.0):
     s = q.shape[1]
-    scores = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
+    scores = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1]) * scale
     scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     return (probs / probs.sum(-1, keepdims=True)) @ v
@@ -131,10 +144,10 @@ def _deepseek_attention(x, w, p, c):
     compressed = x @ w[f"{p}.kv_a_proj_with_mqa.weight"].T
     kv = _rms_norm(compressed[:, :r], w[f"{p}.kv_a_layernorm.weight"], eps) @ w[f"{p}.kv_b_proj.weight"].T
     kv = kv.reshape(s, h, dn + dv).transpose(1, 0, 2)
-    k_pe = np.broadcast_to(_rope_pairs(compressed[None, :, r:], c["rope_theta"]), (h, s, dr))
-    q = np.concatenate([q[..., :dn], _rope_pairs(q[..., dn:], c["rope_theta"])], axis=-1)
+    k_pe = np.broadcast_to(_rope_pairs(compressed[None, :, r:], c), (h, s, dr))
+    q = np.concatenate([q[..., :dn], _rope_pairs(q[..., dn:], c)], axis=-1)
     k = np.concatenate([kv[..., :dn], k_pe], axis=-1)
-    out = _causal_attention(q, k, kv[..., dn:])
+    out = _causal_attention(q, k, kv[..., dn:], rope_reference.deepseek_softmax_mscale(rope_reference.rope_parameters(c)))
     return out.transpose(1, 0, 2).reshape(s, h * dv) @ w[f"{p}.o_proj.weight"].T
 
 
@@ -224,7 +237,8 @@ def test_a_bfloat16_export_holds_the_rounded_weights(tmp_path):
     cfg = CONFIGS["mixtral"]
     params = _params(cfg)
     hf.save(tmp_path, cfg, params, dtype="bfloat16")
-    assert json.loads((tmp_path / hf.CONFIG).read_text())["torch_dtype"] == "bfloat16"
+    written = json.loads((tmp_path / hf.CONFIG).read_text())
+    assert written["dtype" if hf.installed_spelling() >= 5 else "torch_dtype"] == "bfloat16"
     assert {t.dtype for t in load_file(tmp_path / hf.SINGLE_FILE).values()} == {np.dtype(jax.numpy.bfloat16)}
     _, loaded = hf.load_model(tmp_path)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
@@ -254,6 +268,7 @@ def test_config_round_trip():
         (dict(attention_type="mla", n_experts=4, router_score="sigmoid"), "DeepSeek-V2 scores experts with a softmax"),
         (dict(n_experts=4, n_shared_experts=1, expert_mlp_dim=16, normalize_router_weights=True), "shared experts"),
         (dict(n_experts=4, expert_mlp_dim=16), "normalize_router_weights"),
+        (dict(attention_type="mla", n_experts=4, normalize_router_weights=True), "DeepSeek-V2 does not renormalise"),
     ],
 )
 def test_architectures_without_an_equivalent_name_the_difference(changes, message):
@@ -271,10 +286,100 @@ def test_a_trained_router_bias_refuses_to_export(tmp_path):
 
 def test_unsupported_transformers_configs_are_named():
     hf_config = hf.to_hf_config(CONFIGS["llama"])
-    with pytest.raises(hf.UnsupportedArchitecture, match="rope_scaling"):
-        hf.from_hf_config(hf_config | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
+    for spelling in ("rope_scaling", "rope_parameters"):
+        with pytest.raises(hf.UnsupportedArchitecture, match="rope_type='longrope'"):
+            hf.from_hf_config(hf_config | {spelling: longrope})
+    with pytest.raises(hf.UnsupportedArchitecture, match="rope_type='llama3' without low_freq_factor, high_freq_factor"):
+        hf.from_hf_config(hf_config | {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(hf.UnsupportedArchitecture, match="partial_rotary_factor=0.5"):
+        hf.from_hf_config(hf_config | {"partial_rotary_factor": 0.5})
+    with pytest.raises(hf.UnsupportedArchitecture, match="layer_types"):
+        hf.from_hf_config(hf_config | {"layer_types": ["full_attention", "sliding_attention"]})
     with pytest.raises(hf.UnsupportedArchitecture, match="GPT2LMHeadModel"):
         hf.from_hf_config(hf_config | {"architectures": ["GPT2LMHeadModel"]})
+
+
+# hand-written config.json files as transformers 4.x and 5 spell them (no torch needed)
+_LLAMA_4X = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 32},
+}  # fmt: skip
+_LLAMA_5 = {k: v for k, v in _LLAMA_4X.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")} | {
+    "dtype": "bfloat16",
+    "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+}  # fmt: skip
+
+
+def test_both_spellings_read_alike_and_the_installed_one_is_written():
+    old, new = hf.from_hf_config(_LLAMA_4X), hf.from_hf_config(_LLAMA_5)
+    assert old == new
+    assert (new.rope_theta, new.rope_scaling, new.rope_factor, new.rope_original_max_len, new.max_seq_len) == (5e5, "llama3", 8.0, 32, 128)
+    five, four = hf.to_hf_config(new, spelling=5), hf.to_hf_config(new, spelling=4)
+    assert five["rope_parameters"] == _LLAMA_5["rope_parameters"] and "rope_theta" not in five and "rope_scaling" not in five
+    assert four["rope_theta"] == 5e5 and four["rope_scaling"]["rope_type"] == "llama3" and "rope_parameters" not in four
+    assert hf.from_hf_config(five) == hf.from_hf_config(four) == new
+    assert hf.to_hf_config(new) == (five if hf.installed_spelling() >= 5 else four)
+    # a theta in rope_parameters wins over none at the top level; none anywhere: transformers' default (Mixtral's 1e6)
+    plain = {k: v for k, v in _LLAMA_5.items() if k != "rope_parameters"}
+    assert hf.from_hf_config(plain | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}).rope_theta == 1e6
+    assert hf.from_hf_config(plain).rope_theta == 10_000.0
+    mixtral = hf.to_hf_config(CONFIGS["mixtral"])
+    del mixtral["rope_parameters"]
+    assert hf.from_hf_config(mixtral).rope_theta == 1e6
+
+
+def test_scaling_keys_transformers_fills_in():
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": None, "mscale": 0.707, "mscale_all_dim": 0.707}
+    cfg = hf.from_hf_config(_LLAMA_5 | {"rope_parameters": yarn, "original_max_position_embeddings": 16})
+    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_len) == ("yarn", 8.0, 16)  # factor = 128 / 16
+    dynamic = hf.from_hf_config(_LLAMA_5 | {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}})
+    assert (dynamic.max_seq_len, dynamic.rope_original_max_len) == (256, 128)  # it runs to factor x the original context
+    assert hf.to_hf_config(dynamic, spelling=5)["max_position_embeddings"] == 128
+    assert hf.from_hf_config(hf.to_hf_config(dynamic)) == dynamic
+
+
+def test_moe_configs_in_both_spellings():
+    qwen = hf.to_hf_config(CONFIGS["qwen3_moe"], spelling=5)
+    assert qwen["num_local_experts"] == 4 and "num_experts" not in qwen
+    old = {k: v for k, v in qwen.items() if k != "num_local_experts"} | {"num_experts": 4}
+    assert hf.from_hf_config(old, scan_layers=False) == hf.from_hf_config(qwen, scan_layers=False) == CONFIGS["qwen3_moe"]
+    for normalised in (True, False):
+        assert hf.from_hf_config(qwen | {"norm_topk_prob": normalised}).normalize_router_weights == normalised
+    deepseek = hf.to_hf_config(CONFIGS["deepseek_v2"])
+    assert deepseek["norm_topk_prob"] is False
+    assert not hf.from_hf_config(deepseek | {"norm_topk_prob": True}).normalize_router_weights  # transformers ignores it
+    every_group = deepseek | {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 2}
+    assert hf.from_hf_config(every_group, scan_layers=False) == CONFIGS["deepseek_v2"]
+    with pytest.raises(hf.UnsupportedArchitecture, match="topk_group=1 < n_group=2"):
+        hf.from_hf_config(every_group | {"topk_group": 1})
+    with pytest.raises(hf.UnsupportedArchitecture, match=r"group_limited_greedy' needs n_group .* got n_group=None"):
+        hf.from_hf_config(every_group | {"n_group": None})
+    with pytest.raises(hf.UnsupportedArchitecture, match="has no 'num_experts_per_tok' \\(or it is null\\)"):
+        hf.from_hf_config(deepseek | {"num_experts_per_tok": None})
+
+
+def test_unreadable_files_are_named_with_the_fix(tmp_path):
+    cfg = CONFIGS["llama"]
+    hf.save(tmp_path / "one", cfg, _params(cfg))
+    files = hf.save(tmp_path / "sharded", cfg, _params(cfg), max_shard_bytes=20_000)
+    single = tmp_path / "one" / hf.SINGLE_FILE
+    single.write_bytes(single.read_bytes()[:-100])
+    with pytest.raises(hf.UnreadableCheckpoint, match=rf"{single} is not a readable safetensors file .*incomplete.* copy the checkpoint again"):
+        hf.load_model(tmp_path / "one")
+    (tmp_path / "one" / hf.CONFIG).write_text('{"architectures": ["LlamaForCausalLM"],')
+    with pytest.raises(hf.UnreadableCheckpoint, match=rf"{tmp_path / 'one' / hf.CONFIG} is not readable JSON"):
+        hf.read_config(tmp_path / "one")
+    files[1].unlink()
+    with pytest.raises(hf.UnreadableCheckpoint, match=rf"shard {files[1]} named in {hf.INDEX_FILE} does not exist"):
+        hf.load_model(tmp_path / "sharded")
+    (tmp_path / "sharded" / hf.INDEX_FILE).write_text("[]")
+    with pytest.raises(hf.UnreadableCheckpoint, match="holds a JSON list, not an object"):
+        hf.load_model(tmp_path / "sharded")
 
 
 def test_a_wrong_shape_or_missing_or_extra_tensor_is_named(tmp_path):
@@ -305,9 +410,116 @@ def test_transformers_itself_gives_our_logits(name, tmp_path):
     cfg = CONFIGS[name]
     params = _params(cfg)
     hf.save(tmp_path, cfg, params)
-    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()
+    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 12))
     with torch.no_grad():
         theirs = theirs_model(torch.tensor(tokens)).logits.numpy()
     ours = np.asarray(model_lib.apply(model_lib.define(cfg), params, jax.numpy.asarray(tokens)))
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+# --------------------------------------------------------------- checkpoints transformers itself writes
+
+_TINY = dict(
+    vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+    max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+)  # fmt: skip
+_MLA = dict(num_key_value_heads=4, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_lora_rank=12, q_lora_rank=10)
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
+_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32, beta_slow=1)
+_LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
+# name -> (config class, its arguments); every theta differs from 10000 unless the case is about the scaling
+TRANSFORMERS_CASES = {
+    "llama_theta": ("LlamaConfig", dict(head_dim=8, rope_parameters=dict(rope_type="default", rope_theta=500_000.0))),
+    "llama_llama3": ("LlamaConfig", dict(head_dim=8, rope_parameters=_LLAMA3 | dict(rope_theta=500_000.0))),
+    "llama_linear": ("LlamaConfig", dict(head_dim=8, rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=1e4))),
+    "llama_dynamic": ("LlamaConfig", dict(head_dim=8, max_position_embeddings=8, rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4))),
+    "qwen3_theta": ("Qwen3Config", dict(head_dim=8, rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+    "qwen3_yarn": ("Qwen3Config", dict(head_dim=8, rope_parameters=_YARN | dict(rope_theta=1e6))),
+    "mixtral_default_theta": ("MixtralConfig", dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe_normalised": ("Qwen3MoeConfig", dict(head_dim=8, num_experts=4, norm_topk_prob=True, mlp_only_layers=[0], **_MOE)),
+    "qwen3_moe_unnormalised": ("Qwen3MoeConfig", dict(head_dim=8, num_experts=4, norm_topk_prob=False, rope_parameters=dict(rope_type="default", rope_theta=1e6), **_MOE)),
+    "deepseek_v2_theta": ("DeepseekV2Config", dict(**_MLA, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True, rope_parameters=dict(rope_type="default", rope_theta=5e5), **_MOE)),
+    "deepseek_v2_yarn": ("DeepseekV2Config", dict(**_MLA, first_k_dense_replace=2, rope_parameters=_YARN | dict(rope_theta=1e4, mscale=0.707, mscale_all_dim=0.707))),
+    "deepseek_v2_yarn_mscales": ("DeepseekV2Config", dict(**_MLA, first_k_dense_replace=2, rope_parameters=_YARN | dict(rope_theta=1e4, mscale=1.0, mscale_all_dim=0.5))),
+}  # fmt: skip
+
+
+def _transformers_checkpoint(directory, name, *, dtype="float32", max_shard_size=None):
+    """A random model of case ``name`` built by transformers itself and written with ``save_pretrained``; returns it (float32)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    class_name, kwargs = TRANSFORMERS_CASES[name]
+    config = getattr(transformers, class_name)(**_TINY | kwargs)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # every weight random (routers included, variance kept through each matrix), norm scales off 1
+        for param_name, p in model.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in param_name else torch.randn_like(p) / p.shape[-1] ** 0.5)
+    model.to(getattr(torch, dtype)).save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()  # its buffers in float32
+
+
+def _transformers_logits(model, tokens, incremental=False):
+    """Logits of transformers' ``model``: one forward, or (``incremental``) a prefill of half then one token at a time."""
+    import torch
+
+    tokens = torch.tensor(tokens)
+    with torch.no_grad():
+        if not incremental:
+            return model(tokens).logits.numpy()
+        half = tokens.shape[1] // 2
+        out = model(tokens[:, :half], use_cache=True)
+        logits, cache = [out.logits], out.past_key_values
+        for t in range(half, tokens.shape[1]):
+            out = model(tokens[:, t : t + 1], past_key_values=cache, use_cache=True)
+            logits.append(out.logits)
+            cache = out.past_key_values
+        return torch.cat(logits, dim=1).numpy()
+
+
+def _our_decode_logits(model_def, params, tokens):
+    """Our logits through the KV cache, in the same steps as `_transformers_logits` ``incremental``."""
+    from lm import kv_cache
+
+    tokens = jax.numpy.asarray(tokens)
+    half = tokens.shape[1] // 2
+    cache = kv_cache.init(model_def.config, tokens.shape[0], tokens.shape[1])
+    logits, cache = model_lib.decode(model_def, params, tokens[:, :half], cache, jax.numpy.int32(0))
+    out = [logits]
+    for t in range(half, tokens.shape[1]):
+        logits, cache = model_lib.decode(model_def, params, tokens[:, t : t + 1], cache, jax.numpy.int32(t))
+        out.append(logits)
+    return np.concatenate([np.asarray(o) for o in out], axis=1)
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMERS_CASES))
+def test_checkpoints_transformers_writes_give_its_logits(name, tmp_path):
+    """Runs only where torch and transformers are installed: transformers' config classes and ``save_pretrained``."""
+    theirs_model = _transformers_checkpoint(tmp_path, name)
+    model_def, params = hf.load_model(tmp_path)
+    tokens = np.random.default_rng(2).integers(0, 64, (2, 12))
+    ours = np.asarray(model_lib.apply(model_def, params, jax.numpy.asarray(tokens)))
+    theirs = _transformers_logits(theirs_model, tokens)
+    print(f"\n{name}: forward max |ours - transformers| = {np.max(np.abs(ours - theirs)):.2e} (max |logit| {np.max(np.abs(theirs)):.1f})")
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    if model_def.config.rope_scaling != "none":  # the scaled RoPE at every position of the KV cache too
+        ours_decode = _our_decode_logits(model_def, params, tokens)
+        theirs_decode = _transformers_logits(theirs_model, tokens, incremental=True)
+        print(f"{name}: decode max |ours - transformers| = {np.max(np.abs(ours_decode - theirs_decode)):.2e}")
+        np.testing.assert_allclose(ours_decode, theirs_decode, atol=1e-4, rtol=0)
+    hf.save(tmp_path / "again", model_def.config, params)  # and back: transformers reads our export as its own
+    again = type(theirs_model).from_pretrained(tmp_path / "again").eval()
+    np.testing.assert_allclose(_transformers_logits(again, tokens), theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype, shard", [("bfloat16", None), ("float32", "20KB")])
+def test_bfloat16_and_sharded_files_transformers_writes_import(dtype, shard, tmp_path):
+    theirs_model = _transformers_checkpoint(tmp_path, "qwen3_moe_normalised", dtype=dtype, max_shard_size=shard)
+    assert (tmp_path / hf.INDEX_FILE).is_file() == (shard is not None)
+    model_def, params = hf.load_model(tmp_path)
+    tokens = np.random.default_rng(3).integers(0, 64, (2, 12))
+    ours = np.asarray(model_lib.apply(model_def, params, jax.numpy.asarray(tokens)))
+    theirs = _transformers_logits(theirs_model, tokens)  # the bf16 weights, upcast, in float32
+    print(f"\n{dtype} {shard}: max |ours - transformers| = {np.max(np.abs(ours - theirs)):.2e}")
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)

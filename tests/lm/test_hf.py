@@ -31,15 +31,15 @@ CONFIGS = {
         first_dense_layers=1, scan_layers=False,
     ),
     "deepseek_v2": config_lib.ModelConfig(  # MLA, a dense first block, routed + shared experts, query LoRA
-        **SMALL | dict(n_layers=3, n_kv_heads=4), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, q_lora_rank=10,
+        **SMALL | dict(n_layers=3, n_kv_heads=4, norm_eps=1e-6), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, q_lora_rank=10,
         rope_head_dim=6, v_head_dim=10, n_experts=4, experts_per_token=2, n_shared_experts=1, expert_mlp_dim=16,
         first_dense_layers=1, scan_layers=False,
     ),
     "deepseek_v2_dense_scanned": config_lib.ModelConfig(  # MLA reads no n_kv_heads: DeepSeek's is n_heads
-        **SMALL | dict(n_kv_heads=4), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, rope_head_dim=6, v_head_dim=8,
+        **SMALL | dict(n_kv_heads=4, norm_eps=1e-6), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, rope_head_dim=6, v_head_dim=8,
     ),
     "deepseek_v2_yarn": config_lib.ModelConfig(  # DeepSeek-V2's YaRN: frequencies, attention factor and softmax scale
-        **SMALL | dict(n_kv_heads=4), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, rope_head_dim=6, v_head_dim=8,
+        **SMALL | dict(n_kv_heads=4, norm_eps=1e-6), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, rope_head_dim=6, v_head_dim=8,
         rope_scaling="yarn", rope_factor=8.0, rope_original_max_len=8, rope_mscale=1.0, rope_mscale_all_dim=0.5,
     ),
     "llama_llama3": config_lib.ModelConfig(
@@ -269,6 +269,7 @@ def test_config_round_trip():
         (dict(n_experts=4, n_shared_experts=1, expert_mlp_dim=16, normalize_router_weights=True), "shared experts"),
         (dict(n_experts=4, expert_mlp_dim=16), "normalize_router_weights"),
         (dict(attention_type="mla", n_experts=4, normalize_router_weights=True), "DeepSeek-V2 does not renormalise"),
+        (dict(attention_type="mla", norm_eps=1e-5), "latents with eps 1e-06 whatever rms_norm_eps says: set model.norm_eps=1e-06"),
     ],
 )
 def test_architectures_without_an_equivalent_name_the_difference(changes, message):
@@ -424,7 +425,7 @@ _TINY = dict(
     vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
     max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
 )  # fmt: skip
-_MLA = dict(num_key_value_heads=4, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_lora_rank=12, q_lora_rank=10)
+_MLA = dict(num_key_value_heads=4, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_lora_rank=12, q_lora_rank=10, rms_norm_eps=1e-6)
 _MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
 _YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32, beta_slow=1)
 _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)

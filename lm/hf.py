@@ -63,6 +63,7 @@ _BUFFERS = ("rotary_emb.inv_freq",)  # saved by older transformers versions; rec
 _LLAMA, _QWEN3, _QWEN3_MOE = "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
 _MIXTRAL, _DEEPSEEK = "MixtralForCausalLM", "DeepseekV2ForCausalLM"
 _MODEL_TYPES = {_LLAMA: "llama", _QWEN3: "qwen3", _QWEN3_MOE: "qwen3_moe", _MIXTRAL: "mixtral", _DEEPSEEK: "deepseek_v2"}
+_DEEPSEEK_LATENT_EPS = 1e-6  # its q_a_layernorm / kv_a_layernorm take no eps from the config
 _DEFAULT_THETA = {_MIXTRAL: 1_000_000.0}  # transformers' default when a config.json names none; else 10000
 # transformers' rope_type -> ours; the keys each reads besides rope_type and rope_theta (modeling_rope_utils.py)
 _ROPE_TYPES = {"default": "none", "linear": "linear", "dynamic": "dynamic", "llama3": "llama3", "yarn": "yarn"}
@@ -162,6 +163,11 @@ def _deepseek_architecture(cfg: ModelConfig) -> str:
         differences.append("DeepSeek-V2 scores experts with a softmax: set model.router_score=softmax")
     if cfg.n_experts and cfg.moe_every != 1:
         differences.append("DeepSeek-V2 places MoE blocks by first_k_dense_replace only: set model.moe_every=1")
+    if cfg.norm_eps != _DEEPSEEK_LATENT_EPS:
+        differences.append(
+            f"transformers' DeepSeek-V2 normalises its query and KV latents with eps {_DEEPSEEK_LATENT_EPS} whatever "
+            f"rms_norm_eps says: set model.norm_eps={_DEEPSEEK_LATENT_EPS}"
+        )
     if cfg.n_experts and cfg.normalize_router_weights:
         differences.append(
             "transformers' DeepSeek-V2 does not renormalise the top-k gates (it ignores norm_topk_prob): "
@@ -404,6 +410,11 @@ def _qwen3_moe_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _deepseek_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """The MLA and MoE fields of a DeepSeek-V2 ``config.json``."""
+    if (eps := hf.get("rms_norm_eps", 1e-6)) != _DEEPSEEK_LATENT_EPS:
+        raise UnsupportedArchitecture(
+            f"{where}: rms_norm_eps={eps}, but transformers' DeepSeek-V2 normalises its latents with {_DEEPSEEK_LATENT_EPS} "
+            "(ours: one eps for every norm); this checkpoint does not convert"
+        )
     n_heads = hf["num_attention_heads"]
     fields = dict(
         attention_type="mla",

@@ -31,15 +31,15 @@ CONFIGS = {
         first_dense_layers=1, scan_layers=False,
     ),
     "deepseek_v2": config_lib.ModelConfig(  # MLA, a dense first block, routed + shared experts, query LoRA
-        **SMALL | dict(n_layers=3, n_kv_heads=4), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, q_lora_rank=10,
+        **SMALL | dict(n_layers=3, n_kv_heads=4, norm_eps=1e-6), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, q_lora_rank=10,
         rope_head_dim=6, v_head_dim=10, n_experts=4, experts_per_token=2, n_shared_experts=1, expert_mlp_dim=16,
         first_dense_layers=1, scan_layers=False,
     ),
     "deepseek_v2_dense_scanned": config_lib.ModelConfig(  # MLA reads no n_kv_heads: DeepSeek's is n_heads
-        **SMALL | dict(n_kv_heads=4), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, rope_head_dim=6, v_head_dim=8,
+        **SMALL | dict(n_kv_heads=4, norm_eps=1e-6), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, rope_head_dim=6, v_head_dim=8,
     ),
     "deepseek_v2_yarn": config_lib.ModelConfig(  # DeepSeek-V2's YaRN: frequencies, attention factor and softmax scale
-        **SMALL | dict(n_kv_heads=4), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, rope_head_dim=6, v_head_dim=8,
+        **SMALL | dict(n_kv_heads=4, norm_eps=1e-6), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, rope_head_dim=6, v_head_dim=8,
         rope_scaling="yarn", rope_factor=8.0, rope_original_max_len=8, rope_mscale=1.0, rope_mscale_all_dim=0.5,
     ),
     "llama_llama3": config_lib.ModelConfig(
@@ -269,6 +269,7 @@ def test_config_round_trip():
         (dict(n_experts=4, n_shared_experts=1, expert_mlp_dim=16, normalize_router_weights=True), "shared experts"),
         (dict(n_experts=4, expert_mlp_dim=16), "normalize_router_weights"),
         (dict(attention_type="mla", n_experts=4, normalize_router_weights=True), "DeepSeek-V2 does not renormalise"),
+        (dict(attention_type="mla", norm_eps=1e-5), "latents with eps 1e-06 whatever rms_norm_eps says: set model.norm_eps=1e-06"),
     ],
 )
 def test_architectures_without_an_equivalent_name_the_difference(changes, message):
@@ -424,7 +425,7 @@ _TINY = dict(
     vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
     max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
 )  # fmt: skip
-_MLA = dict(num_key_value_heads=4, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_lora_rank=12, q_lora_rank=10)
+_MLA = dict(num_key_value_heads=4, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_lora_rank=12, q_lora_rank=10, rms_norm_eps=1e-6)
 _MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
 _YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32, beta_slow=1)
 _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
@@ -523,3 +524,32 @@ def test_bfloat16_and_sharded_files_transformers_writes_import(dtype, shard, tmp
     theirs = _transformers_logits(theirs_model, tokens)  # the bf16 weights, upcast, in float32
     print(f"\n{dtype} {shard}: max |ours - transformers| = {np.max(np.abs(ours - theirs)):.2e}")
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+# the keys of DeepSeek-V2-Lite's published config.json (transformers 4.x spelling, YaRN in rope_scaling)
+_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "aux_loss_alpha": 0.001,
+    "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 10944, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v2", "moe_intermediate_size": 1408, "moe_layer_freq": 1,
+    "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": False, "num_attention_heads": 16,
+    "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16, "q_lora_rank": None, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06, "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax",
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "seq_aux": True, "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy", "torch_dtype": "bfloat16",
+    "v_head_dim": 128, "vocab_size": 102400,
+}  # fmt: skip
+
+
+def test_a_released_deepseek_v2_config_imports_with_its_yarn():
+    from lm import rope
+
+    cfg = hf.from_hf_config(_V2_LITE)
+    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_len, cfg.max_seq_len) == ("yarn", 40.0, 4096, 163840)
+    assert (cfg.rope_mscale, cfg.rope_mscale_all_dim, cfg.n_experts, cfg.first_dense_layers) == (0.707, 0.707, 64, 1)
+    assert rope.attention_factor(cfg) == 1.0  # m(40, 0.707) / m(40, 0.707)
+    assert rope.softmax_scale_factor(cfg) == pytest.approx((0.1 * 0.707 * np.log(40) + 1) ** 2)
+    assert hf.from_hf_config(hf.to_hf_config(cfg, spelling=5), scan_layers=False) == cfg
+    full = _V2_LITE | {"topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3, "routed_scaling_factor": 16.0}
+    with pytest.raises(hf.UnsupportedArchitecture, match="topk_group=3 < n_group=8.*routed_scaling_factor=16.0"):
+        hf.from_hf_config(full)  # DeepSeek-V2 (full): routing ours does not compute

@@ -12,6 +12,8 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 DEFAULT_CONFIG = str(Path(__file__).parent / "configs" / "default.py")
+# Reads a run's config.json (``--config=runs/x/config.json`` is short for ``--config=<this>:runs/x/config.json``).
+JSON_CONFIG = str(Path(__file__).parent / "configs" / "resolved.py")
 
 # Loggers that report routine work at INFO (backend probing, checkpoint bookkeeping).
 _LIBRARY_LOGGERS = ("jax", "absl", "orbax", "etils")
@@ -27,7 +29,9 @@ def usage_exit(message: str) -> NoReturn:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing with one-line errors and exit code 2 for bad flags."""
+    """absl flag parsing with one-line errors and exit code 2 for bad flags; ``--config=X.json`` reads a
+    run's written config (`JSON_CONFIG`)."""
+    argv = [_json_config(arg) for arg in argv]
     try:
         rest = flags.FLAGS(argv)
     except (flags.Error, KeyError, TypeError, ValueError) as e:
@@ -35,6 +39,13 @@ def parse_flags(argv: list[str]) -> list[str]:
     if len(rest) > 1:
         usage_exit(f"unexpected arguments {rest[1:]}; options are --workdir, --config and --config.<key>=<value>")
     return rest
+
+
+def _json_config(arg: str) -> str:
+    name, sep, value = arg.partition("=")
+    if sep and name in ("--config", "-config") and value.endswith(".json"):
+        return f"{name}={JSON_CONFIG}:{value}"
+    return arg
 
 
 def define_config_flag(default: str) -> flags.FlagHolder:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import shutil
 import signal
 import sys
 import time
@@ -19,9 +20,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from experiments import checkpointing, hardware, metrics_io, train_lib
+from experiments import checkpointing, hardware, metrics_io, restore, train_lib
 from experiments.cli import UsageError
-from experiments.run_spec import RunSpec, balancing, build_run, run_meta
+from experiments.run_spec import RunSpec, balancing, build_run, resolve, run_meta
 from lm import data, hf, input_pipeline, pipeline
 from lm.loss import flops_per_token
 from lm.model import count_params
@@ -112,10 +113,18 @@ def run(
     """
     workdir = Path(workdir)
     spec = build_run(config)
+    try:
+        config = resolve(config, spec.cfg)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from e
+    latest = restore_step if restore_step is not None else checkpointing.latest_step(workdir)
+    if latest is not None and latest >= config.steps:
+        return _finished(workdir, latest, config.steps)
     train_iter, val_batches = load_data(config, spec.cfg.vocab_size)
     workdir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+        _copy_data_files(config.data, workdir)
 
     shardings = spec.shardings
     step_fn = train_lib.make_train_step(
@@ -153,6 +162,8 @@ def run(
                 state, start = train_lib.init_state(spec.model_def, spec.tx, config.seed, shardings, params), 0
             else:
                 start, state, data_state = restored
+                if jax.process_index() == 0:
+                    print(f"resuming from step {start} of {config.steps} in {workdir}", file=sys.stderr)
                 try:
                     train_iter.set_state(data_state)
                 except ValueError as e:
@@ -167,6 +178,32 @@ def run(
         for s, h in handlers.items():
             signal.signal(s, h)
     return summary
+
+
+def _finished(workdir: Path, step: int, steps: int) -> dict:
+    """The summary of a run whose checkpoint already reached ``steps``; nothing in ``workdir`` is touched."""
+    print(
+        f"{workdir} already finished: its checkpoint is at step {step} >= steps={steps}; its files are kept as they are "
+        "(raise --config.steps to train further)",
+        file=sys.stderr,
+    )
+    path = workdir / "summary.json"
+    summary = json.loads(path.read_text()) if path.is_file() else {"steps": step}
+    return summary | {"finished": True}
+
+
+def _copy_data_files(data_config: ml_collections.ConfigDict, workdir: Path) -> None:
+    """The training shards' manifest and its tokenizer file, copied into ``workdir`` (nothing for the text corpus)."""
+    manifest = input_pipeline.train_manifest(data_config)
+    if manifest is None:
+        return
+    source = Path(str(manifest.get("tokenizer") or "")).expanduser()
+    source = source / "tokenizer.json" if source.is_dir() else source
+    if source.is_file() and manifest.get("tokenizer") != "bytes":
+        target = workdir / restore.TOKENIZER_NAMES.get(source.suffix, source.name)
+        shutil.copyfile(source, target)
+        manifest = manifest | {"tokenizer_copy": target.name}
+    (workdir / restore.DATA_MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
 def _loop(
@@ -241,7 +278,7 @@ def _loop(
                 checkpointing.save(checkpoints.manager, done, state, train_iter.get_state(), checkpoints.meta, force=True)
             if stopping:
                 progress.close()
-                print(f"stopped by signal {stop.signum} after step {done}; checkpoint saved, rerun with the same --workdir to resume", file=sys.stderr)
+                print(f"stopped by signal {stop.signum} after step {done}; checkpoint saved, rerun with --workdir={workdir} to resume", file=sys.stderr)
                 return {"interrupted": True, "steps": done, "signal": stop.signum}
     finally:
         progress.close()

@@ -35,10 +35,18 @@ def parse_flags(argv: list[str]) -> list[str]:
     try:
         rest = flags.FLAGS(argv)
     except (flags.Error, KeyError, TypeError, ValueError) as e:
-        usage_exit(str(e))
+        usage_exit(_one_line(str(e)))
     if len(rest) > 1:
         usage_exit(f"unexpected arguments {rest[1:]}; options are --workdir, --config and --config.<key>=<value>")
     return rest
+
+
+def _one_line(message: str) -> str:
+    """A flag error without the traceback that ml_collections puts in when a config file's ``get_config`` raises."""
+    if "Traceback (most recent call last)" not in message:
+        return message
+    flag = message.partition(": Error whilst parsing config file")[0]
+    return f"{flag}: {message.strip().splitlines()[-1].partition(': ')[2]}"
 
 
 def _json_config(arg: str) -> str:

@@ -328,6 +328,7 @@ def summarize(config: ml_collections.ConfigDict, runs: dict[str, list[dict]], be
         row = {
             "optimizer": name,
             "best_setting": best[name]["setting"],
+            "grid_edges": grid_edges(best[name]["setting"], [r["setting"] for r in records]),
             "seeds": [r["seed"] for r in seeds],
             "final_val_loss_mean": statistics.fmean(finals) if finals else None,
             "final_val_loss_std": statistics.stdev(finals) if len(finals) > 1 else 0.0 if finals else None,
@@ -370,6 +371,17 @@ def summarize(config: ml_collections.ConfigDict, runs: dict[str, list[dict]], be
     }
 
 
+def grid_edges(setting: dict[str, float], settings: list[dict[str, float]]) -> dict[str, str]:
+    """The grid keys at which ``setting`` is the smallest or largest value tried (of two or more): there the
+    best value may lie outside the grid. ``{"learning_rate": "low"}``: widen the grid below."""
+    out = {}
+    for key, value in setting.items():
+        tried = sorted({s[key] for s in settings if key in s})
+        if len(tried) > 1 and value in (tried[0], tried[-1]):
+            out[key] = "low" if value == tried[0] else "high"
+    return out
+
+
 def _tokens_to_target(curves: list[list[tuple[float, float]]], target: float | None) -> dict | None:
     """Per seed, the tokens at which its validation curve reaches ``target`` (None: never); their mean
     and 95% t-interval when every seed reached it."""
@@ -403,8 +415,10 @@ def _tokens_text(reach: dict | None) -> str:
     return f"{reach['mean']:,.0f} [{reach['low']:,.0f}, {reach['high']:,.0f}]"
 
 
-def _setting_text(setting: dict[str, float]) -> str:
-    return ", ".join(f"{GRID_KEYS[k]} {v:g}" for k, v in setting.items())
+def _setting_text(setting: dict[str, float], edges: dict[str, str] | None = None) -> str:
+    """``lr 0.003, wd 0.1``; a value on the grid's edge marked ``(low edge)`` / ``(high edge)``."""
+    edges = edges or {}
+    return ", ".join(f"{GRID_KEYS[k]} {v:g}" + (f" ({edges[k]} edge)" if k in edges else "") for k, v in setting.items())
 
 
 def markdown(results: dict) -> str:
@@ -435,10 +449,16 @@ def markdown(results: dict) -> str:
         welch = row["welch_vs_baseline"]
         p = "-" if welch is None else f"{welch['p']:.2g}"
         lines.append(
-            f"| {row['rank']} | {row['optimizer']} | {_setting_text(row['best_setting'])} | {loss} | {p} | {_tokens_text(row['tokens_to_target'])} "
+            f"| {row['rank']} | {row['optimizer']} | {_setting_text(row['best_setting'], row.get('grid_edges'))} | {loss} | {p} | {_tokens_text(row['tokens_to_target'])} "
             f"| {bits} | {len(row['seeds'])} | {tokens} | {seconds} "
             f"| {row['state_bytes_per_param']:.2f} | {row['update_vs_baseline']:.2f} ({1e3 * row['update_seconds']:.1f} ms) |"
         )
+    if any(row.get("grid_edges") for row in results["optimizers"]):
+        lines += [
+            "",
+            "A best value marked (low edge) / (high edge) is the smallest / largest of its grid: the optimum may lie "
+            "outside it, so that optimizer may be under-tuned; widen compare.grid.<optimizer> past it and rerun.",
+        ]
     first = results["runs"][0]["seed"] if results["runs"] else 0
     lines += ["", f"| run (seed {first}) | final val loss |", "|---|---|"]
     best = {row["optimizer"]: row["best_setting"] for row in results["optimizers"]}

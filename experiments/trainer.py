@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib.util
 import json
 import shutil
 import signal
@@ -48,6 +49,8 @@ class LoopSettings:
     log_every: int
     max_bad_steps: int
     token_shares: dict[str, float] | None = None  # a mixture's share of tokens per source over the run
+    config: dict | None = None  # the resolved config, for TensorBoard hparams and Weights & Biases
+    wandb: dict | None = None  # the config's ``wandb`` block
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> LoopSettings:
@@ -59,6 +62,8 @@ class LoopSettings:
             log_every=config.log_every,
             max_bad_steps=config.max_bad_steps,
             token_shares=input_pipeline.token_shares(config),
+            config=config.to_dict(),
+            wandb=config.wandb.to_dict() if config.get("wandb") else None,
         )
 
     @property
@@ -117,6 +122,8 @@ def run(
         config = resolve(config, spec.cfg)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from e
+    if config.get("wandb") and config.wandb.project and importlib.util.find_spec("wandb") is None:
+        raise UsageError(f"wandb.project={config.wandb.project} needs Weights & Biases: pip install -e '.[wandb]'")
     latest = restore_step if restore_step is not None else checkpointing.latest_step(workdir)
     if latest is not None and latest >= config.steps:
         return _finished(workdir, latest, config.steps)
@@ -222,7 +229,7 @@ def _loop(
     train_iter, val_batches = batches
     train_step = train_lib.jit_train_step(step_fn, shardings)
     eval_step = train_lib.jit_eval_step(train_lib.make_eval_step(spec.model_def), shardings)
-    writer = metrics_io.MetricsWriter(workdir, resume_step=start, enabled=lead)
+    writer = metrics_io.MetricsWriter(workdir, resume_step=start, enabled=lead, config=settings.config, wandb=settings.wandb)
     progress = Progress(settings.steps, start, lead)
     step_times: list[float] = []
     last = {}
@@ -280,10 +287,13 @@ def _loop(
                 progress.close()
                 print(f"stopped by signal {stop.signum} after step {done}; checkpoint saved, rerun with --workdir={workdir} to resume", file=sys.stderr)
                 return {"interrupted": True, "steps": done, "signal": stop.signum}
+        progress.close()
+        summary = _summarize(settings, spec, workdir, step_times, last, val_loss, start)
+        writer.write_summary(summary)
+        return summary
     finally:
         progress.close()
         writer.close()
-    return _summarize(settings, spec, workdir, step_times, last, val_loss, start)
 
 
 def _summarize(settings: LoopSettings, spec: RunSpec, workdir: Path, step_times, last, val_loss, start) -> dict:
@@ -318,7 +328,9 @@ def _summarize(settings: LoopSettings, spec: RunSpec, workdir: Path, step_times,
     }
     if jax.process_index() == 0:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-        metrics_io.plot_losses(workdir / "metrics.jsonl", workdir / "loss.png")
+        model, optimizer = (settings.config or {}).get("model", {}), (settings.config or {}).get("optimizer", {})
+        title = f"{workdir.name}: {model.get('preset', '')} + {optimizer.get('name', '')}, {settings.steps} steps"
+        metrics_io.plot_losses(workdir / "metrics.jsonl", workdir / "loss.png", title=title)
     return summary
 
 

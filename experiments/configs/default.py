@@ -101,6 +101,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Pipeline schedule over a "stage" mesh axis (lm/pipeline.py): schedule gpipe | circular | 1f1b | zb_h1, microbatches, repeats.
     config.pipeline = blocks.dataclass_block(pipeline.Pipeline)
 
+    # Weights & Biases (pip install -e '.[wandb]'): records, config and summary mirrored to a W&B run.
+    config.wandb = ml_collections.ConfigDict()
+    config.wandb.project = ""  # empty: off; else the W&B project of the run
+    config.wandb.mode = "online"  # online | offline (synced later with `wandb sync`) | disabled
+
     config.eval_every = 100  # steps between validation losses (and at the last step)
     config.eval_batches = 8  # validation batches (when data.val_tokens is 0)
     config.log_every = 10  # steps between metrics.jsonl / TensorBoard records

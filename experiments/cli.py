@@ -59,7 +59,10 @@ def _json_config(arg: str) -> str:
 def define_config_flag(default: str) -> flags.FlagHolder:
     """``--config`` with ``--config.<key>`` overrides; an unknown key exits with code 2."""
     try:
-        return config_flags.DEFINE_config_file("config", default, "Config file (ml_collections).", lock_config=True)
+        return config_flags.DEFINE_config_file(
+            "config", default, "Config file (ml_collections; FILE.py:ARG passes ARG to its get_config, a run's config.json "
+            "repeats that run); --config.<key>=<value> overrides a key, --list_config lists them all.", lock_config=True,
+        )  # fmt: skip
     except (AttributeError, KeyError) as e:  # config_flags applies --config.* overrides right here
         detail = str(e.args[0] if e.args else e).replace("\\'", "'").replace("\\n", "\n").strip("'\"")
         key, _, hint = detail.partition("\n")

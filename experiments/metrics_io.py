@@ -106,10 +106,16 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def plot_losses(metrics_path: str | Path, out_path: str | Path, title: str = "") -> None:
+    """`loss_figure` of ``metrics.jsonl`` saved as a PNG (default title: the workdir's name)."""
+    fig = loss_figure(read_metrics(metrics_path), title or Path(metrics_path).parent.name)
+    fig.savefig(out_path)
+    plt.close(fig)
+
+
+def loss_figure(records: list[dict], title: str) -> plt.Figure:
     """Train and validation loss against step, titled ``title``. When bits per byte are logged, the right axis
     reads the same curves in bits per byte: ``bpb = loss / ln 2 * tokens_per_byte`` is one linear map, so the
     right axis is the left one relabelled (not a second curve on a scale of its own)."""
-    records = read_metrics(metrics_path)
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
@@ -126,7 +132,6 @@ def plot_losses(metrics_path: str | Path, out_path: str | Path, title: str = "")
         scale = float(np.median(ratios))  # tokens per byte / ln 2, the same for every evaluation of a run
         right = ax.secondary_yaxis("right", functions=(lambda loss: loss * scale, lambda bpb: bpb / scale))
         right.set_ylabel("bits / byte (validation tokens per byte)")
-    ax.set_title(title or Path(metrics_path).parent.name)
+    ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(out_path)
-    plt.close(fig)
+    return fig

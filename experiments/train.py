@@ -5,8 +5,8 @@ r"""Trains a language model.
         --config.optimizer.learning_rate=3e-3 --config.seed=0
 
 ``--config=runs/x/config.json`` repeats a run from the config it wrote; ``--list_config`` prints
-every ``--config.<key>`` with its value and help. With no flags it runs the default job (`tiny` + AdamW on the standard-library corpus) into a fresh
-workdir under ``./runs/``. A workdir that holds checkpoints is resumed from the latest one (from an
+every ``--config.<key>`` with its value and help. With no flags it runs the default job (`tiny` +
+AdamW on the standard-library corpus) into a fresh workdir under ``./runs/``. A workdir that holds checkpoints is resumed from the latest one (from an
 earlier one with ``--restore_step=N``, e.g. when the latest is damaged).
 Writes ``config.json``, ``metrics.jsonl``, TensorBoard events, ``loss.png``, checkpoints and
 ``summary.json`` into the workdir. The run itself is `experiments.trainer.run`; this module is only
@@ -78,7 +78,10 @@ def define_flags() -> flags.FlagHolder:
     flags.DEFINE_integer("restore_step", None, "Resume from this checkpoint step, not the newest; newer ones are deleted.")
     flags.DEFINE_bool("distributed_auto", False, "Multi-process with values detected by JAX (TPU VM, SLURM).")
     flags.DEFINE_bool("list_config", False, "Print every --config.<key> with its value and a line of help, then exit.")
-    return cli.define_config_flag(cli.DEFAULT_CONFIG)
+    config = cli.define_config_flag(cli.DEFAULT_CONFIG)
+    for name in ("config", "verbose"):  # defined in experiments.cli; listed by --help as this script's own
+        flags.declare_key_flag(name)
+    return config
 
 
 if __name__ == "__main__":

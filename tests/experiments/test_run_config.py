@@ -104,7 +104,10 @@ def test_readers_of_a_workdir_need_only_the_workdir(run, shards, tmp_path, monke
 def test_rerun_of_a_finished_run_keeps_its_files_and_raised_steps_continue(run, shards, tmp_path, capsys):
     workdir = tmp_path / "w"
     config = resolved.get_config(str(run[0] / "config.json"))
+    assert trainer.run(config, workdir, interrupt_at=2)["interrupted"]
+    assert f"rerun with --workdir={workdir} to resume" in capsys.readouterr().err
     trainer.run(config, workdir)
+    assert "resuming from step 2 of 4" in capsys.readouterr().err
     before = {name: (workdir / name).read_bytes() for name in ("summary.json", "config.json", "metrics.jsonl")}
     capsys.readouterr()
     again = trainer.run(config, workdir)
@@ -173,3 +176,8 @@ def test_a_checked_tokenizer_that_is_not_the_shards_is_refused(shards, monkeypat
     with pytest.raises(cli.UsageError, match="data.tokenizer=bytes is not the tokenizer the training data was written with"):
         trainer.run(config, shards / "runs" / "refused")
     assert not (shards / "runs" / "refused").exists()
+
+
+def test_help_lists_the_shared_flags_and_points_to_the_config_listing(tmp_path):
+    out = _cli("--help", cwd=tmp_path).stdout
+    assert "--[no]verbose" in out and "--[no]list_config" in out and "--config: Config file" in out

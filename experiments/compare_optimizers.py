@@ -220,17 +220,20 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 def _check_same_config(config: ml_collections.ConfigDict, rundir: Path) -> None:
     """A run folder from an earlier invocation must hold the run this config asks for.
 
-    The blocks of other optimizer families (``optimizer.<other>.*``) do not take part in the run and
-    are not compared.
+    Its ``config.json`` is the resolved config (`run_spec.resolve`), so this config is resolved before
+    they are compared. The blocks of other optimizer families (``optimizer.<other>.*``) do not take
+    part in the run and are not compared, nor keys an older version of the code wrote unresolved (null).
     """
     path = rundir / "config.json"
     if not path.exists():
         return
-    old, new = _flatten(json.loads(path.read_text())), _flatten(json.loads(config.to_json_best_effort()))
+    resolved = run_spec.resolve(config, run_spec.build_run(config).cfg)
+    old, new = _flatten(json.loads(path.read_text())), _flatten(json.loads(resolved.to_json_best_effort()))
 
     def used(key: str) -> bool:
         parts = key.split(".")
-        return not (parts[0] == "optimizer" and len(parts) > 2 and parts[1] != config.optimizer.name)
+        family = parts[0] == "optimizer" and len(parts) > 2 and parts[1] not in run_spec.used_optimizers(config.optimizer)
+        return not family and old.get(key) is not None
 
     differ = sorted(k for k in old.keys() | new.keys() if used(k) and old.get(k) != new.get(k))
     if differ:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import cli, compare_optimizers, trainer
+from experiments import cli, compare_optimizers, run_spec, trainer
 from experiments.configs import compare_quick
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +36,8 @@ class FakeTrain:
         workdir = Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         self.calls.append(workdir.name)
-        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+        resolved = run_spec.resolve(config, run_spec.build_run(config).cfg)  # what `trainer.run` writes
+        (workdir / "config.json").write_text(resolved.to_json_best_effort(indent=2))
         if workdir.name == self.interrupt:
             return {"interrupted": True, "steps": 5, "signal": 15}
         name, lr = config.optimizer.name, config.optimizer.learning_rate

@@ -103,11 +103,11 @@ def _stdlib_prefix(max_bytes: float) -> list[Path]:
 
 def _tokenize_rows(scratch: Path) -> list[dict[str, Any]]:
     files = _stdlib_prefix(FLAGS.tokenize_mb * 1e6)
-    bpe = tokenizer.train_bpe((t for f in files for t in documents.read(f)), FLAGS.bpe_vocab, scratch / "bpe")
+    bpe = tokenizer.train_bpe((t for f in files for t in documents.read(f, errors="replace")), FLAGS.bpe_vocab, scratch / "bpe")
     rows = []
     for name, spec in (("bytes", "bytes"), (f"bpe{FLAGS.bpe_vocab}", str(bpe))):
         start = time.perf_counter()
-        manifest = tokenize.tokenize(spec, files, scratch / name, val_fraction=0.01, shard_tokens=SHARD_TOKENS, workers=FLAGS.workers)
+        manifest = tokenize.tokenize(spec, files, scratch / name, val_fraction=0.01, shard_tokens=SHARD_TOKENS, workers=FLAGS.workers, errors="replace")
         seconds = time.perf_counter() - start
         mb = sum(s["bytes"] for s in manifest["splits"].values()) / 1e6
         tokens = sum(s["tokens"] for s in manifest["splits"].values())

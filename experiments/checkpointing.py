@@ -45,6 +45,15 @@ def manager(workdir: str | Path, *, keep: int, every: int) -> ocp.CheckpointMana
     return ocp.CheckpointManager(Path(workdir).absolute() / "checkpoints", options=options)
 
 
+def latest_step(workdir: str | Path) -> int | None:
+    """The newest committed checkpoint step in ``workdir`` (None: none), creating nothing."""
+    folder = Path(workdir).absolute() / "checkpoints"
+    if not folder.is_dir():
+        return None
+    steps = [int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit()]
+    return max(steps, default=None)
+
+
 def save(mgr: ocp.CheckpointManager, step: int, state: Any, data_state: dict, meta: dict, *, force: bool = False) -> bool:
     """Saves asynchronously (``force`` ignores the save interval); returns whether a save started."""
     args = ocp.args.Composite(

@@ -12,6 +12,8 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 DEFAULT_CONFIG = str(Path(__file__).parent / "configs" / "default.py")
+# Reads a run's config.json (``--config=runs/x/config.json`` is short for ``--config=<this>:runs/x/config.json``).
+JSON_CONFIG = str(Path(__file__).parent / "configs" / "resolved.py")
 
 # Loggers that report routine work at INFO (backend probing, checkpoint bookkeeping).
 _LIBRARY_LOGGERS = ("jax", "absl", "orbax", "etils")
@@ -27,20 +29,40 @@ def usage_exit(message: str) -> NoReturn:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing with one-line errors and exit code 2 for bad flags."""
+    """absl flag parsing with one-line errors and exit code 2 for bad flags; ``--config=X.json`` reads a
+    run's written config (`JSON_CONFIG`)."""
+    argv = [_json_config(arg) for arg in argv]
     try:
         rest = flags.FLAGS(argv)
     except (flags.Error, KeyError, TypeError, ValueError) as e:
-        usage_exit(str(e))
+        usage_exit(_one_line(str(e)))
     if len(rest) > 1:
         usage_exit(f"unexpected arguments {rest[1:]}; options are --workdir, --config and --config.<key>=<value>")
     return rest
 
 
+def _one_line(message: str) -> str:
+    """A flag error without the traceback that ml_collections puts in when a config file's ``get_config`` raises."""
+    if "Traceback (most recent call last)" not in message:
+        return message
+    flag = message.partition(": Error whilst parsing config file")[0]
+    return f"{flag}: {message.strip().splitlines()[-1].partition(': ')[2]}"
+
+
+def _json_config(arg: str) -> str:
+    name, sep, value = arg.partition("=")
+    if sep and name in ("--config", "-config") and value.endswith(".json"):
+        return f"{name}={JSON_CONFIG}:{value}"
+    return arg
+
+
 def define_config_flag(default: str) -> flags.FlagHolder:
     """``--config`` with ``--config.<key>`` overrides; an unknown key exits with code 2."""
     try:
-        return config_flags.DEFINE_config_file("config", default, "Config file (ml_collections).", lock_config=True)
+        return config_flags.DEFINE_config_file(
+            "config", default, "Config file (ml_collections; FILE.py:ARG passes ARG to its get_config, a run's config.json "
+            "repeats that run); --config.<key>=<value> overrides a key, --list_config lists them all.", lock_config=True,
+        )  # fmt: skip
     except (AttributeError, KeyError) as e:  # config_flags applies --config.* overrides right here
         detail = str(e.args[0] if e.args else e).replace("\\'", "'").replace("\\n", "\n").strip("'\"")
         key, _, hint = detail.partition("\n")

@@ -220,17 +220,20 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 def _check_same_config(config: ml_collections.ConfigDict, rundir: Path) -> None:
     """A run folder from an earlier invocation must hold the run this config asks for.
 
-    The blocks of other optimizer families (``optimizer.<other>.*``) do not take part in the run and
-    are not compared.
+    Its ``config.json`` is the resolved config (`run_spec.resolve`), so this config is resolved before
+    they are compared. The blocks of other optimizer families (``optimizer.<other>.*``) do not take
+    part in the run and are not compared, nor keys an older version of the code wrote unresolved (null).
     """
     path = rundir / "config.json"
     if not path.exists():
         return
-    old, new = _flatten(json.loads(path.read_text())), _flatten(json.loads(config.to_json_best_effort()))
+    resolved = run_spec.resolve(config, run_spec.build_run(config).cfg)
+    old, new = _flatten(json.loads(path.read_text())), _flatten(json.loads(resolved.to_json_best_effort()))
 
     def used(key: str) -> bool:
         parts = key.split(".")
-        return not (parts[0] == "optimizer" and len(parts) > 2 and parts[1] != config.optimizer.name)
+        family = parts[0] == "optimizer" and len(parts) > 2 and parts[1] not in run_spec.used_optimizers(config.optimizer)
+        return not family and old.get(key) is not None
 
     differ = sorted(k for k in old.keys() | new.keys() if used(k) and old.get(k) != new.get(k))
     if differ:
@@ -328,6 +331,7 @@ def summarize(config: ml_collections.ConfigDict, runs: dict[str, list[dict]], be
         row = {
             "optimizer": name,
             "best_setting": best[name]["setting"],
+            "grid_edges": grid_edges(best[name]["setting"], [r["setting"] for r in records]),
             "seeds": [r["seed"] for r in seeds],
             "final_val_loss_mean": statistics.fmean(finals) if finals else None,
             "final_val_loss_std": statistics.stdev(finals) if len(finals) > 1 else 0.0 if finals else None,
@@ -370,6 +374,17 @@ def summarize(config: ml_collections.ConfigDict, runs: dict[str, list[dict]], be
     }
 
 
+def grid_edges(setting: dict[str, float], settings: list[dict[str, float]]) -> dict[str, str]:
+    """The grid keys at which ``setting`` is the smallest or largest value tried (of two or more): there the
+    best value may lie outside the grid. ``{"learning_rate": "low"}``: widen the grid below."""
+    out = {}
+    for key, value in setting.items():
+        tried = sorted({s[key] for s in settings if key in s})
+        if len(tried) > 1 and value in (tried[0], tried[-1]):
+            out[key] = "low" if value == tried[0] else "high"
+    return out
+
+
 def _tokens_to_target(curves: list[list[tuple[float, float]]], target: float | None) -> dict | None:
     """Per seed, the tokens at which its validation curve reaches ``target`` (None: never); their mean
     and 95% t-interval when every seed reached it."""
@@ -403,8 +418,10 @@ def _tokens_text(reach: dict | None) -> str:
     return f"{reach['mean']:,.0f} [{reach['low']:,.0f}, {reach['high']:,.0f}]"
 
 
-def _setting_text(setting: dict[str, float]) -> str:
-    return ", ".join(f"{GRID_KEYS[k]} {v:g}" for k, v in setting.items())
+def _setting_text(setting: dict[str, float], edges: dict[str, str] | None = None) -> str:
+    """``lr 0.003, wd 0.1``; a value on the grid's edge marked ``(low edge)`` / ``(high edge)``."""
+    edges = edges or {}
+    return ", ".join(f"{GRID_KEYS[k]} {v:g}" + (f" ({edges[k]} edge)" if k in edges else "") for k, v in setting.items())
 
 
 def markdown(results: dict) -> str:
@@ -435,10 +452,16 @@ def markdown(results: dict) -> str:
         welch = row["welch_vs_baseline"]
         p = "-" if welch is None else f"{welch['p']:.2g}"
         lines.append(
-            f"| {row['rank']} | {row['optimizer']} | {_setting_text(row['best_setting'])} | {loss} | {p} | {_tokens_text(row['tokens_to_target'])} "
+            f"| {row['rank']} | {row['optimizer']} | {_setting_text(row['best_setting'], row.get('grid_edges'))} | {loss} | {p} | {_tokens_text(row['tokens_to_target'])} "
             f"| {bits} | {len(row['seeds'])} | {tokens} | {seconds} "
             f"| {row['state_bytes_per_param']:.2f} | {row['update_vs_baseline']:.2f} ({1e3 * row['update_seconds']:.1f} ms) |"
         )
+    if any(row.get("grid_edges") for row in results["optimizers"]):
+        lines += [
+            "",
+            "A best value marked (low edge) / (high edge) is the smallest / largest of its grid: the optimum may lie "
+            "outside it, so that optimizer may be under-tuned; widen compare.grid.<optimizer> past it and rerun.",
+        ]
     first = results["runs"][0]["seed"] if results["runs"] else 0
     lines += ["", f"| run (seed {first}) | final val loss |", "|---|---|"]
     best = {row["optimizer"]: row["best_setting"] for row in results["optimizers"]}
@@ -474,7 +497,7 @@ def define_flags(argv: list[str]) -> flags.FlagHolder:
     """Flags; ``--quick`` makes `compare_quick.py` the default config (``--config.*`` still apply)."""
     flags.DEFINE_string("workdir", None, "Output folder; re-running on it skips finished runs. Default: a fresh folder under ./runs/.")
     flags.DEFINE_string("seeds", None, "Seeds, e.g. 0,1,2 (the first runs the grid); default: the config's compare.seeds.")
-    flags.DEFINE_bool("quick", False, f"The reduced comparison of {QUICK_CONFIG} (a few minutes on 2 CPU cores).")
+    flags.DEFINE_bool("quick", False, f"The reduced comparison of {QUICK_CONFIG} (12 runs of 80 steps: about 7 minutes on 2 CPU cores).")
     cli.define_verbose_flag()
     default = QUICK_CONFIG if any(a in ("--quick", "--quick=true", "--quick=True") for a in argv[1:]) else FULL_CONFIG
     return cli.define_config_flag(default)

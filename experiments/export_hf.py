@@ -23,10 +23,8 @@ from pathlib import Path
 from absl import app, flags, logging
 
 from experiments import cli
-from experiments.restore import load_params, run_manifest
+from experiments.restore import TOKENIZER_NAMES, load_params, run_manifest
 from lm import hf
-
-_TOKENIZER_NAMES = {".json": "tokenizer.json", ".model": "tokenizer.model", ".tiktoken": "tokenizer.tiktoken"}
 
 
 def copy_tokenizer(manifest: dict | None, out: Path) -> Path | None:
@@ -42,7 +40,7 @@ def copy_tokenizer(manifest: dict | None, out: Path) -> Path | None:
     if hashlib.sha256(source.read_bytes()).hexdigest() != manifest.get("tokenizer_sha256"):
         logging.warning("%s changed since the shards were tokenized; the export holds no tokenizer", source)
         return None
-    target = out / _TOKENIZER_NAMES.get(source.suffix, source.name)
+    target = out / TOKENIZER_NAMES.get(source.suffix, source.name)
     shutil.copyfile(source, target)
     return target
 

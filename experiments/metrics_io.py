@@ -1,11 +1,16 @@
-"""A run's metric outputs: ``metrics.jsonl``, TensorBoard events and ``loss.png``."""
+"""A run's metric outputs: ``metrics.jsonl``, TensorBoard events (scalars, and the config with the summary
+as hparams), ``loss.png``, and optionally a Weights & Biases run (``pip install -e '.[wandb]'``)."""
 
 from __future__ import annotations
 
 import json
+import uuid
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -19,38 +24,98 @@ class MetricsWriter:
     checkpoint and are about to be logged again), so ``metrics.jsonl`` reads as one clean run.
     """
 
-    def __init__(self, workdir: str | Path, *, resume_step: int = 0, enabled: bool = True):
+    def __init__(
+        self, workdir: str | Path, *, resume_step: int = 0, enabled: bool = True, config: Mapping | None = None, wandb: Mapping | None = None
+    ):
+        """``config``: the run's resolved config (a nested mapping), recorded as TensorBoard hparams with the
+        summary (`write_summary`) and as the Weights & Biases run's config. ``wandb``: the config's
+        ``wandb`` block; a non-empty ``project`` mirrors every record to a Weights & Biases run in ``workdir``."""
         self.path = Path(workdir) / "metrics.jsonl"
         self.enabled = enabled
+        self.hparams = flat_hparams(config or {})
+        self._wandb = None
         if not enabled:
             return
         if self.path.exists():
             kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._tb = SummaryWriter(str(Path(workdir) / "tensorboard"))
+        if wandb and wandb.get("project"):
+            self._wandb = start_wandb(Path(workdir), wandb, self.hparams)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        for key, value in record.items():
-            if key != "step" and isinstance(value, int | float):
-                self._tb.add_scalar(key, value, record["step"])
+        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, int | float)}
+        for key, value in scalars.items():
+            self._tb.add_scalar(key, value, record["step"])
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=record["step"])
+
+    def write_summary(self, summary: Mapping) -> None:
+        """The run's config and its final numbers as TensorBoard hparams (and the Weights & Biases summary)."""
+        if not self.enabled:
+            return
+        metrics = {f"summary/{k}": float(v) for k, v in summary.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        self._tb.add_hparams(self.hparams, metrics, name="hparams")
+        if self._wandb is not None:
+            self._wandb.summary.update({k: v for k, v in summary.items() if isinstance(v, int | float | str)})
 
     def close(self) -> None:
         if self.enabled:
             self._tb.close()
+            if self._wandb is not None:
+                self._wandb.finish()
+
+
+def flat_hparams(config: Mapping, prefix: str = "") -> dict[str, bool | int | float | str]:
+    """A nested config as ``{"optimizer.learning_rate": 0.003, ...}``; None and lists as text (hparams take scalars)."""
+    out: dict[str, bool | int | float | str] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            out |= flat_hparams(value, f"{prefix}{key}.")
+        else:
+            out[prefix + key] = value if isinstance(value, bool | int | float | str) else str(value)
+    return out
+
+
+def start_wandb(workdir: Path, settings: Mapping, hparams: Mapping) -> Any:
+    """A Weights & Biases run in ``workdir`` (resumed under the same id), or an `ImportError` naming the extra."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError("--config.wandb.project needs Weights & Biases: pip install -e '.[wandb]'") from e
+    return wandb.init(
+        project=settings["project"], mode=settings.get("mode") or "online", dir=str(workdir), config=dict(hparams),
+        name=workdir.name, id=_wandb_id(workdir), resume="allow",
+    )  # fmt: skip
+
+
+def _wandb_id(workdir: Path) -> str:
+    """One Weights & Biases run id per workdir (kept in it), so a resumed run continues the same W&B run."""
+    path = workdir / "wandb_id"
+    if not path.is_file():
+        path.write_text(uuid.uuid4().hex[:16])
+    return path.read_text().strip()
 
 
 def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
 
 
-def plot_losses(metrics_path: str | Path, out_path: str | Path) -> None:
-    """Train and validation loss against step; validation bits per byte on a second axis when logged
-    (the axis on which runs of different tokenizers compare)."""
-    records = read_metrics(metrics_path)
+def plot_losses(metrics_path: str | Path, out_path: str | Path, title: str = "") -> None:
+    """`loss_figure` of ``metrics.jsonl`` saved as a PNG (default title: the workdir's name)."""
+    fig = loss_figure(read_metrics(metrics_path), title or Path(metrics_path).parent.name)
+    fig.savefig(out_path)
+    plt.close(fig)
+
+
+def loss_figure(records: list[dict], title: str) -> plt.Figure:
+    """Train and validation loss against step, titled ``title``. When bits per byte are logged, the right axis
+    reads the same curves in bits per byte: ``bpb = loss / ln 2 * tokens_per_byte`` is one linear map, so the
+    right axis is the left one relabelled (not a second curve on a scale of its own)."""
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
@@ -62,12 +127,11 @@ def plot_losses(metrics_path: str | Path, out_path: str | Path) -> None:
     ax.set_ylabel("loss (nats / token)")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right")
-    bits = [(r["step"], r["val_bits_per_byte"]) for r in records if r.get("val_bits_per_byte") is not None]
-    if bits:
-        right = ax.twinx()
-        right.plot(*zip(*bits), "s:", color="tab:green", markersize=3, label="validation bits / byte")
-        right.set_ylabel("validation bits / byte")
-        right.legend(loc="center right")
+    ratios = [r["val_bits_per_byte"] / r["val_loss"] for r in records if r.get("val_bits_per_byte") is not None and r.get("val_loss")]
+    if ratios:
+        scale = float(np.median(ratios))  # tokens per byte / ln 2, the same for every evaluation of a run
+        right = ax.secondary_yaxis("right", functions=(lambda loss: loss * scale, lambda bpb: bpb / scale))
+        right.set_ylabel("bits / byte (validation tokens per byte)")
+    ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(out_path)
-    plt.close(fig)
+    return fig

@@ -18,6 +18,11 @@ from lm import model as model_lib
 from lm.data import input_pipeline, tokenizer
 from sharding import partition
 
+# What a run copies of its training data into its workdir (`experiments.trainer`), so its readers need
+# nothing else: the shards' manifest, and the tokenizer file it names under one of these names.
+DATA_MANIFEST = "data_manifest.json"
+TOKENIZER_NAMES = {".json": "tokenizer.json", ".model": "tokenizer.model", ".tiktoken": "tokenizer.tiktoken"}
+
 
 def load_params(workdir: str | Path, step: int | None = None) -> tuple[model_lib.ModelDef, model_lib.Params, int]:
     """``(model_def, params, step)`` of checkpoint ``step`` (default: the newest) of the run in ``workdir``, on one device."""
@@ -50,15 +55,20 @@ def restore_run(workdir: str | Path, step: int | None = None, *, mesh: str = "",
 
 
 def load_tokenizer(workdir: str | Path, spec: str | None = None) -> tokenizer.Tokenizer:
-    """The tokenizer ``spec`` names, else the one the run in ``workdir`` trained with (`input_pipeline.run_tokenizer`)."""
+    """The tokenizer ``spec`` names, else the one the run in ``workdir`` trained with: its copy in the workdir,
+    or for runs that made none, the one its shards' manifest names (`input_pipeline.run_tokenizer`)."""
     try:
         if spec:
             return tokenizer.load(spec)
+        manifest = run_manifest(workdir)
+        if manifest is not None and manifest.get("tokenizer_copy"):
+            tok = tokenizer.load(manifest["tokenizer"])
+            if manifest.get("tokenizer_sha256") not in (None, tok.fingerprint):
+                raise ValueError(f"{manifest['tokenizer']} changed since the run copied it (sha256 differs from the manifest's)")
+            return tok
         return input_pipeline.run_tokenizer(run_spec.data_config(run_config(workdir)))
     except ValueError as e:
         raise cli.UsageError(f"{e} (--tokenizer=FILE)") from e
-
-
 
 
 def run_config(workdir: str | Path) -> ml_collections.ConfigDict:
@@ -73,5 +83,12 @@ def run_config(workdir: str | Path) -> ml_collections.ConfigDict:
 
 
 def run_manifest(workdir: str | Path) -> dict | None:
-    """The training shards' manifest of the run in ``workdir`` (None for the text corpus or shards without one)."""
-    return input_pipeline.train_manifest(run_spec.data_config(run_config(workdir)))
+    """The training shards' manifest of the run in ``workdir`` (None for the text corpus or shards without one):
+    the run's copy (its ``tokenizer`` then the workdir's copy of the tokenizer), else the shards' own."""
+    path = Path(workdir) / DATA_MANIFEST
+    if not path.is_file():
+        return input_pipeline.train_manifest(run_spec.data_config(run_config(workdir)))
+    manifest = json.loads(path.read_text())
+    if manifest.get("tokenizer_copy"):
+        manifest["tokenizer"] = str((Path(workdir) / manifest["tokenizer_copy"]).absolute())
+    return manifest

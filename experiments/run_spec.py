@@ -7,7 +7,9 @@ benchmarks, the planner) builds its run here. `run_meta` is what a checkpoint mu
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -20,8 +22,10 @@ from lm import hf
 from lm import model as model_lib
 from lm import moe
 from lm.data import input_pipeline
+from lm.data import tokenizer as tokenizer_lib
 from lm.parallel import check as parallel
-from optim import build, registry
+from optim import build, registry, schedules
+from optim import spec as spec_lib
 from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib
@@ -149,8 +153,7 @@ def _check_replicas_named(config: ml_collections.ConfigDict, mesh: jax.sharding.
 def build_run(config: ml_collections.ConfigDict) -> RunSpec:
     """Checks ``config`` and builds its `RunSpec`; every bad-input error becomes a `UsageError`."""
     try:
-        if config.steps < 1:
-            raise ValueError(f"config.steps={config.steps} must be >= 1")
+        check_values(config)
         if config.grad_accum_steps < 1 or config.batch_size % config.grad_accum_steps:
             raise ValueError(f"batch_size={config.batch_size} must be a multiple of grad_accum_steps={config.grad_accum_steps}")
         cfg = model_config(config)
@@ -164,6 +167,7 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
             raise ValueError(f"config.devices={config.devices} but only {len(jax.devices())} devices are present")
         mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[: config.devices] if config.devices else None)
         rules = rules_lib.make_rules(config.rules, rules_lib.parse_overrides(config.get("rule_overrides", "")))
+        check_mesh_axes(config, mesh, rules)
         n_batch_shards = parallel.shards(mesh, rules, "batch")
         if (config.batch_size // config.grad_accum_steps) % n_batch_shards:
             raise ValueError(
@@ -185,5 +189,153 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
         shardings = train_lib.make_shardings(model_def, tx, mesh, rules, replica_axis)
         optimizer.check_layout(model_def.abstract_params, shardings.params, replica_axis)
     except (ValueError, KeyError) as e:
-        raise UsageError(str(e).strip("'\"")) from e
+        raise UsageError(_message(e)) from e
     return RunSpec(cfg, model_def, tx, mesh, rules, shardings)
+
+
+# ------------------------------------------------------------------------------ values and mesh axes
+# Checks of single values and of the mesh's axis names, kept apart from the parallel modes' checks.
+
+# Config keys that count something: each must be >= 1 (``>= 0`` for the second table).
+POSITIVE_KEYS = (
+    "steps", "batch_size", "grad_accum_steps", "data.seq_len", "eval_every", "eval_batches", "log_every",
+    "checkpoint_every", "keep_checkpoints", "max_bad_steps", "model.vocab_size", "model.d_model", "model.n_layers",
+    "model.n_heads", "model.n_kv_heads", "model.head_dim", "model.mlp_dim", "model.max_seq_len",
+)  # fmt: skip
+NON_NEGATIVE_KEYS = ("devices", "data.val_tokens", "optimizer.warmup_steps")
+
+
+def _lookup(config: ml_collections.ConfigDict, key: str) -> Any:
+    """``config``'s value at the dotted ``key``; None where a config has no such key."""
+    for part in key.split("."):
+        if not isinstance(config, ml_collections.ConfigDict | dict) or part not in config:
+            return None
+        config = config[part]
+    return config
+
+
+def check_values(config: ml_collections.ConfigDict) -> None:
+    """Sizes and counts in range (`POSITIVE_KEYS`, `NON_NEGATIVE_KEYS`), before anything divides by them.
+
+    Raises:
+      ValueError: naming the first key out of range and its bound.
+    """
+    for keys, low in ((POSITIVE_KEYS, 1), (NON_NEGATIVE_KEYS, 0)):
+        for key in keys:
+            value = _lookup(config, key)
+            if value is not None and not isinstance(value, bool) and value < low:
+                raise ValueError(f"config.{key}={value} must be >= {low}")
+
+
+def check_mesh_axes(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, rules: rules_lib.Rules) -> None:
+    """Every mesh axis of more than one device is used (by a rule or as ``config.replicas``): an unused one
+    would run the same work on each of its devices. Every mesh axis a rule override names is in the mesh
+    (an optional ``axis?`` may be absent).
+
+    Raises:
+      ValueError: naming the axis, the mesh and the fix.
+    """
+    used = {axis.rstrip(rules_lib.OPTIONAL) for table in (rules.params, rules.activations) for _, axes in table for axis in axes}
+    if config.get("replicas"):
+        used.add(config.replicas)
+    for name, size in mesh.shape.items():
+        if size > 1 and name not in used:
+            raise ValueError(
+                f"mesh axis {name!r} ({size} devices) is used by no rule of --config.rules={config.rules}, so its devices "
+                f"would all do the same work; name an axis the rules use ({', '.join(sorted(used))}) or map a logical "
+                f"axis to it with --config.rule_overrides (e.g. mlp={name})"
+            )
+    for key, value in rules_lib.parse_overrides(config.get("rule_overrides", "")).items():
+        for axis in filter(None, value.split("+")):
+            if not axis.endswith(rules_lib.OPTIONAL) and axis not in mesh.shape:
+                raise ValueError(
+                    f"rule_overrides {key}={value}: mesh axis {axis!r} is not in mesh {dict(mesh.shape)}; add it to "
+                    f"--config.mesh or name one of {', '.join(mesh.axis_names)}"
+                )
+
+
+def _message(error: Exception) -> str:
+    """An error's message: a `KeyError`'s argument without the quotes ``str`` adds, anything else as is."""
+    if isinstance(error, KeyError) and len(error.args) == 1 and isinstance(error.args[0], str):
+        return error.args[0]
+    return str(error)
+
+
+# ------------------------------------------------------------------------------ the resolved config
+
+
+def used_optimizers(optimizer: ml_collections.ConfigDict) -> list[str]:
+    """The optimizer blocks a run reads: its ``name`` and a wrapper's ``inner``."""
+    inner = build.inner_name(optimizer)
+    return [optimizer.name] + ([inner] if inner else [])
+
+
+def keep_used_optimizers(optimizer: ml_collections.ConfigDict) -> None:
+    """Removes from ``optimizer`` (unlocked) every family block the run does not read, and adds the blocks
+    it reads that are missing (with their defaults), so a written config shows exactly those."""
+    used = used_optimizers(optimizer)
+    for family in registry.OPTIMIZERS:
+        if family not in used and family in optimizer:
+            del optimizer[family]
+    for family in used:
+        if family not in optimizer:
+            optimizer[family] = ml_collections.ConfigDict(spec_lib.config_defaults(registry.spec_class(family)))
+
+
+def _absolute(patterns: str, *, weighted: bool = False) -> str:
+    """Comma-separated paths or globs (``GLOB:weight`` when ``weighted``) with each path made absolute."""
+    parts = []
+    for part in filter(None, (p.strip() for p in patterns.split(","))):
+        path, weight = part.rsplit(":", 1) if weighted and ":" in part else (part, None)
+        path = os.path.abspath(os.path.expanduser(path))
+        parts.append(path if weight is None else f"{path}:{weight}")
+    return ",".join(parts)
+
+
+def resolve(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConfig) -> ml_collections.ConfigDict:
+    """The config as the run ``build_run(config)`` uses it, every default filled in: enough to repeat it.
+
+    The optimizer's learning rate, weight decay (where it has one) and warmup take their resolved values
+    and only the blocks of the optimizers the run reads are kept; ``model`` holds every field of ``cfg``
+    (the preset's shapes, the vocabulary from the shards); ``data`` the separator, the tokenizer and every
+    path made absolute, so the config works from any folder. ``config`` is left as it is.
+
+    Raises:
+      ValueError: ``data.tokenizer`` is set and is not the tokenizer the shards were written with.
+    """
+    out = copy.deepcopy(config)
+    out.unlock()
+    opt = out.optimizer
+    keep_used_optimizers(opt)
+    direction = registry.spec_class(build.inner_name(opt) or opt.name)
+    if opt.get("learning_rate") is None:
+        opt.learning_rate = float(spec_lib.defaults(direction)["learning_rate"])
+    if opt.get("weight_decay") is None and direction.applies_weight_decay:
+        opt.weight_decay = float(spec_lib.defaults(direction)["weight_decay"])
+    if opt.get("warmup_steps") is None:
+        opt.warmup_steps = schedules.default_warmup(out.steps)
+    for key, value in dataclasses.asdict(cfg).items():
+        out.model[key] = list(value) if isinstance(value, tuple) else value
+    data = out.data
+    if data.get("path"):
+        data.path = _absolute(data.path)
+    for key in ("train_files", "val_files"):
+        if data.get(key):
+            data[key] = _absolute(data[key])
+    if data.get("mixture"):
+        data.mixture = _absolute(data.mixture, weighted=True)
+    if out.get("init_from_hf"):
+        out.init_from_hf = _absolute(out.init_from_hf)
+    data.separator_id = input_pipeline.separator_id(data_config(out))
+    manifest = input_pipeline.train_manifest(data_config(out))
+    written_with = "bytes" if manifest is None else str(manifest.get("tokenizer") or "")
+    if data.get("tokenizer") and data.tokenizer != written_with:
+        sha = None if manifest is None else manifest.get("tokenizer_sha256")
+        if sha is None or tokenizer_lib.load(data.tokenizer).fingerprint != sha:
+            raise ValueError(
+                f"data.tokenizer={data.tokenizer} is not the tokenizer the training data was written with "
+                f"({written_with or 'unnamed'}); leave data.tokenizer empty or give that tokenizer"
+            )
+    else:
+        data.tokenizer = written_with
+    return out

@@ -7,8 +7,9 @@ Reads the run's ``config.json``, rebuilds its model and optimizer (a checkpoint 
 the newest checkpoint (or ``--step``) onto one device and prints each sample. Sampling is
 `lm.sampling`: temperature (0: greedy), then top-k, then top-p. A sample starts a new document (the
 prompt follows the document separator, as every document does in training) and ends at the next one.
-Text is encoded and decoded with the run's tokenizer: byte-level for the text corpus, the one the
-training shards' manifest names otherwise (``--tokenizer`` names it where the manifest's path is gone).
+Text is encoded and decoded with the run's tokenizer: byte-level for the text corpus, else the copy the
+run keeps in its workdir (runs from before that copy: the one the shards' manifest names; ``--tokenizer``
+names it where that path is gone). Only the workdir is read, so this works from any folder.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from absl import app, flags
 
 from experiments import cli
 from lm.data import documents
-from lm.data.tokenize import tokenize
+from lm.data.tokenize import ERRORS, tokenize
 
 FLAGS = flags.FLAGS
 
@@ -25,6 +25,11 @@ def define_flags() -> None:
     flags.DEFINE_float("val_fraction", 0.01, "Share of documents (by a hash of their text) written to val_*.bin.")
     flags.DEFINE_integer("shard_tokens", 100_000_000, "Tokens per shard (modded-nanogpt's FineWeb shards hold 10^8).")
     flags.DEFINE_integer("workers", 0, "Tokenizing processes; 0: one per CPU core.")
+    flags.DEFINE_enum(
+        "errors", None, list(ERRORS),
+        "Bytes that are not UTF-8: strict refuses the file, replace reads them as U+FFFD (counted as the bytes they "
+        "were); default: strict for --input, replace for the stdlib corpus (4 of its files are Latin-1 / KOI8-R)",
+    )  # fmt: skip
 
 
 def main(argv: list[str]) -> None:
@@ -34,8 +39,8 @@ def main(argv: list[str]) -> None:
     try:
         files = documents.expand(FLAGS.input) if FLAGS.input else documents.stdlib_files()
         manifest = tokenize(
-            FLAGS.tokenizer, files, FLAGS.out,
-            val_fraction=FLAGS.val_fraction, shard_tokens=FLAGS.shard_tokens, workers=FLAGS.workers,
+            FLAGS.tokenizer, files, FLAGS.out, val_fraction=FLAGS.val_fraction, shard_tokens=FLAGS.shard_tokens,
+            workers=FLAGS.workers, errors=FLAGS.errors or ("strict" if FLAGS.input else "replace"),
         )  # fmt: skip
     except (ValueError, OSError) as e:
         cli.usage_exit(str(e))

@@ -4,8 +4,9 @@ r"""Trains a language model.
         --config.steps=300 --config.model.preset=tiny --config.optimizer.name=adamw \
         --config.optimizer.learning_rate=3e-3 --config.seed=0
 
-With no flags it runs the default job (`tiny` + AdamW on the standard-library corpus) into a fresh
-workdir under ``./runs/``. A workdir that holds checkpoints is resumed from the latest one (from an
+``--config=runs/x/config.json`` repeats a run from the config it wrote; ``--list_config`` prints
+every ``--config.<key>`` with its value and help. With no flags it runs the default job (`tiny` +
+AdamW on the standard-library corpus) into a fresh workdir under ``./runs/``. A workdir that holds checkpoints is resumed from the latest one (from an
 earlier one with ``--restore_step=N``, e.g. when the latest is damaged).
 Writes ``config.json``, ``metrics.jsonl``, TensorBoard events, ``loss.png``, checkpoints and
 ``summary.json`` into the workdir. The run itself is `experiments.trainer.run`; this module is only
@@ -22,6 +23,7 @@ import time
 from absl import app, flags
 
 from experiments import cli, host_memory, trainer
+from experiments.configs import help as config_help
 from sharding import multihost
 
 
@@ -36,7 +38,12 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     except ValueError as e:
         cli.usage_exit(str(e))
     config = config_flag.value
+    if flags.FLAGS.list_config:
+        print(config_help.listing(config))
+        return
     workdir = flags.FLAGS.workdir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.model.preset}-{config.optimizer.name}"
+    if not flags.FLAGS.workdir:
+        print(f"workdir: {workdir} (a fresh one; pass --workdir={workdir} to resume it)", file=sys.stderr)
     try:
         summary = trainer.run(config, workdir, interrupt_at=flags.FLAGS.stop_after, restore_step=flags.FLAGS.restore_step)
     except cli.UsageError as e:
@@ -47,7 +54,11 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     if summary.get("interrupted"):
+        print(f"workdir: {workdir}", file=sys.stderr)
         sys.exit(128 + summary["signal"])
+    if summary.get("finished"):
+        print(f"workdir: {workdir}")
+        return
     keys = (
         "steps", "final_train_loss", "final_val_loss", "final_val_bits_per_byte", "tokens_per_second",
         "mfu", "mfu_peak_source", "mfu_measured_matmul",
@@ -66,7 +77,11 @@ def define_flags() -> flags.FlagHolder:
     flags.DEFINE_integer("stop_after", None, "Stop as if preempted after this step (checkpoint, exit 143).")
     flags.DEFINE_integer("restore_step", None, "Resume from this checkpoint step, not the newest; newer ones are deleted.")
     flags.DEFINE_bool("distributed_auto", False, "Multi-process with values detected by JAX (TPU VM, SLURM).")
-    return cli.define_config_flag(cli.DEFAULT_CONFIG)
+    flags.DEFINE_bool("list_config", False, "Print every --config.<key> with its value and a line of help, then exit.")
+    config = cli.define_config_flag(cli.DEFAULT_CONFIG)
+    for name in ("config", "verbose"):  # defined in experiments.cli; listed by --help as this script's own
+        flags.declare_key_flag(name)
+    return config
 
 
 if __name__ == "__main__":

@@ -27,6 +27,11 @@ def define_flags() -> None:
     flags.DEFINE_string("out", None, "Output folder; receives tokenizer.json.")
     flags.DEFINE_string("input", "", "Text / JSONL / Parquet files (glob, comma-separated globs or a folder); empty: the stdlib corpus.")
     flags.DEFINE_integer("max_bytes", 40_000_000, "Train on at most this many bytes of text (the first documents in path order).")
+    flags.DEFINE_enum(
+        "errors", None, ["strict", "replace"],
+        "Bytes that are not UTF-8: strict refuses the file, replace reads them as U+FFFD; default: strict for "
+        "--input, replace for the stdlib corpus (4 of its files are Latin-1 / KOI8-R)",
+    )  # fmt: skip
 
 
 def _budgeted(texts: Iterable[str], max_bytes: int) -> Iterator[str]:
@@ -44,7 +49,8 @@ def main(argv: list[str]) -> None:
         cli.usage_exit("--out is required: the folder to write tokenizer.json into")
     try:
         files = documents.expand(FLAGS.input) if FLAGS.input else documents.stdlib_files()
-        texts = (text for f in files for text in documents.read(f))
+        errors = FLAGS.errors or ("strict" if FLAGS.input else "replace")
+        texts = (text for f in files for text in documents.read(f, errors=errors))
         path = tokenizer.train_bpe(_budgeted(texts, FLAGS.max_bytes), FLAGS.vocab_size, FLAGS.out)
         tok = tokenizer.load(str(path))
     except (ValueError, OSError) as e:

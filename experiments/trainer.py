@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib.util
 import json
+import shutil
 import signal
 import sys
 import time
@@ -19,9 +21,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from experiments import checkpointing, hardware, metrics_io, train_lib
+from experiments import checkpointing, hardware, metrics_io, restore, train_lib
 from experiments.cli import UsageError
-from experiments.run_spec import RunSpec, balancing, build_run, data_config, run_meta
+from experiments.run_spec import RunSpec, balancing, build_run, data_config, resolve, run_meta
 from lm import hf
 from lm.data import batches as batches_lib
 from lm.data import input_pipeline
@@ -49,6 +51,8 @@ class LoopSettings:
     log_every: int
     max_bad_steps: int
     token_shares: dict[str, float] | None = None  # a mixture's share of tokens per source over the run
+    config: dict | None = None  # the resolved config, for TensorBoard hparams and Weights & Biases
+    wandb: dict | None = None  # the config's ``wandb`` block
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> LoopSettings:
@@ -60,6 +64,8 @@ class LoopSettings:
             log_every=config.log_every,
             max_bad_steps=config.max_bad_steps,
             token_shares=input_pipeline.token_shares(data_config(config), config.steps * config.batch_size),
+            config=config.to_dict(),
+            wandb=config.wandb.to_dict() if config.get("wandb") else None,
         )
 
     @property
@@ -117,10 +123,20 @@ def run(
     """
     workdir = Path(workdir)
     spec = build_run(config)
+    try:
+        config = resolve(config, spec.cfg)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from e
+    if config.get("wandb") and config.wandb.project and importlib.util.find_spec("wandb") is None:
+        raise UsageError(f"wandb.project={config.wandb.project} needs Weights & Biases: pip install -e '.[wandb]'")
+    latest = restore_step if restore_step is not None else checkpointing.latest_step(workdir)
+    if latest is not None and latest >= config.steps:
+        return _finished(workdir, latest, config.steps)
     train_iter, val_batches = load_data(config, spec.cfg.vocab_size)
     workdir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+        _copy_data_files(data_config(config), workdir)
 
     shardings = spec.shardings
     step_fn = train_lib.make_train_step(
@@ -158,6 +174,8 @@ def run(
                 state, start = train_lib.init_state(spec.model_def, spec.tx, config.seed, shardings, params), 0
             else:
                 start, state, data_state = restored
+                if jax.process_index() == 0:
+                    print(f"resuming from step {start} of {config.steps} in {workdir}", file=sys.stderr)
                 try:
                     train_iter.set_state(data_state)
                 except ValueError as e:
@@ -172,6 +190,32 @@ def run(
         for s, h in handlers.items():
             signal.signal(s, h)
     return summary
+
+
+def _finished(workdir: Path, step: int, steps: int) -> dict:
+    """The summary of a run whose checkpoint already reached ``steps``; nothing in ``workdir`` is touched."""
+    print(
+        f"{workdir} already finished: its checkpoint is at step {step} >= steps={steps}; its files are kept as they are "
+        "(raise --config.steps to train further)",
+        file=sys.stderr,
+    )
+    path = workdir / "summary.json"
+    summary = json.loads(path.read_text()) if path.is_file() else {"steps": step}
+    return summary | {"finished": True}
+
+
+def _copy_data_files(data: input_pipeline.DataConfig, workdir: Path) -> None:
+    """The training shards' manifest and its tokenizer file, copied into ``workdir`` (nothing for the text corpus)."""
+    manifest = input_pipeline.train_manifest(data)
+    if manifest is None:
+        return
+    source = Path(str(manifest.get("tokenizer") or "")).expanduser()
+    source = source / "tokenizer.json" if source.is_dir() else source
+    if source.is_file() and manifest.get("tokenizer") != "bytes":
+        target = workdir / restore.TOKENIZER_NAMES.get(source.suffix, source.name)
+        shutil.copyfile(source, target)
+        manifest = manifest | {"tokenizer_copy": target.name}
+    (workdir / restore.DATA_MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
 def _loop(
@@ -190,7 +234,7 @@ def _loop(
     train_iter, val_batches = batches
     train_step = train_lib.jit_train_step(step_fn, shardings)
     eval_step = train_lib.jit_eval_step(train_lib.make_eval_step(spec.model_def), shardings)
-    writer = metrics_io.MetricsWriter(workdir, resume_step=start, enabled=lead)
+    writer = metrics_io.MetricsWriter(workdir, resume_step=start, enabled=lead, config=settings.config, wandb=settings.wandb)
     progress = Progress(settings.steps, start, lead)
     step_times: list[float] = []
     last = {}
@@ -246,12 +290,15 @@ def _loop(
                 checkpointing.save(checkpoints.manager, done, state, train_iter.get_state(), checkpoints.meta, force=True)
             if stopping:
                 progress.close()
-                print(f"stopped by signal {stop.signum} after step {done}; checkpoint saved, rerun with the same --workdir to resume", file=sys.stderr)
+                print(f"stopped by signal {stop.signum} after step {done}; checkpoint saved, rerun with --workdir={workdir} to resume", file=sys.stderr)
                 return {"interrupted": True, "steps": done, "signal": stop.signum}
+        progress.close()
+        summary = _summarize(settings, spec, workdir, step_times, last, val_loss, start)
+        writer.write_summary(summary)
+        return summary
     finally:
         progress.close()
         writer.close()
-    return _summarize(settings, spec, workdir, step_times, last, val_loss, start)
 
 
 def _summarize(settings: LoopSettings, spec: RunSpec, workdir: Path, step_times, last, val_loss, start) -> dict:
@@ -286,7 +333,9 @@ def _summarize(settings: LoopSettings, spec: RunSpec, workdir: Path, step_times,
     }
     if jax.process_index() == 0:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-        metrics_io.plot_losses(workdir / "metrics.jsonl", workdir / "loss.png")
+        model, optimizer = (settings.config or {}).get("model", {}), (settings.config or {}).get("optimizer", {})
+        title = f"{workdir.name}: {model.get('preset', '')} + {optimizer.get('name', '')}, {settings.steps} steps"
+        metrics_io.plot_losses(workdir / "metrics.jsonl", workdir / "loss.png", title=title)
     return summary
 
 

@@ -138,7 +138,8 @@ def transform(
 
 
 def learning_rate_fn(config: Mapping[str, Any], total_steps: int) -> optax.Schedule:
-    """The schedule `build` uses, for logging the learning rate; peak ``learning_rate`` or the spec's default."""
+    """The schedule `build` uses, for logging the learning rate; peak ``learning_rate`` or the spec's default,
+    ``warmup_steps`` or, when None, `schedules.default_warmup`."""
     cls = registry.spec_class(inner_name(config) or config["name"])  # a wrapper's learning rate is its inner optimizer's
     peak = config.get("learning_rate")
     if peak is None:
@@ -148,7 +149,7 @@ def learning_rate_fn(config: Mapping[str, Any], total_steps: int) -> optax.Sched
         config.get("schedule", "cosine"),
         float(peak),
         total_steps,
-        warmup_steps=int(config.get("warmup_steps", 0)),
+        warmup_steps=int(warmup if (warmup := config.get("warmup_steps", 0)) is not None else schedules.default_warmup(total_steps)),
         min_lr_ratio=float(config.get("min_lr_ratio", 0.1)),
         decay_fraction=float(config.get("decay_fraction", 0.2)),
     )

@@ -15,6 +15,12 @@ from __future__ import annotations
 import optax
 
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
+DEFAULT_WARMUP_STEPS = 20
+
+
+def default_warmup(total_steps: int) -> int:
+    """Warmup steps when none are given: ``min(20, total_steps // 10)``, so short runs warm up briefly."""
+    return min(DEFAULT_WARMUP_STEPS, max(total_steps, 0) // 10)
 
 
 def make_schedule(

@@ -38,9 +38,9 @@ def stdlib_files() -> list[Path]:
     return corpus.list_documents(corpus.stdlib_root(), python_only=True)
 
 
-def _jsonl(path: Path) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+def _jsonl(path: Path, errors: str) -> Iterator[str]:
+    with open(path, encoding="utf-8", errors=errors) as f:
+        for number, line in enumerate(_decoded(f, path), 1):
             if not line.strip():
                 continue
             try:
@@ -65,11 +65,34 @@ def _parquet(path: Path) -> Iterator[str]:
         yield from (text for text in batch.column(0).to_pylist() if text is not None)
 
 
-def read(path: Path) -> Iterator[str]:
-    """The text of every document in ``path``, chosen by its suffix (``.jsonl``, ``.parquet``, else text)."""
+def _not_utf8(path: Path, error: UnicodeDecodeError) -> DocumentError:
+    bad = error.object[error.start : error.start + 4]
+    return DocumentError(
+        f"{path} is not UTF-8 (byte {error.start}: {bad!r}); convert it (e.g. iconv -f latin1 -t utf-8) or pass "
+        "--errors=replace to read undecodable bytes as U+FFFD"
+    )
+
+
+def _decoded(lines: Iterator[str], path: Path) -> Iterator[str]:
+    try:
+        yield from lines
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e) from e
+
+
+def read(path: Path, *, errors: str = "strict") -> Iterator[str]:
+    """The text of every document in ``path``, chosen by its suffix (``.jsonl``, ``.parquet``, else text).
+
+    Text is UTF-8; ``errors`` is the codec's handler for bytes that are not: ``strict`` raises a
+    `DocumentError` naming the file and byte, ``replace`` reads them as U+FFFD, ``surrogateescape``
+    keeps them recoverable (``text.encode("utf-8", "surrogateescape")`` gives the file's bytes back).
+    """
     if path.suffix == ".jsonl":
-        yield from _jsonl(path)
+        yield from _jsonl(path, errors)
     elif path.suffix == ".parquet":
         yield from _parquet(path)
     else:
-        yield path.read_bytes().decode("utf-8", errors="replace")
+        try:
+            yield path.read_bytes().decode("utf-8", errors=errors)
+        except UnicodeDecodeError as e:
+            raise _not_utf8(path, e) from e

@@ -37,17 +37,18 @@ class DataConfig:
     """What a run reads and how it batches it; the ``data`` config block is generated from these fields."""
 
     path: str = ""  # empty: the Python standard-library corpus; else a text file or folder
-    seq_len: int = 128
-    val_fraction: float = 0.02
+    seq_len: int = 128  # tokens per training sequence (<= model.max_seq_len)
+    val_fraction: float = 0.02  # text corpus: share of files (by a hash of the path) held out for validation
     cache_dir: str = ""  # empty: ~/.cache/spmdlab
     # Pre-tokenized shards instead (llm.c .bin or .npy; globs, comma-separated): e.g. "data/x/train_*.bin".
     train_files: str = ""
-    val_files: str = ""
+    val_files: str = ""  # validation shards (globs); empty: the text corpus's held-out files, or none
     mixture: str = ""  # instead of train_files: "GLOB_A:0.7,GLOB_B:0.3" samples sources by weight
     val_tokens: int = 0  # fixed validation set of this many tokens (e.g. 10485760); 0: eval_batches batches
     bos_aligned: bool = False  # every sequence starts at a document start (a separator token)
     document_mask: bool = False  # attention stays inside documents (segment ids from the separator)
     separator_id: int | None = None  # None: the manifest's (EOS for the byte corpus)
+    tokenizer: str = ""  # empty: the shards' manifest's (bytes for the text corpus); set: checked against it
 
 
 class ValidationSet(list):

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from lm.data import documents, shards, tokenizer
 
 MANIFEST = "manifest.json"
+ERRORS = ("strict", "replace")
 SPLITS = ("train", "val")
 
 _worker_tokenizer: tokenizer.Tokenizer | None = None
@@ -46,21 +47,32 @@ def _init_worker(spec: str) -> None:
     _worker_tokenizer = tokenizer.load(spec)
 
 
+def _readable(text: str) -> tuple[str, int]:
+    """A document read with ``surrogateescape`` as the tokenizer sees it (undecodable bytes as U+FFFD), and
+    its size in the file's bytes (what bits per byte divides by)."""
+    raw = text.encode("utf-8", errors="surrogateescape")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return raw.decode("utf-8", errors="replace"), len(raw)
+    return text, len(raw)
+
+
 def _encode_batch(args: tuple[list[str], float]) -> list[tuple[str, np.ndarray, int]]:
-    """``(split, separator + tokens, UTF-8 bytes)`` of each document."""
+    """``(split, separator + tokens, bytes in the file)`` of each document."""
     texts, val_fraction = args
     tok = _worker_tokenizer
     separator = np.array([tok.separator_id], tok.token_dtype)
-    return [
-        ("val" if is_validation(text, val_fraction) else "train", np.concatenate([separator, tok.encode(text)]), len(text.encode("utf-8", errors="replace")))
-        for text in texts
-    ]
+    out = []
+    for text, nbytes in map(_readable, texts):
+        out.append(("val" if is_validation(text, val_fraction) else "train", np.concatenate([separator, tok.encode(text)]), nbytes))
+    return out
 
 
-def _batches(files: list[Path], val_fraction: float, size: int = 64) -> Iterator[tuple[list[str], float]]:
+def _batches(files: list[Path], val_fraction: float, errors: str, size: int = 64) -> Iterator[tuple[list[str], float]]:
     batch: list[str] = []
     for f in files:
-        for text in documents.read(f):
+        for text in documents.read(f, errors="surrogateescape" if errors == "replace" else errors):
             batch.append(text)
             if len(batch) == size:
                 yield batch, val_fraction
@@ -105,8 +117,13 @@ class _SplitWriter:
         return {"files": self.files, "documents": self.documents, "tokens": self.tokens, "bytes": self.bytes}
 
 
-def tokenize(spec: str, files: list[Path], out: str | Path, *, val_fraction: float, shard_tokens: int, workers: int = 0) -> dict:
+def tokenize(
+    spec: str, files: list[Path], out: str | Path, *, val_fraction: float, shard_tokens: int, workers: int = 0, errors: str = "strict"
+) -> dict:
     """Tokenizes the documents of ``files`` into shards under ``out``; returns the manifest it writes.
+
+    ``errors`` (`ERRORS`): a file that is not UTF-8 is refused (``strict``) or read with U+FFFD for its
+    undecodable bytes (``replace``); either way the manifest counts each document's bytes as in its file.
 
     Raises:
       ValueError: bad arguments, an unreadable tokenizer or input, ``out`` already holds shards, or
@@ -117,6 +134,8 @@ def tokenize(spec: str, files: list[Path], out: str | Path, *, val_fraction: flo
         raise ValueError(f"--val_fraction={val_fraction} must lie in [0, 1)")
     if shard_tokens < 1:
         raise ValueError(f"--shard_tokens={shard_tokens} must be positive")
+    if errors not in ERRORS:
+        raise ValueError(f"--errors={errors}: use one of {', '.join(ERRORS)}")
     existing = [p.name for p in out.glob("*") if p.name == MANIFEST or p.name.startswith(tuple(f"{s}_" for s in SPLITS))]
     if existing:
         raise ValueError(f"--out={out} already holds {min(existing)}; choose another folder or delete the old shards")
@@ -138,7 +157,7 @@ def tokenize(spec: str, files: list[Path], out: str | Path, *, val_fraction: flo
                 encode = map
             else:
                 encode = stack.enter_context(multiprocessing.get_context("fork").Pool(workers, _init_worker, (spec,))).imap
-            for encoded in encode(_encode_batch, _batches(files, val_fraction)):
+            for encoded in encode(_encode_batch, _batches(files, val_fraction, errors)):
                 for split, tokens, nbytes in encoded:
                     writers[split].add(tokens, nbytes)
                     bar.update(nbytes)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import cli, compare_optimizers, trainer
+from experiments import cli, compare_optimizers, run_spec, trainer
 from experiments.configs import compare_quick
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +36,8 @@ class FakeTrain:
         workdir = Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         self.calls.append(workdir.name)
-        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+        resolved = run_spec.resolve(config, run_spec.build_run(config).cfg)  # what `trainer.run` writes
+        (workdir / "config.json").write_text(resolved.to_json_best_effort(indent=2))
         if workdir.name == self.interrupt:
             return {"interrupted": True, "steps": 5, "signal": 15}
         name, lr = config.optimizer.name, config.optimizer.learning_rate
@@ -115,8 +116,9 @@ def test_protocol_picks_by_final_loss_adds_seeds_and_measures_speedups(tmp_path,
     assert len(statuses) == 8 and statuses["sgd-lr10-seed0"] == "diverged"
     table = (tmp_path / "results.md").read_text()
     assert "| 1 | lion | lr 0.0001 | 1.8050 ± 0.0071 | 0.0012 | 5,176 [4,261, 6,091] | 0.9025 | 2 | 2.00x | 1.00x | 4.00 |" in table
-    assert "| 2 | adamw | lr 0.001 | 2.0050 ± 0.0071 | - | reached by 1/2 seeds | 1.0025 | 2 | 1.00x |" in table
-    assert "| 3 | sgd | lr 0.1 | 2.6050 ± 0.0071 | 0.00014 | reached by 0/2 seeds | - | 2 |" in table
+    assert "| 2 | adamw | lr 0.001 (low edge) | 2.0050 ± 0.0071 | - | reached by 1/2 seeds | 1.0025 | 2 | 1.00x |" in table
+    assert "| 3 | sgd | lr 0.1 (low edge) | 2.6050 ± 0.0071 | 0.00014 | reached by 0/2 seeds | - | 2 |" in table
+    assert "the optimum may lie outside it" in table and rows["lion"]["grid_edges"] == {}  # one value: no edge
     assert "| sgd-lr10-seed0 | diverged |" in table and "| adamw-lr0.001-seed0 * | 2.0000 |" in table
     assert (tmp_path / "curves.png").stat().st_size > 10_000
 

@@ -316,7 +316,7 @@ def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
-    assert "checkpoint saved" in err
+    assert "checkpoint saved" in err and f"--workdir={tmp_path}" in err
     last_logged = read_metrics(metrics)[-1]["step"]
     saved = ocp.CheckpointManager(tmp_path / "checkpoints").latest_step()
     assert saved is not None and saved >= last_logged

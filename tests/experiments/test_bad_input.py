@@ -1,0 +1,115 @@
+"""Inputs that are refused in one line naming the fix (exit code 2 at the command line): the rows of the
+README's bad-input table that issue 42 added, each checked here."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments import cli, run_spec, trainer
+from lm.data import documents, tokenize
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).parent))
+from test_train import small_config  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"batch_size": 0}, "config.batch_size=0 must be >= 1"),
+        ({"data.seq_len": 0}, "config.data.seq_len=0 must be >= 1"),
+        ({"steps": -3}, "config.steps=-3 must be >= 1"),
+        ({"eval_every": 0}, "config.eval_every=0 must be >= 1"),
+        ({"log_every": -1}, "config.log_every=-1 must be >= 1"),
+        ({"model.d_model": 0}, "config.model.d_model=0 must be >= 1"),
+        ({"optimizer.warmup_steps": -1}, "config.optimizer.warmup_steps=-1 must be >= 0"),
+        ({"mesh": "foo:1"}, None),  # a one-device axis no rule uses does no duplicate work: accepted
+        pytest.param({"mesh": "data:4,foo:2", "devices": 8}, "mesh axis 'foo' \\(2 devices\\) is used by no rule of --config.rules=fsdp",
+                     marks=pytest.mark.devices(8)),
+        pytest.param({"mesh": "fsdp:4,tensor:2", "devices": 8}, "mesh axis 'tensor' .* used by no rule of --config.rules=fsdp, .* mlp=tensor",
+                     marks=pytest.mark.devices(8)),
+        ({"rule_overrides": "mlp=tensor"}, "rule_overrides mlp=tensor: mesh axis 'tensor' is not in mesh \\{'data': 1\\}"),
+        ({"rule_overrides": "mlp=tensor?"}, None),  # an optional axis may be absent
+        # warmup scales with a short run, so the first real mistake is named, not warmup > steps
+        ({"steps": 2, "optimizer.warmup_steps": None, "data.path": "/no/such/corpus"}, "does not exist"),
+        ({"steps": 2, "optimizer.warmup_steps": 5}, "optimizer.warmup_steps=5 must lie in \\[0, steps=2\\]"),
+        ({"wandb.project": "p"}, "wandb.project=p needs Weights & Biases: pip install -e '.\\[wandb\\]'"),
+    ],
+)
+def test_bad_values_are_usage_errors_naming_the_key(tmp_path, overrides, message):
+    if "wandb.project" in overrides and importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed")
+    config = small_config(**overrides)
+    if message is None:
+        spec = run_spec.build_run(config)
+        assert spec.mesh.size == 1
+        return
+    with pytest.raises(cli.UsageError, match=message):
+        trainer.run(config, tmp_path / "w")
+    assert not (tmp_path / "w").exists()  # refused before anything is written
+
+
+def test_a_short_run_takes_a_short_warmup():
+    spec = run_spec.build_run(small_config(steps=2, **{"optimizer.warmup_steps": None}))
+    assert spec.tx is not None  # warmup min(20, 2 // 10) = 0 fits in 2 steps
+
+
+def test_error_messages_keep_their_closing_quote(monkeypatch):
+    def check(config):
+        raise ValueError("data.path='x y'")
+
+    monkeypatch.setattr(run_spec, "check_values", check)
+    with pytest.raises(cli.UsageError) as e:
+        run_spec.build_run(small_config())
+    assert str(e.value) == "data.path='x y'"
+
+
+def _main(module, *args, cwd):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _one_line_exit_2(result, message):
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+def test_cli_zero_batch_and_missing_json_config_exit_2_in_one_line(tmp_path):
+    _one_line_exit_2(_main("experiments.train", f"--workdir={tmp_path}", "--config.batch_size=0", cwd=tmp_path), "config.batch_size=0 must be >= 1")
+    _one_line_exit_2(_main("experiments.train", "--config=nowhere/config.json", cwd=tmp_path), "--config=nowhere/config.json: no such file")
+
+
+LATIN1 = "café = 'naïve'\n".encode("latin-1") * 50
+
+
+def test_non_utf8_text_is_refused_naming_file_and_byte(tmp_path):
+    (tmp_path / "in.txt").write_bytes(LATIN1)
+    with pytest.raises(documents.DocumentError, match=r"in.txt is not UTF-8 \(byte 3: .*--errors=replace"):
+        tokenize.tokenize("bytes", [tmp_path / "in.txt"], tmp_path / "out", val_fraction=0.0, shard_tokens=10**6, workers=1)
+    assert not list((tmp_path / "out").glob("*.bin"))
+    (tmp_path / "in.jsonl").write_bytes(b'{"text": "' + LATIN1[:20] + b'"}\n')
+    with pytest.raises(documents.DocumentError, match="in.jsonl is not UTF-8"):
+        list(documents.read(tmp_path / "in.jsonl"))
+
+
+def test_replaced_bytes_are_counted_as_the_bytes_they_were(tmp_path):
+    (tmp_path / "in.txt").write_bytes(LATIN1)
+    manifest = tokenize.tokenize("bytes", [tmp_path / "in.txt"], tmp_path / "out", val_fraction=0.0, shard_tokens=10**6, workers=1, errors="replace")
+    assert manifest["splits"]["train"]["bytes"] == len(LATIN1)  # not the 3 bytes of each U+FFFD
+    assert manifest["splits"]["train"]["tokens"] == 1 + len(LATIN1.decode("utf-8", errors="replace").encode("utf-8"))
+
+
+def test_cli_tokenize_and_train_tokenizer_refuse_non_utf8_with_exit_2(tmp_path):
+    (tmp_path / "in.txt").write_bytes(LATIN1)
+    result = _main("experiments.tokenize", f"--input={tmp_path / 'in.txt'}", f"--out={tmp_path / 'out'}", "--workers=1", cwd=tmp_path)
+    _one_line_exit_2(result, "in.txt is not UTF-8")
+    result = _main("experiments.train_tokenizer", f"--input={tmp_path / 'in.txt'}", f"--out={tmp_path / 'tok'}", "--vocab_size=300", cwd=tmp_path)
+    _one_line_exit_2(result, "in.txt is not UTF-8")
+    result = _main("experiments.tokenize", f"--input={tmp_path / 'in.txt'}", f"--out={tmp_path / 'out'}", "--workers=1", "--errors=replace", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["splits"]["train"]["bytes"] == len(LATIN1)

@@ -8,13 +8,20 @@ cache starts empty in every session, so nothing carries over between runs.
 On a GPU box, ``SPMDLAB_TEST_PLATFORMS=cuda,cpu python -m pytest -n 0 tests/kernels_pallas`` runs the
 kernel tests compiled on the GPU instead of in interpret mode. A test that needs more devices than
 such a box has is marked ``@pytest.mark.devices(n)`` and skips there; ``SPMDLAB_TEST_CPU_DEVICES=1``
-gives a CPU run that one device, to check the marks without a GPU.
+gives a CPU run that one device, to check the marks without a GPU. The marks are checked on every
+run: a test whose meshes ask for more devices than its mark (1 unmarked) fails, naming the mark to add.
+
+Float32 matrix products run at ``highest`` precision on accelerators (`_MATMUL_PRECISION`): XLA:GPU
+and Pallas Triton compute them in TF32 by default (TPUs in bf16 passes), and the tests' bounds are
+those of IEEE float32, as on a CPU.
 """
 
 import atexit
 import contextlib
+import math
 import os
 import shutil
+import sys
 import tempfile
 
 import jax
@@ -37,7 +44,44 @@ jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 jax.config.update("jax_num_cpu_devices", int(os.environ.get("SPMDLAB_TEST_CPU_DEVICES", "8")))  # 1: a one-GPU box's count
-jax.config.update("jax_platforms", os.environ.get("SPMDLAB_TEST_PLATFORMS", "cpu"))
+_PLATFORMS = os.environ.get("SPMDLAB_TEST_PLATFORMS", "cpu")
+jax.config.update("jax_platforms", _PLATFORMS)
+
+# Precision of float32 matrix products per platform. `jax.lax.dot_general` reads the default at trace time
+# (`canonicalize_precision`), so XLA's products and the dots inside Pallas kernels (Triton's `tl.dot` input
+# precision: IEEE for HIGHEST, TF32 for DEFAULT) both run in IEEE float32. A CPU computes IEEE float32
+# whatever the setting, and its programs stay as they are. (Read from the platform list, not the backend:
+# starting a GPU backend in pytest-xdist's controller would take the GPU's memory.)
+_MATMUL_PRECISION = {"cpu": None, "cuda": "highest", "gpu": "highest", "rocm": "highest", "tpu": "highest"}
+jax.config.update("jax_default_matmul_precision", _MATMUL_PRECISION.get(_PLATFORMS.split(",")[0], "highest"))
+
+from sharding import mesh as _mesh_lib  # noqa: E402  (after the platform and device count are set)
+
+# ---------------------------------------------------------------------------------- device marks
+
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+_devices_asked = [1]  # the most devices a mesh of the running test asked for
+
+
+def _ask(n: int) -> None:
+    _devices_asked[0] = max(_devices_asked[0], n)
+
+
+def _resolve_sizes_counted(axes, n_devices):
+    """`sharding.mesh.resolve_sizes` noting the devices the spec's explicit sizes need (``-1`` adapts: 1)."""
+    _ask(math.prod(n for _, n in axes if n != -1))
+    return _resolve_sizes(axes, n_devices)
+
+
+def _make_mesh_counted(axis_shapes, *args, **kwargs):
+    """`jax.make_mesh` noting the devices a test's own call asks for (library calls size theirs to what is present)."""
+    if os.path.abspath(sys._getframe(1).f_code.co_filename).startswith(_TESTS_DIR):
+        _ask(math.prod(axis_shapes))
+    return _jax_make_mesh(axis_shapes, *args, **kwargs)
+
+
+_resolve_sizes, _mesh_lib.resolve_sizes = _mesh_lib.resolve_sizes, _resolve_sizes_counted
+_jax_make_mesh, jax.make_mesh = jax.make_mesh, _make_mesh_counted
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -46,10 +90,31 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("filterwarnings", "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
+def _marked_devices(item: pytest.Item) -> int:
     marker = item.get_closest_marker("devices")
-    if marker is not None and jax.device_count() < marker.args[0]:
-        pytest.skip(f"needs {marker.args[0]} devices; this run has {jax.device_count()} ({jax.default_backend()})")
+    return 1 if marker is None else marker.args[0]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _devices_asked[0] = 1  # before the fixtures: a mesh that a fixture builds counts for its first test
+    if jax.device_count() < _marked_devices(item):
+        pytest.skip(f"needs {_marked_devices(item)} devices; this run has {jax.device_count()} ({jax.default_backend()})")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """Fails a test whose meshes asked for more devices than its ``devices`` mark, on any platform."""
+    try:
+        return (yield)
+    finally:
+        asked, marked = _devices_asked[0], _marked_devices(item)
+        if asked > marked:
+            pytest.fail(
+                f"a mesh of this test asks for {asked} devices but it is marked devices({marked}) (1 unmarked): add "
+                f"@pytest.mark.devices({asked}) so that runs with fewer devices skip it",
+                pytrace=False,
+            )
 
 
 def _compile_fast(node: pytest.Item | pytest.Module) -> bool:

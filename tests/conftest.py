@@ -43,7 +43,19 @@ os.environ.update(
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-jax.config.update("jax_num_cpu_devices", int(os.environ.get("SPMDLAB_TEST_CPU_DEVICES", "8")))  # 1: a one-GPU box's count
+_CPU_DEVICES = int(os.environ.get("SPMDLAB_TEST_CPU_DEVICES", "8"))  # 1: a one-GPU box's count
+jax.config.update("jax_num_cpu_devices", _CPU_DEVICES)
+# Workaround for an XLA:CPU deadlock (jax 0.10, seen as `Fatal Python error: Aborted` or a segfault while a test
+# reads a result): the ThunkExecutor orders a device's collectives by a scheduling edge only (xla/backends/cpu/
+# runtime/thunk_executor.cc: "Collective communicator resource creates only a scheduling edge"), so a device can
+# wait in two rendezvous at once, each on a thread of the intra-op pool; the CPU client sizes that pool to
+# max(cores, devices) (xla/pjrt/cpu/cpu_client.cc: "Need at least CpuDeviceCount threads to launch one
+# collective"). On a 2-core host with 8 devices, 8 threads: when device 0 holds the 8th thread in an all-gather
+# while device 7 has not yet entered a collective-permute of all 8, every thread waits and XLA aborts after its
+# 40 s termination timeout (tests/sharding/test_context_parallel.py, ring mode, ~1 run in 3-5 under load).
+# PJRT_NPROC sets the pool's core count (xla/pjrt/utils.cc DefaultThreadPoolSize): room for 8 collectives in
+# flight per device. Set before the CPU client starts; subprocesses of tests inherit it.
+os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, 8 * _CPU_DEVICES)))
 _PLATFORMS = os.environ.get("SPMDLAB_TEST_PLATFORMS", "cpu")
 jax.config.update("jax_platforms", _PLATFORMS)
 

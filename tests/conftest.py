@@ -18,6 +18,7 @@ those of IEEE float32, as on a CPU.
 
 import atexit
 import contextlib
+import linecache
 import math
 import os
 import shutil
@@ -86,9 +87,13 @@ def _resolve_sizes_counted(axes, n_devices):
 
 
 def _make_mesh_counted(axis_shapes, *args, **kwargs):
-    """`jax.make_mesh` noting the devices a test's own call asks for (library calls size theirs to what is present)."""
-    if os.path.abspath(sys._getframe(1).f_code.co_filename).startswith(_TESTS_DIR):
-        _ask(math.prod(axis_shapes))
+    """`jax.make_mesh` noting the devices a test's own call asks for: library calls, and a test's call sized by
+    ``jax.device_count()`` on its line, take what is present."""
+    caller = sys._getframe(1)
+    filename = os.path.abspath(caller.f_code.co_filename)
+    if filename.startswith(_TESTS_DIR) or os.path.basename(filename).startswith("test_"):
+        if "device_count()" not in linecache.getline(caller.f_code.co_filename, caller.f_lineno):
+            _ask(math.prod(axis_shapes))
     return _jax_make_mesh(axis_shapes, *args, **kwargs)
 
 

@@ -18,6 +18,7 @@ those of IEEE float32, as on a CPU.
 
 import atexit
 import contextlib
+import itertools
 import linecache
 import math
 import os
@@ -69,6 +70,106 @@ _MATMUL_PRECISION = {"cpu": None, "cuda": "highest", "gpu": "highest", "rocm": "
 jax.config.update("jax_default_matmul_precision", _MATMUL_PRECISION.get(_PLATFORMS.split(",")[0], "highest"))
 
 from sharding import mesh as _mesh_lib  # noqa: E402  (after the platform and device count are set)
+
+# ---------------------------------------------------------------------------------- XLA:CPU collectives
+
+# Workaround for an upstream bug (jax 0.10 with XLA:CPU's thunk runtime; the cause of the segfaults and aborts of
+# tests/sharding/test_context_parallel.py::test_mode_equals_one_device): jax gives every collective inside a
+# `jax.shard_map` the same channel id (`jax._src.interpreters.mlir.COLLECTIVE_CHANNEL_ID`, 1), and a function it
+# lowers once for several call sites (`_lower_jaxpr_to_fun_cached`, nested jits) is inlined by XLA into copies
+# with equal ids. XLA:CPU keys its in-process rendezvous by (run, devices, channel id), and its ThunkExecutor
+# orders a device's collectives by a scheduling edge only (xla/backends/cpu/runtime/thunk_executor.cc:
+# "Collective communicator resource creates only a scheduling edge"), so two independent collective-permutes of
+# one program (ring attention's K/V and dK/dV hops: 54 share channel 1) can be in flight at once and join one
+# rendezvous: `Check failed: id < num_threads (8 vs. 8)`, one permute's data in another's buffers (NaN), or a
+# segfault. Here each collective takes a channel of its own, and functions holding a collective are lowered once
+# per call site.
+
+
+def _has_collective(jaxpr) -> bool:
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    return any(
+        eqn.primitive in _COLLECTIVES or any(_has_collective(sub) for sub in _core.jaxprs_in_params(eqn.params))
+        for eqn in jaxpr.eqns
+    )
+
+
+class _LoweringCache(dict):
+    """jax's per-module cache of lowered functions, keeping none that holds a collective."""
+
+    def __setitem__(self, key, value):
+        if not any(isinstance(k, (_core.Jaxpr, _core.ClosedJaxpr)) and _has_collective(k) for k in key):
+            super().__setitem__(key, value)
+
+
+_channels, _depth = [iter(())], [0]  # the channel ids of the module being lowered (`_lower_module`), its nesting
+
+
+class _ChannelHandles:
+    """`hlo.ChannelHandle` that swaps jax's shared collective channel for a new one of the module being lowered."""
+
+    def __init__(self, handle_type):
+        self._type = handle_type
+
+    def get(self, handle, kind):
+        return self._type.get(next(_channels[0], handle) if handle == _mlir.COLLECTIVE_CHANNEL_ID else handle, kind)
+
+
+def _lower_module(*args, **kwargs):
+    """`mlir.lower_jaxpr_to_module` numbering its collectives' channels from 2**14 (past jax's host-callback
+    channels), nested lowerings continuing the count: the same program gets the same ids, so the persistent
+    compilation cache still finds it."""
+    outermost = _depth[0] == 0
+    if outermost:
+        _channels[0] = itertools.count(1 << 14)
+    _depth[0] += 1
+    try:
+        result = _lower_module_upstream(*args, **kwargs)
+    finally:
+        _depth[0] -= 1
+        if outermost:
+            _channels[0] = iter(())
+    if outermost:  # ops jax cloned from one lowering (nested jits) carry one id: number every collective anew
+        ids = itertools.count(1 << 14)
+
+        def renumber(op):
+            if "channel_handle" in op.opview.attributes and op.name in _CHANNEL_OPS:
+                kind = _mlir.DEVICE_TO_DEVICE_TYPE
+                op.opview.attributes["channel_handle"] = _parallel.hlo._hlo.ChannelHandle.get(next(ids), kind, op.context)
+            return _ir.WalkResult.ADVANCE
+
+        result.module.operation.walk(renumber)
+    return result
+
+
+class _HloWithChannels:
+    """`jax._src.lax.parallel`'s ``hlo`` dialect module, with `_ChannelHandles` in place of ``ChannelHandle``."""
+
+    def __init__(self, hlo):
+        self._hlo, self.ChannelHandle = hlo, _ChannelHandles(hlo.ChannelHandle)
+
+    def __getattr__(self, name):
+        return getattr(self._hlo, name)
+
+
+def _module_context_init(self, *args, **kwargs):
+    _module_context_init_upstream(self, *args, **kwargs)
+    if not isinstance(self.cached_primitive_lowerings, _LoweringCache):
+        self.cached_primitive_lowerings = _LoweringCache(self.cached_primitive_lowerings)
+
+
+if _PLATFORMS.split(",")[0] == "cpu":
+    from jax._src import core as _core
+    from jax._src.interpreters import mlir as _mlir
+    from jax._src.lax import parallel as _parallel
+
+    from jax._src.lib.mlir import ir as _ir
+
+    _COLLECTIVES = {p for p in vars(_parallel).values() if isinstance(p, _core.Primitive)}
+    _CHANNEL_OPS = {f"stablehlo.{op}" for op in ("collective_permute", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
+    _parallel.hlo = _HloWithChannels(_parallel.hlo)
+    _module_context_init_upstream, _mlir.ModuleContext.__init__ = _mlir.ModuleContext.__init__, _module_context_init
+    _lower_module_upstream, _mlir.lower_jaxpr_to_module = _mlir.lower_jaxpr_to_module, _lower_module
 
 # ---------------------------------------------------------------------------------- device marks
 

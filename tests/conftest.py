@@ -82,8 +82,8 @@ from sharding import mesh as _mesh_lib  # noqa: E402  (after the platform and de
 # "Collective communicator resource creates only a scheduling edge"), so two independent collective-permutes of
 # one program (ring attention's K/V and dK/dV hops: 54 share channel 1) can be in flight at once and join one
 # rendezvous: `Check failed: id < num_threads (8 vs. 8)`, one permute's data in another's buffers (NaN), or a
-# segfault. Here each collective takes a channel of its own, and functions holding a collective are lowered once
-# per call site.
+# segfault. Here functions holding a collective are lowered once per call site and every collective of a lowered
+# module gets a channel of its own. (XLA's own loop unrolling can still copy one; no run has collided since.)
 
 
 def _has_collective(jaxpr) -> bool:
@@ -102,54 +102,21 @@ class _LoweringCache(dict):
             super().__setitem__(key, value)
 
 
-_channels, _depth = [iter(())], [0]  # the channel ids of the module being lowered (`_lower_module`), its nesting
-
-
-class _ChannelHandles:
-    """`hlo.ChannelHandle` that swaps jax's shared collective channel for a new one of the module being lowered."""
-
-    def __init__(self, handle_type):
-        self._type = handle_type
-
-    def get(self, handle, kind):
-        return self._type.get(next(_channels[0], handle) if handle == _mlir.COLLECTIVE_CHANNEL_ID else handle, kind)
-
-
 def _lower_module(*args, **kwargs):
-    """`mlir.lower_jaxpr_to_module` numbering its collectives' channels from 2**14 (past jax's host-callback
-    channels), nested lowerings continuing the count: the same program gets the same ids, so the persistent
+    """`mlir.lower_jaxpr_to_module` giving every collective of the module a channel id of its own, in walk order
+    from 2**14 (past jax's host-callback channels): the same program gets the same ids, so the persistent
     compilation cache still finds it."""
-    outermost = _depth[0] == 0
-    if outermost:
-        _channels[0] = itertools.count(1 << 14)
-    _depth[0] += 1
-    try:
-        result = _lower_module_upstream(*args, **kwargs)
-    finally:
-        _depth[0] -= 1
-        if outermost:
-            _channels[0] = iter(())
-    if outermost:  # ops jax cloned from one lowering (nested jits) carry one id: number every collective anew
-        ids = itertools.count(1 << 14)
+    result = _lower_module_upstream(*args, **kwargs)
+    ids = itertools.count(1 << 14)
 
-        def renumber(op):
-            if "channel_handle" in op.opview.attributes and op.name in _CHANNEL_OPS:
-                kind = _mlir.DEVICE_TO_DEVICE_TYPE
-                op.opview.attributes["channel_handle"] = _parallel.hlo._hlo.ChannelHandle.get(next(ids), kind, op.context)
-            return _ir.WalkResult.ADVANCE
+    def renumber(op):
+        if op.name in _CHANNEL_OPS and "channel_handle" in op.opview.attributes:
+            handle = _hlo.ChannelHandle.get(next(ids), _mlir.DEVICE_TO_DEVICE_TYPE, op.context)
+            op.opview.attributes["channel_handle"] = handle
+        return _ir.WalkResult.ADVANCE
 
-        result.module.operation.walk(renumber)
+    result.module.operation.walk(renumber)
     return result
-
-
-class _HloWithChannels:
-    """`jax._src.lax.parallel`'s ``hlo`` dialect module, with `_ChannelHandles` in place of ``ChannelHandle``."""
-
-    def __init__(self, hlo):
-        self._hlo, self.ChannelHandle = hlo, _ChannelHandles(hlo.ChannelHandle)
-
-    def __getattr__(self, name):
-        return getattr(self._hlo, name)
 
 
 def _module_context_init(self, *args, **kwargs):
@@ -162,12 +129,11 @@ if _PLATFORMS.split(",")[0] == "cpu":
     from jax._src import core as _core
     from jax._src.interpreters import mlir as _mlir
     from jax._src.lax import parallel as _parallel
-
     from jax._src.lib.mlir import ir as _ir
+    from jax._src.lib.mlir.dialects import hlo as _hlo
 
     _COLLECTIVES = {p for p in vars(_parallel).values() if isinstance(p, _core.Primitive)}
     _CHANNEL_OPS = {f"stablehlo.{op}" for op in ("collective_permute", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
-    _parallel.hlo = _HloWithChannels(_parallel.hlo)
     _module_context_init_upstream, _mlir.ModuleContext.__init__ = _mlir.ModuleContext.__init__, _module_context_init
     _lower_module_upstream, _mlir.lower_jaxpr_to_module = _mlir.lower_jaxpr_to_module, _lower_module
 

@@ -22,7 +22,7 @@
 # Sizes come from the environment, so the same script runs as a smoke check on a CPU, e.g.
 #   OUT=/tmp/gc TEST_PLATFORMS=cpu TESTS=tests/kernels_pallas/test_backends.py TEST_WORKERS=0 PRESET=tiny \
 #   LLAMA=tiny MOE=moe-tiny BATCH=2x32 LLAMA_BATCH=2x32 DTYPE=float32 REPEATS=1 STEPS=1 TWIN_DEVICE=cpu \
-#   OPTIMIZERS=adamw OPTIMIZER_TREE=tiny MAIN_FLAGS="--config.steps=2 --config.eval_every=2" \
+#   OPTIMIZERS=adamw OPTIMIZER_TREE=tiny MAIN_FLAGS="--config.steps=2 --config.eval_every=2 --config.optimizer.warmup_steps=1" \
 #   KERNEL_FLAGS="--shapes=1x40x2x32 --implementations=xla --dtype=float32 --gmm_shapes=2x40x16x16 \
 #   --quantized_shapes=2x32x64 --quantized_variants=fp32 --warmup=0 --iters=1" bash experiments/gpu_check.sh
 # DRY_RUN=1 prints the steps without running them.

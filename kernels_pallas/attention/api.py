@@ -345,11 +345,13 @@ def _gpu_versions() -> tuple[str, int | None]:
     device = jax.devices()[0]
     if device.platform != "gpu":
         return "", None
+    capability = getattr(device, "compute_capability", "")
     try:  # jax's own cuDNN checks read the version here (fused_attention_stablehlo.check_cudnn_version)
         from jax._src.lib import cuda_versions
-    except ImportError:
-        return getattr(device, "compute_capability", ""), None
-    return getattr(device, "compute_capability", ""), cuda_versions.cudnn_get_version() if cuda_versions else None
+
+        return capability, cuda_versions.cudnn_get_version()
+    except (ImportError, AttributeError):  # no CUDA plugin (ROCm), or another jax's layout: cc 10.3 then falls back
+        return capability, None
 
 
 _NO_LSE = (

@@ -1,7 +1,14 @@
-r"""Our CPU training step against the same decoder in PyTorch eager, timed interleaved in one process.
+r"""Our training step against the same decoder in PyTorch, timed interleaved in one process, on any device.
 
     pip install torch --index-url https://download.pytorch.org/whl/cpu   # optional: `pip install -e .[bench]`
     python -m experiments.bench_cpu_peer --json_out=/tmp/cpu_peer.json
+    python -m experiments.bench_cpu_peer --presets=gpt2-124m --batch_shapes=16x1024 --sweep_batches= --products=false  # a GPU
+
+``--device``: ``auto`` (CUDA where PyTorch and JAX both see a GPU, else the CPU), ``cpu`` or ``cuda``. On a CPU
+both sides run float32, the twin in eager mode (what a CPU user runs). On CUDA both run the README's GPU
+recipe: ours at ``--dtype`` (default bfloat16 parameters and activations, `attention=auto`), the twin under
+``torch.autocast`` to bfloat16 with its loss `torch.compile`d, fused AdamW, and the non-finite check on the
+device (the fused optimizer's ``found_inf``, as `torch.amp.GradScaler` sets it) rather than a host sync.
 
 The twin is written here with `torch.nn.functional` on the weights of our model, copied from our
 initial parameters (`twin_weights`): RMSNorm (`F.rms_norm`), rotate-half RoPE, causal grouped-query
@@ -50,6 +57,7 @@ from sharding import partition
 TORCH_MISSING = (
     "PyTorch is not installed; install the CPU wheel: pip install torch --index-url https://download.pytorch.org/whl/cpu"
 )
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def check_twinnable(cfg: model_config_lib.ModelConfig) -> None:
@@ -73,15 +81,16 @@ def twin_weights(params: model_lib.Params, cfg: model_config_lib.ModelConfig) ->
     """Our parameters as the twin's named float32 weights: PyTorch's ``(out, in)`` matrices, one entry per layer."""
     check_twinnable(cfg)
     params = jax.device_get(params)
-    out = {"embed": np.asarray(params["embed"]["embedding"]), "final_norm": np.asarray(params["final_norm"]["scale"])}
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731  (bf16 parameters: the twin keeps fp32 weights under autocast)
+    out = {"embed": f32(params["embed"]["embedding"]), "final_norm": f32(params["final_norm"]["scale"])}
     blocks = params["blocks"]
     for i in range(cfg.n_layers):
         layer = jax.tree.map(lambda a: a[i], blocks) if cfg.scan_layers else blocks[i]  # noqa: B023
-        out[f"{i}.attn_norm"] = np.asarray(layer["attn_norm"]["scale"])
-        out[f"{i}.mlp_norm"] = np.asarray(layer["mlp_norm"]["scale"])
+        out[f"{i}.attn_norm"] = f32(layer["attn_norm"]["scale"])
+        out[f"{i}.mlp_norm"] = f32(layer["mlp_norm"]["scale"])
         for group, names in (("attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj"))):
             for name in names:
-                out[f"{i}.{name}"] = np.ascontiguousarray(np.asarray(layer[group][name]["kernel"]).T)
+                out[f"{i}.{name}"] = np.ascontiguousarray(f32(layer[group][name]["kernel"]).T)
     return out
 
 
@@ -91,8 +100,8 @@ def twin_loss(torch: Any, weights: dict[str, Any], tokens: Any, cfg: model_confi
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     b, t = inputs.shape
     half = cfg.head_dim // 2
-    freqs = cfg.rope_theta ** (-torch.arange(half, dtype=torch.float32) / half)
-    angles = torch.arange(t, dtype=torch.float32)[:, None] * freqs[None, :]
+    freqs = cfg.rope_theta ** (-torch.arange(half, dtype=torch.float32, device=tokens.device) / half)
+    angles = torch.arange(t, dtype=torch.float32, device=tokens.device)[:, None] * freqs[None, :]
     cos, sin = angles.cos(), angles.sin()
 
     def rope(x):  # (batch, heads, seq, head_dim), pairs (i, i + d/2)
@@ -128,27 +137,60 @@ def _import_torch() -> Any:
     return torch
 
 
-def twin_step(cfg: model_config_lib.ModelConfig, params: model_lib.Params, rows: np.ndarray, learning_rate: float) -> Callable[[int], float]:
+def resolve_device(device: str) -> str:
+    """``cpu`` or ``cuda`` for ``--device`` (``auto``: CUDA where PyTorch and JAX both have a GPU)."""
+    if device not in DEVICES:
+        raise cli.UsageError(f"--device={device} is not one of {', '.join(DEVICES)}")
+    torch = _import_torch()
+    jax_gpu = jax.default_backend() in ("gpu", "cuda")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() and jax_gpu else "cpu"
+    if device == "cuda" and not (torch.cuda.is_available() and jax_gpu):
+        raise cli.UsageError(
+            f"--device=cuda needs a GPU that PyTorch (cuda available: {torch.cuda.is_available()}) and JAX "
+            f"(backend {jax.default_backend()}) both see; use --device=cpu"
+        )
+    return device
+
+
+def twin_step(
+    cfg: model_config_lib.ModelConfig, params: model_lib.Params, rows: np.ndarray, learning_rate: float, device: str = "cpu"
+) -> Callable[[int], float]:
     """``run(n)``: ``n`` twin training steps on ``rows``, returning their seconds (module docstring)."""
     torch = _import_torch()
-    weights = {k: torch.from_numpy(v.copy()).requires_grad_() for k, v in twin_weights(params, cfg).items()}
+    cuda = device == "cuda"
+    weights = {k: torch.from_numpy(v.copy()).to(device).requires_grad_() for k, v in twin_weights(params, cfg).items()}
     matrices = [w for w in weights.values() if w.ndim == 2]
     vectors = [w for w in weights.values() if w.ndim != 2]
     optimizer = torch.optim.AdamW(
         [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
-        lr=learning_rate, betas=(0.9, 0.95), eps=1e-8,
+        lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=cuda,
     )  # fmt: skip
-    tokens = torch.from_numpy(rows.astype(np.int64))
+    tokens = torch.from_numpy(rows.astype(np.int64)).to(device)
     parameters = list(weights.values())
+    compiled = torch.compile(functools.partial(twin_loss, torch, cfg=cfg)) if cuda else None
+
+    def loss() -> Any:
+        if not cuda:
+            return twin_loss(torch, weights, tokens, cfg)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return compiled(weights, tokens)
 
     def run(n: int) -> float:
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(n):
             optimizer.zero_grad(set_to_none=True)
-            twin_loss(torch, weights, tokens, cfg).backward()
+            loss().backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-            if torch.isfinite(grad_norm):
+            if cuda:  # skipped on the device by the fused step, no host sync (torch.amp.GradScaler's mechanism)
+                optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
                 optimizer.step()
+            elif torch.isfinite(grad_norm):
+                optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     return run
@@ -158,7 +200,8 @@ def check_twin(model_def: model_lib.ModelDef, params: model_lib.Params, rows: np
     """Our and the twin's parameter counts and loss on ``rows`` ``(batch, seq + 1)`` with the same weights."""
     torch = _import_torch()
     cfg = model_def.config
-    ours = float(jax.jit(train_lib.make_eval_step(model_def))(params, rows))
+    with jax.default_matmul_precision("highest"):  # IEEE float32 on a GPU too (its default is TF32), as the twin on a CPU
+        ours = float(jax.jit(train_lib.make_eval_step(model_def))(params, rows))
     weights = {k: torch.from_numpy(v.copy()) for k, v in twin_weights(params, cfg).items()}
     with torch.no_grad():
         twin = float(twin_loss(torch, weights, torch.from_numpy(rows.astype(np.int64)), cfg))
@@ -180,15 +223,17 @@ def in_turn(runs: tuple[Callable[[int], float], Callable[[int], float]], repeats
     return seconds
 
 
-def _case(preset: str, batch: int, seq_len: int, base: Any, *, warmup: int, repeats: int, steps: int, seed: int) -> dict[str, Any]:
-    config = train_steps.case_config(preset, batch, seq_len, "float32", "", "adamw", "fsdp", base=base)
+def _case(
+    preset: str, batch: int, seq_len: int, base: Any, *, warmup: int, repeats: int, steps: int, seed: int, device: str = "cpu", dtype: str = "float32"
+) -> dict[str, Any]:
+    config = train_steps.case_config(preset, batch, seq_len, dtype, "", "adamw", "fsdp", base=base)
     config.optimizer.schedule = "constant"
     ours = train_steps.compile_train_steps(config, seed)
     spec = ours.spec
     with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
         params = model_lib.init_params(spec.model_def, seed, spec.shardings.params)
     rows = np.random.default_rng(seed).integers(0, spec.cfg.vocab_size, (batch, seq_len + 1), dtype=np.int32)
-    twin = twin_step(spec.cfg, params, rows, learning_rate=float(build.learning_rate_fn(config.optimizer, config.steps)(0)))
+    twin = twin_step(spec.cfg, params, rows, float(build.learning_rate_fn(config.optimizer, config.steps)(0)), device)
     for run in (ours.run, twin):
         run(warmup)
     seconds = in_turn((ours.run, twin), repeats, steps)
@@ -198,6 +243,8 @@ def _case(preset: str, batch: int, seq_len: int, base: Any, *, warmup: int, repe
         "preset": preset,
         "batch_size": batch,
         "seq_len": seq_len,
+        "device": device,
+        "dtype": dtype,
         "tokens_per_second": statistics.median(rates[0]),
         "twin_tokens_per_second": statistics.median(rates[1]),
         "ratio": statistics.median(a / b for a, b in zip(*rates, strict=True)),
@@ -233,19 +280,23 @@ def _time_calls(call: Callable[[], Any], n: int) -> float:
     return time.perf_counter() - start
 
 
-def _products(torch: Any, preset: str, batch: int, seq_len: int, *, repeats: int, calls: int = 5) -> dict[str, Any]:
-    """Both sides' float32 products at ``preset``'s layer shapes on ``batch * seq_len`` rows, timed in turn."""
+def _products(
+    torch: Any, preset: str, batch: int, seq_len: int, *, repeats: int, calls: int = 5, device: str = "cpu", dtype: str = "float32"
+) -> dict[str, Any]:
+    """Both sides' products at ``preset``'s layer shapes on ``batch * seq_len`` rows in ``dtype``, timed in turn."""
     rng = np.random.default_rng(0)
     rows = batch * seq_len
     results, ours_total, twin_total = [], 0.0, 0.0
     for (n_in, n_out), count in layer_shapes(model_config_lib.from_preset(preset)).items():
         arrays = [rng.standard_normal(shape, dtype=np.float32) for shape in ((rows, n_in), (n_in, n_out), (rows, n_out))]
-        ours_args, twin_args = [jax.device_put(a) for a in arrays], [torch.from_numpy(a) for a in arrays]
+        ours_args = [jax.device_put(a.astype(dtype)) for a in arrays]
+        twin_args = [torch.from_numpy(a).to(device, getattr(torch, dtype)) for a in arrays]
+        sync = torch.cuda.synchronize if device == "cuda" else lambda: None
         for form, product in PRODUCT_FORMS.items():
             ours_fn = jax.jit(product)
             runs = (
                 functools.partial(_time_calls, lambda f=ours_fn, a=ours_args: f(*a).block_until_ready()),
-                functools.partial(_time_calls, lambda f=product, a=twin_args: f(*a)),
+                functools.partial(_time_calls, lambda f=product, a=twin_args: (f(*a), sync())),
             )
             for run in runs:  # warm-up, compilation included
                 run(1)
@@ -271,7 +322,7 @@ def format_products(cases: list[dict[str, Any]]) -> str:
 
 def format_table(cases: list[dict[str, Any]]) -> str:
     lines = [
-        "| preset | batch x seq | ours tokens/s | PyTorch eager tokens/s | ours / PyTorch (median of samples) |",
+        "| preset | batch x seq | ours tokens/s | PyTorch tokens/s (eager on a CPU, compiled bf16 on CUDA) | ours / PyTorch (median of samples) |",
         "|---|---|---|---|---|",
     ]
     for c in cases:
@@ -289,6 +340,10 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     cli.quiet_logging(f.verbose)
     try:
         torch = _import_torch()
+        device = resolve_device(f.device)
+        dtype = f.dtype or ("bfloat16" if device == "cuda" else "float32")
+        if dtype not in ("float32", "bfloat16"):
+            raise cli.UsageError(f"--dtype={dtype} is not float32 or bfloat16")
         for name in ("warmup", "repeats", "steps"):
             if f[name].value < 1:
                 raise cli.UsageError(f"--{name}={f[name].value} must be >= 1")
@@ -315,9 +370,14 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     for i, (preset, batch, seq_len) in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {preset} {batch}x{seq_len}", file=sys.stderr, flush=True)
         results.append(
-            {**_case(preset, batch, seq_len, config_flag.value, warmup=f.warmup, repeats=f.repeats, steps=f.steps, seed=f.seed), **checks[preset]}
+            {
+                **_case(preset, batch, seq_len, config_flag.value, warmup=f.warmup, repeats=f.repeats, steps=f.steps, seed=f.seed, device=device, dtype=dtype),
+                **checks[preset],
+            }
         )
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs"
+    if device == "cuda":
+        machine = f"{torch.cuda.get_device_name()}; {machine}"
     print(f"{datetime.date.today()}: {machine}; jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads)")
     for preset, c in checks.items():
         print(f"{preset}: {c['params']:,} parameters on both sides; loss {c['loss']:.6f} ours, {c['twin_loss']:.6f} PyTorch's")
@@ -326,10 +386,10 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     if f.products:
         for preset in dict.fromkeys(p for p, _, _ in cases):
             print(f"products: {preset}", file=sys.stderr, flush=True)
-            products.append(_products(torch, preset, *shapes[0], repeats=f.repeats))
+            products.append(_products(torch, preset, *shapes[0], repeats=f.repeats, device=device, dtype=dtype))
         print(format_products(products))
     if f.json_out:
-        header = {"date": str(datetime.date.today()), "machine": machine, "jax": jax.__version__, "torch": torch.__version__}
+        header = {"date": str(datetime.date.today()), "machine": machine, "jax": jax.__version__, "torch": torch.__version__, "device": device}
         with open(f.json_out, "w") as out:
             json.dump({**header, "torch_threads": torch.get_num_threads(), "cases": results, "products": products}, out, indent=1)
 
@@ -346,6 +406,8 @@ def define_flags() -> flags.FlagHolder:
     flags.DEFINE_float("loss_rtol", 1e-4, "Largest relative difference of the two losses on the same weights.")
     flags.DEFINE_bool("products", True, "Also time both sides' matrix products at each preset's layer shapes (first batch shape).")
     flags.DEFINE_string("json_out", None, "Also write every case as JSON here.")
+    flags.DEFINE_enum("device", "auto", list(DEVICES), "Where both sides run: auto (CUDA where PyTorch and JAX see a GPU), cpu, cuda.")
+    flags.DEFINE_string("dtype", None, "Our parameters and activations (float32, bfloat16); default: bfloat16 on CUDA, float32 on a CPU.")
     cli.define_verbose_flag()
     return cli.define_config_flag(cli.DEFAULT_CONFIG)
 

@@ -8,13 +8,22 @@ cache starts empty in every session, so nothing carries over between runs.
 On a GPU box, ``SPMDLAB_TEST_PLATFORMS=cuda,cpu python -m pytest -n 0 tests/kernels_pallas`` runs the
 kernel tests compiled on the GPU instead of in interpret mode. A test that needs more devices than
 such a box has is marked ``@pytest.mark.devices(n)`` and skips there; ``SPMDLAB_TEST_CPU_DEVICES=1``
-gives a CPU run that one device, to check the marks without a GPU.
+gives a CPU run that one device, to check the marks without a GPU. The marks are checked on every
+run: a test whose meshes ask for more devices than its mark (1 unmarked) fails, naming the mark to add.
+
+Float32 matrix products run at ``highest`` precision on accelerators (`_MATMUL_PRECISION`): XLA:GPU
+and Pallas Triton compute them in TF32 by default (TPUs in bf16 passes), and the tests' bounds are
+those of IEEE float32, as on a CPU.
 """
 
 import atexit
 import contextlib
+import itertools
+import linecache
+import math
 import os
 import shutil
+import sys
 import tempfile
 
 import jax
@@ -36,8 +45,127 @@ os.environ.update(
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-jax.config.update("jax_num_cpu_devices", int(os.environ.get("SPMDLAB_TEST_CPU_DEVICES", "8")))  # 1: a one-GPU box's count
-jax.config.update("jax_platforms", os.environ.get("SPMDLAB_TEST_PLATFORMS", "cpu"))
+_CPU_DEVICES = int(os.environ.get("SPMDLAB_TEST_CPU_DEVICES", "8"))  # 1: a one-GPU box's count
+jax.config.update("jax_num_cpu_devices", _CPU_DEVICES)
+# Workaround for an XLA:CPU deadlock (jax 0.10, seen as `Fatal Python error: Aborted` or a segfault while a test
+# reads a result): the ThunkExecutor orders a device's collectives by a scheduling edge only (xla/backends/cpu/
+# runtime/thunk_executor.cc: "Collective communicator resource creates only a scheduling edge"), so a device can
+# wait in two rendezvous at once, each on a thread of the intra-op pool; the CPU client sizes that pool to
+# max(cores, devices) (xla/pjrt/cpu/cpu_client.cc: "Need at least CpuDeviceCount threads to launch one
+# collective"). On a 2-core host with 8 devices, 8 threads: when device 0 holds the 8th thread in an all-gather
+# while device 7 has not yet entered a collective-permute of all 8, every thread waits and XLA aborts after its
+# 40 s termination timeout (tests/sharding/test_context_parallel.py, ring mode, ~1 run in 3-5 under load).
+# PJRT_NPROC sets the pool's core count (xla/pjrt/utils.cc DefaultThreadPoolSize): room for 8 collectives in
+# flight per device. Set before the CPU client starts; subprocesses of tests inherit it.
+os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, 8 * _CPU_DEVICES)))
+_PLATFORMS = os.environ.get("SPMDLAB_TEST_PLATFORMS", "cpu")
+jax.config.update("jax_platforms", _PLATFORMS)
+
+# Precision of float32 matrix products per platform. `jax.lax.dot_general` reads the default at trace time
+# (`canonicalize_precision`), so XLA's products and the dots inside Pallas kernels (Triton's `tl.dot` input
+# precision: IEEE for HIGHEST, TF32 for DEFAULT) both run in IEEE float32. A CPU computes IEEE float32
+# whatever the setting, and its programs stay as they are. (Read from the platform list, not the backend:
+# starting a GPU backend in pytest-xdist's controller would take the GPU's memory.)
+_MATMUL_PRECISION = {"cpu": None, "cuda": "highest", "gpu": "highest", "rocm": "highest", "tpu": "highest"}
+jax.config.update("jax_default_matmul_precision", _MATMUL_PRECISION.get(_PLATFORMS.split(",")[0], "highest"))
+
+from sharding import mesh as _mesh_lib  # noqa: E402  (after the platform and device count are set)
+
+# ---------------------------------------------------------------------------------- XLA:CPU collectives
+
+# Workaround for an upstream bug (jax 0.10 with XLA:CPU's thunk runtime; the cause of the segfaults and aborts of
+# tests/sharding/test_context_parallel.py::test_mode_equals_one_device): jax gives every collective inside a
+# `jax.shard_map` the same channel id (`jax._src.interpreters.mlir.COLLECTIVE_CHANNEL_ID`, 1), and a function it
+# lowers once for several call sites (`_lower_jaxpr_to_fun_cached`, nested jits) is inlined by XLA into copies
+# with equal ids. XLA:CPU keys its in-process rendezvous by (run, devices, channel id), and its ThunkExecutor
+# orders a device's collectives by a scheduling edge only (xla/backends/cpu/runtime/thunk_executor.cc:
+# "Collective communicator resource creates only a scheduling edge"), so two independent collective-permutes of
+# one program (ring attention's K/V and dK/dV hops: 54 share channel 1) can be in flight at once and join one
+# rendezvous: `Check failed: id < num_threads (8 vs. 8)`, one permute's data in another's buffers (NaN), or a
+# segfault. Here functions holding a collective are lowered once per call site and every collective of a lowered
+# module gets a channel of its own. (XLA's own loop unrolling can still copy one; no run has collided since.)
+
+
+def _has_collective(jaxpr) -> bool:
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    return any(
+        eqn.primitive in _COLLECTIVES or any(_has_collective(sub) for sub in _core.jaxprs_in_params(eqn.params))
+        for eqn in jaxpr.eqns
+    )
+
+
+class _LoweringCache(dict):
+    """jax's per-module cache of lowered functions, keeping none that holds a collective."""
+
+    def __setitem__(self, key, value):
+        if not any(isinstance(k, (_core.Jaxpr, _core.ClosedJaxpr)) and _has_collective(k) for k in key):
+            super().__setitem__(key, value)
+
+
+def _lower_module(*args, **kwargs):
+    """`mlir.lower_jaxpr_to_module` giving every collective of the module a channel id of its own, in walk order
+    from 2**14 (past jax's host-callback channels): the same program gets the same ids, so the persistent
+    compilation cache still finds it."""
+    result = _lower_module_upstream(*args, **kwargs)
+    ids = itertools.count(1 << 14)
+
+    def renumber(op):
+        if op.name in _CHANNEL_OPS and "channel_handle" in op.opview.attributes:
+            handle = _hlo.ChannelHandle.get(next(ids), _mlir.DEVICE_TO_DEVICE_TYPE, op.context)
+            op.opview.attributes["channel_handle"] = handle
+        return _ir.WalkResult.ADVANCE
+
+    result.module.operation.walk(renumber)
+    return result
+
+
+def _module_context_init(self, *args, **kwargs):
+    _module_context_init_upstream(self, *args, **kwargs)
+    if not isinstance(self.cached_primitive_lowerings, _LoweringCache):
+        self.cached_primitive_lowerings = _LoweringCache(self.cached_primitive_lowerings)
+
+
+if _PLATFORMS.split(",")[0] == "cpu":
+    from jax._src import core as _core
+    from jax._src.interpreters import mlir as _mlir
+    from jax._src.lax import parallel as _parallel
+    from jax._src.lib.mlir import ir as _ir
+    from jax._src.lib.mlir.dialects import hlo as _hlo
+
+    _COLLECTIVES = {p for p in vars(_parallel).values() if isinstance(p, _core.Primitive)}
+    _CHANNEL_OPS = {f"stablehlo.{op}" for op in ("collective_permute", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
+    _module_context_init_upstream, _mlir.ModuleContext.__init__ = _mlir.ModuleContext.__init__, _module_context_init
+    _lower_module_upstream, _mlir.lower_jaxpr_to_module = _mlir.lower_jaxpr_to_module, _lower_module
+
+# ---------------------------------------------------------------------------------- device marks
+
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+_devices_asked = [1]  # the most devices a mesh of the running test asked for
+
+
+def _ask(n: int) -> None:
+    _devices_asked[0] = max(_devices_asked[0], n)
+
+
+def _resolve_sizes_counted(axes, n_devices):
+    """`sharding.mesh.resolve_sizes` noting the devices the spec's explicit sizes need (``-1`` adapts: 1)."""
+    _ask(math.prod(n for _, n in axes if n != -1))
+    return _resolve_sizes(axes, n_devices)
+
+
+def _make_mesh_counted(axis_shapes, *args, **kwargs):
+    """`jax.make_mesh` noting the devices a test's own call asks for: library calls, and a test's call sized by
+    ``jax.device_count()`` on its line, take what is present."""
+    caller = sys._getframe(1)
+    filename = os.path.abspath(caller.f_code.co_filename)
+    if filename.startswith(_TESTS_DIR) or os.path.basename(filename).startswith("test_"):
+        if "device_count()" not in linecache.getline(caller.f_code.co_filename, caller.f_lineno):
+            _ask(math.prod(axis_shapes))
+    return _jax_make_mesh(axis_shapes, *args, **kwargs)
+
+
+_resolve_sizes, _mesh_lib.resolve_sizes = _mesh_lib.resolve_sizes, _resolve_sizes_counted
+_jax_make_mesh, jax.make_mesh = jax.make_mesh, _make_mesh_counted
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -46,10 +174,31 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("filterwarnings", "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
+def _marked_devices(item: pytest.Item) -> int:
     marker = item.get_closest_marker("devices")
-    if marker is not None and jax.device_count() < marker.args[0]:
-        pytest.skip(f"needs {marker.args[0]} devices; this run has {jax.device_count()} ({jax.default_backend()})")
+    return 1 if marker is None else marker.args[0]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _devices_asked[0] = 1  # before the fixtures: a mesh that a fixture builds counts for its first test
+    if jax.device_count() < _marked_devices(item):
+        pytest.skip(f"needs {_marked_devices(item)} devices; this run has {jax.device_count()} ({jax.default_backend()})")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """Fails a test whose meshes asked for more devices than its ``devices`` mark, on any platform."""
+    try:
+        return (yield)
+    finally:
+        asked, marked = _devices_asked[0], _marked_devices(item)
+        if asked > marked:
+            pytest.fail(
+                f"a mesh of this test asks for {asked} devices but it is marked devices({marked}) (1 unmarked): add "
+                f"@pytest.mark.devices({asked}) so that runs with fewer devices skip it",
+                pytrace=False,
+            )
 
 
 def _compile_fast(node: pytest.Item | pytest.Module) -> bool:

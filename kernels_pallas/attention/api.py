@@ -142,7 +142,12 @@ AttentionFn = Callable[..., tuple[jax.Array, jax.Array | None]]  # (q, k, v, seg
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """What a choice looks at: the operands (arrays or `jax.ShapeDtypeStruct`) and the target."""
+    """What a choice looks at: the operands (arrays or `jax.ShapeDtypeStruct`) and the target.
+
+    ``training``: a gradient may be taken through the call (the attention op cannot tell from inside a
+    trace, so callers that only run forward, such as decoding, say so). ``compute_capability`` (e.g.
+    ``"9.0"``) and ``cudnn_version`` (e.g. ``91000`` for 9.10) are the GPU's, where known.
+    """
 
     q: jax.Array
     k: jax.Array
@@ -151,6 +156,10 @@ class Call:
     track_max_logits: bool
     sequence_sharded: bool
     device_kind: str = ""
+    has_segment_ids: bool = False
+    training: bool = True
+    compute_capability: str = ""
+    cudnn_version: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,34 +204,81 @@ _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 _HOPPER_OR_LATER = re.compile(r"\b(G?H100|G?H200|H800|H20|G?B[123]00|RTX PRO 6000)\b")
 
 
-def cudnn_max_head_dim(device_kind: str) -> int:
-    """The largest head_dim jax lets cuDNN's flash attention take on ``device_kind`` (bf16/fp16)."""
-    return 256 if _HOPPER_OR_LATER.search(device_kind) else 128
+def _capability(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split("."))
+
+
+def _hopper_or_later(call: Call) -> bool:
+    if call.compute_capability:
+        return _capability(call.compute_capability) >= (9, 0)
+    return bool(_HOPPER_OR_LATER.search(call.device_kind))
 
 
 def cudnn_unsupported(call: Call) -> str | None:
-    """Why cuDNN's fused attention cannot serve ``call`` (None when it can)."""
-    q, v = call.q, call.v
+    """Why cuDNN's fused attention cannot serve ``call`` (None when it can).
+
+    Mirrors the checks of `jax.nn.dot_product_attention(implementation="cudnn")` and of
+    ``jax/_src/cudnn/fused_attention_stablehlo.py`` (``check_layout``, ``check_is_flash_attention``;
+    jax 0.10 and 0.11), so that ``auto`` falls back instead of the step raising:
+
+    - q, k, v of one dtype, bf16 or fp16 (fp8 takes scales this op does not pass);
+    - head_dim a multiple of 8, at most 256 from compute capability 9.0 on, 128 before;
+    - v's head dim equal to k's (``jax.nn.dot_product_attention`` checks v against k's shape; cuDNN's
+      own MLA path needs cuDNN >= 9.10 on Hopper and jax's lower-level call);
+    - in training, even query and key lengths: jax refuses odd ones when the call has a bias, and a
+      segment-id mask becomes one (``combine_bias_and_mask``). Its training rule is handed a
+      placeholder bias even without a mask (``bias = _not_used`` before ``_dot_product_attention``),
+      so the check fires for every odd length in training: ``NotImplementedError: Unsupported
+      sequence length Q 127, KV 127`` on the H200 (issue 40);
+    - compute capability 10.3 needs cuDNN >= 9.11;
+    - no sequence sharding (its custom partitioning refuses a sharded sequence dimension).
+    """
+    q, k, v = call.q, call.k, call.v
     if call.sequence_sharded:
         return _WHOLE_SEQUENCE
     if call.platform == "rocm":
         return "ROCm has no cuDNN"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"cuDNN flash attention takes bf16/fp16, not {q.dtype}"
-    limit = cudnn_max_head_dim(call.device_kind)
+    if not q.dtype == k.dtype == v.dtype:
+        return f"cuDNN flash attention takes q, k, v of one dtype, not {q.dtype}/{k.dtype}/{v.dtype}"
+    limit = 256 if _hopper_or_later(call) else 128
     if q.shape[-1] > limit or q.shape[-1] % 8:
-        return f"cuDNN flash attention takes head_dim <= {limit} and a multiple of 8 on {call.device_kind or 'this GPU'}, not {q.shape[-1]}"
-    if v.shape[-1] != q.shape[-1]:
-        return f"cuDNN flash attention takes equal q/v head dims here (MLA needs cuDNN >= 9.10), not {q.shape[-1]}/{v.shape[-1]}"
+        where = call.device_kind or (f"compute capability {call.compute_capability}" if call.compute_capability else "this GPU")
+        return f"cuDNN flash attention takes head_dim <= {limit} and a multiple of 8 on {where}, not {q.shape[-1]}"
+    if v.shape[-1] != k.shape[-1]:
+        return (
+            "jax.nn.dot_product_attention takes v's head dim equal to k's (cuDNN's MLA needs cuDNN >= 9.10 on Hopper), "
+            f"not {k.shape[-1]}/{v.shape[-1]}"
+        )
+    q_len, kv_len = q.shape[1], k.shape[1]
+    if call.training and (q_len % 2 or kv_len % 2):
+        mask = "segment ids become a bias" if call.has_segment_ids else "jax passes its training rule a placeholder bias"
+        return (
+            f"cuDNN flash attention refuses odd sequence lengths in training with a bias ({mask}), "
+            f"not Q {q_len}, KV {kv_len}"
+        )
+    if call.compute_capability == "10.3" and (call.cudnn_version or 0) < 91100:
+        return f"cuDNN flash attention needs cuDNN >= 9.11 on compute capability 10.3, not {call.cudnn_version}"
     return None
 
 
 def pallas_unsupported(call: Call) -> str | None:
-    """Why `flash_attention` cannot serve ``call`` (None when it can)."""
+    """Why `flash_attention` cannot serve ``call`` (None when it can).
+
+    On GPUs the Triton kernels address operands with int32 offsets and refuse ``2**31`` or more elements
+    (`backends.check_int32_offsets`); the bound here takes the largest padding the kernels apply (the
+    sequence to a 128 block, head dims to a power of two >= 16).
+    """
     if call.sequence_sharded:
         return _WHOLE_SEQUENCE
     if call.platform in _GPU_PLATFORMS and call.q.dtype == jnp.float32:
         return "float32 attention on a GPU runs in XLA (the Triton kernel is tuned and measured for bf16/fp16)"
+    if call.platform in _GPU_PLATFORMS:
+        (b, t, h, d), dv = call.q.shape, call.v.shape[-1]
+        elements = b * base.round_up(t, 128) * h * max(16, 1 << (max(d, dv) - 1).bit_length())
+        if elements >= 2**31:
+            return f"the Triton kernel addresses its padded operands ({elements:,} elements) with int32 offsets"
     return None
 
 
@@ -251,12 +307,16 @@ def choose(
     track_max_logits: bool,
     sequence_sharded: bool = False,
     device_kind: str = "",
+    has_segment_ids: bool = False,
+    training: bool = True,
+    compute_capability: str = "",
+    cudnn_version: int | None = None,
 ) -> tuple[str, str | None]:
     """``(implementation to run, why auto passed over the platform's first choices, or None)``.
 
     A named implementation is taken as is; ``auto`` takes the first of ``ORDER[platform]`` that
-    supports the call (``xla`` on a platform not listed). ``device_kind`` (e.g. ``NVIDIA H100 80GB
-    HBM3``) sets cuDNN's head_dim limit.
+    supports the call (``xla`` on a platform not listed). The keywords are `Call`'s: ``device_kind``
+    (e.g. ``NVIDIA H100 80GB HBM3``) or ``compute_capability`` set cuDNN's head_dim limit.
     """
     if implementation != "auto":
         if implementation not in IMPLEMENTATIONS:
@@ -264,7 +324,10 @@ def choose(
                 f"unknown attention implementation {implementation!r}; use one of auto, {', '.join(IMPLEMENTATIONS)}"
             )
         return implementation, None
-    call = Call(q, k, v, platform, track_max_logits, sequence_sharded, device_kind)
+    call = Call(
+        q, k, v, platform, track_max_logits, sequence_sharded, device_kind, has_segment_ids, training, compute_capability,
+        cudnn_version,
+    )
     reasons: list[str] = []
     for name in ORDER.get(platform, ("xla",)):
         reason = IMPLEMENTATIONS[name].unsupported(call)
@@ -273,6 +336,22 @@ def choose(
         if reason not in reasons:
             reasons.append(reason)
     raise AssertionError(f"ORDER[{platform!r}] ends in an implementation that can refuse a call")
+
+
+@functools.cache
+def _gpu_versions() -> tuple[str, int | None]:
+    """``(compute capability, cuDNN version)`` of this process's first GPU, ``("", None)`` where it has none
+    (a CPU host lowering for an abstract GPU mesh: the device kind decides then)."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return "", None
+    capability = getattr(device, "compute_capability", "")
+    try:  # jax's own cuDNN checks read the version here (fused_attention_stablehlo.check_cudnn_version)
+        from jax._src.lib import cuda_versions
+
+        return capability, cuda_versions.cudnn_get_version()
+    except (ImportError, AttributeError):  # no CUDA plugin (ROCm), or another jax's layout: cc 10.3 then falls back
+        return capability, None
 
 
 _NO_LSE = (
@@ -312,6 +391,7 @@ def attention(
     sequence_sharded: bool = False,
     per_shard: Callable[[AttentionFn], AttentionFn] | None = None,
     segment_ids: jax.Array | None = None,
+    training: bool = True,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Causal softmax attention by ``implementation`` (``auto``, ``xla``, ``cudnn`` or ``pallas``).
 
@@ -323,15 +403,20 @@ def attention(
       per_shard: wraps a ``(q, k, v, segment_ids) -> (out, max_logits)`` function that GSPMD cannot
         partition (a Pallas call) to run per shard, e.g. in a `jax.shard_map`; default: run it as is.
       segment_ids: ``(batch, seq)`` int or None; a query sees only keys of its own segment (document).
+      training: a gradient may be taken through the call (``auto`` then passes over what refuses one);
+        False for forward-only calls such as decoding.
 
     Returns:
       ``(out, max_logits)``: out ``(batch, seq, heads, head_dim)`` in q's dtype; max_logits is None
       unless tracked.
     """
     target = platform()
+    gpu = target in _GPU_PLATFORMS
+    capability, cudnn = _gpu_versions() if gpu else ("", None)
     chosen, reason = choose(
         implementation, target, q, k, v, track_max_logits=track_max_logits, sequence_sharded=sequence_sharded,
-        device_kind=backends.device_kind() if target in _GPU_PLATFORMS else "",
+        device_kind=backends.device_kind() if gpu else "", has_segment_ids=segment_ids is not None, training=training,
+        compute_capability=capability, cudnn_version=cudnn,
     )
     if reason is not None and reason not in _LOGGED:
         _LOGGED.add(reason)

@@ -56,3 +56,24 @@ def test_the_product_shapes_cover_every_weight_matrix_of_the_step(model):
     norms = (2 * cfg.n_layers + 1) * cfg.d_model
     assert sum(n_in * n_out * count for (n_in, n_out), count in shapes.items()) == model_lib.count_params(model_def).total - norms
     assert shapes[(cfg.d_model, cfg.mlp_dim)] == 2 * cfg.n_layers  # gate and up
+
+
+def test_the_device_resolves_to_the_cpu_here_and_cuda_without_a_gpu_is_named():
+    torch = pytest.importorskip("torch", reason=bench_cpu_peer.TORCH_MISSING)
+    if torch.cuda.is_available() and jax.default_backend() in ("gpu", "cuda"):
+        assert bench_cpu_peer.resolve_device("auto") == "cuda"
+        return
+    assert bench_cpu_peer.resolve_device("auto") == bench_cpu_peer.resolve_device("cpu") == "cpu"
+    with pytest.raises(cli.UsageError, match="--device=cuda needs a GPU that PyTorch .* and JAX .* both see; use --device=cpu"):
+        bench_cpu_peer.resolve_device("cuda")
+
+
+def test_bfloat16_weights_map_to_float32_and_the_twin_steps_on_the_cpu(model):
+    pytest.importorskip("torch", reason=bench_cpu_peer.TORCH_MISSING)
+    model_def, params = model
+    cfg = model_def.config
+    bf16 = jax.tree.map(lambda a: a.astype(jax.numpy.bfloat16), params)
+    weights = bench_cpu_peer.twin_weights(bf16, cfg)
+    assert {w.dtype for w in weights.values()} == {np.dtype(np.float32)}
+    rows = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 17), dtype=np.int32)
+    assert bench_cpu_peer.twin_step(cfg, params, rows, learning_rate=1e-2, device="cpu")(2) > 0

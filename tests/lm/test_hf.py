@@ -216,6 +216,7 @@ def test_exported_logits_equal_the_transformers_equations(name, tmp_path):
         np.testing.assert_allclose(ours[row], reference_logits(tmp_path, tokens[row]), atol=1e-4, rtol=0)
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "mixtral", "deepseek_v2"])
 def test_round_trip_is_bit_identical_and_lands_in_the_run_shardings(name, tmp_path):
     cfg = CONFIGS[name]

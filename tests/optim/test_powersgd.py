@@ -113,6 +113,7 @@ def test_rank_is_capped_at_the_smaller_side(shape, rank):
     np.testing.assert_allclose(estimate["w"], g["w"], atol=1e-5)
 
 
+@pytest.mark.devices(2)
 def test_start_iter_all_reduces_uncompressed_first(setup):
     """PyTorch's start_powerSGD_iter: the first steps are the plain replica mean, errors stay zero,
     and compression (rank 1: not the mean) starts after them."""

@@ -30,7 +30,7 @@ H100, A100 = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"
         ("gpu", H100, jnp.bfloat16, 256, None, False, "cudnn", None),  # jax allows 256 on Hopper
         ("gpu", A100, jnp.bfloat16, 256, None, False, "pallas", "head_dim <= 128"),
         ("gpu", H100, jnp.bfloat16, 264, None, False, "pallas", "head_dim <= 256"),
-        ("gpu", H100, jnp.bfloat16, 192, 128, False, "pallas", "equal q/v head dims"),
+        ("gpu", H100, jnp.bfloat16, 192, 128, False, "pallas", "v's head dim equal to k's"),
         ("gpu", H100, jnp.bfloat16, 64, None, True, "cudnn", None),  # MuonClip: cuDNN + reference.max_logits
         ("rocm", "gfx942", jnp.bfloat16, 64, None, False, "pallas", "ROCm"),
     ],
@@ -41,6 +41,44 @@ def test_auto_picks_per_platform_and_says_why_it_leaves_cudnn(platform, kind, dt
     assert got == chosen
     assert (why is None) if reason is None else (reason in why)
     assert api.choose("xla", platform, *qkv, track_max_logits=track, device_kind=kind) == ("xla", None)
+
+
+def _shapes(batch, seq, heads, kv_heads, head_dim, dtype=jnp.bfloat16, v_head_dim=None):
+    return (
+        jax.ShapeDtypeStruct((batch, seq, heads, head_dim), dtype),
+        jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), dtype),
+        jax.ShapeDtypeStruct((batch, seq, kv_heads, v_head_dim or head_dim), dtype),
+    )
+
+
+H200 = "NVIDIA H200"
+# The attention calls of the H200 test run (issue 40) and their neighbours: (shapes, keywords of `choose`,
+# implementation auto must take, a phrase of its reason or None). gpt2-124m and llama-1b at 1 x 128 tokens
+# (`test_large_presets_compile_abstractly`: Q 127, KV 127 in training) died in jax's cuDNN check.
+H200_CALLS = [
+    (_shapes(1, 127, 12, 12, 64), {}, "pallas", "not Q 127, KV 127"),
+    (_shapes(1, 127, 32, 8, 64), {}, "pallas", "placeholder bias"),
+    (_shapes(2, 127, 4, 2, 32), {"has_segment_ids": True}, "pallas", "segment ids become a bias"),
+    (_shapes(1, 128, 12, 12, 64), {"has_segment_ids": True}, "cudnn", None),
+    (_shapes(1, 127, 12, 12, 64), {"training": False}, "cudnn", None),  # forward only: jax checks no bias rule
+    (_shapes(1, 127, 12, 12, 64, jnp.float32), {}, "xla", "bf16/fp16, not float32"),
+    (_shapes(16, 1024, 12, 12, 64), {}, "cudnn", None),  # the README's gpt2-124m step
+    (_shapes(8, 2048, 32, 8, 64), {}, "cudnn", None),  # llama-1b
+    (_shapes(2, 64, 4, 4, 48, v_head_dim=32), {}, "pallas", "v's head dim equal to k's"),  # MLA
+    (_shapes(2, 64, 4, 2, 256), {"compute_capability": "8.0", "device_kind": "NVIDIA A100"}, "pallas", "head_dim <= 128"),
+    (_shapes(2, 64, 4, 2, 256), {"compute_capability": "9.0"}, "cudnn", None),
+    (_shapes(2, 64, 4, 2, 64), {"compute_capability": "10.3", "cudnn_version": 91000}, "pallas", "cuDNN >= 9.11"),
+    (_shapes(2, 64, 4, 2, 64), {"compute_capability": "10.3", "cudnn_version": 91100}, "cudnn", None),
+    # Past the Triton kernel's int32 offsets too: XLA serves it.
+    (_shapes(64, 65537, 32, 8, 64), {}, "xla", "int32 offsets"),
+]
+
+
+@pytest.mark.parametrize("qkv, keywords, chosen, reason", H200_CALLS)
+def test_auto_takes_what_serves_each_call_of_the_gpu_run(qkv, keywords, chosen, reason):
+    got, why = api.choose("auto", "cuda", *qkv, track_max_logits=False, **{"device_kind": H200, **keywords})
+    assert got == chosen, why
+    assert (why is None) if reason is None else (reason in why)
 
 
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])

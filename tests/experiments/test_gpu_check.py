@@ -1,0 +1,81 @@
+"""experiments/gpu_check.sh: the one-call GPU check, run against a stand-in ``python3`` that records its calls
+(each benchmark has its own tests; the script's header gives the CPU-sized smoke run)."""
+
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "gpu_check.sh"
+WHEELS_LINE = (
+    "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl "
+    "&& export PYTHONPATH=/tmp/site:$PWD || exit;"
+)
+PRIORITY = ["step_gpt2-124m_auto", "step_gpt2-124m_pallas", "torch_twin", "kernels", "optimizers", "step_llama-1b", "step_moe-small"]
+# Records each call; runs `python3 -c` (results.jsonl lines) with the real Python; sleeps as long as
+# $SLEEP_<module> says; fails the pallas row; writes the JSON a benchmark was asked for.
+FAKE_PYTHON = f"""#!/bin/bash
+if [ "$1" = -c ]; then exec {sys.executable} "$@"; fi
+echo "$(date +%s) PYTHONPATH=${{PYTHONPATH:-}} $*" >> "$CALLS"
+case "$*" in *pytest*) sleep "${{SLEEP_TESTS:-0}}" ;; *experiments.train*) sleep 1 ;; esac
+case "$*" in *attention=pallas*) exit 1 ;; esac
+for arg in "$@"; do case "$arg" in --json_out=*|--out=*) echo '{{"ok": 1}}' > "${{arg#*=}}" ;; esac; done
+"""
+
+
+def _run(tmp_path, **env):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "python3"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "out"
+    env = {"OUT": str(out), "WORK": str(tmp_path / "work"), "PATH": f"{bin_dir}:/usr/bin:/bin", "CALLS": str(tmp_path / "calls.txt"), **env}
+    result = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    return result, out
+
+
+def test_the_script_starts_with_the_gpu_wheels_line():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True).returncode == 0
+    tool = Path("/work/shared/tools/gpu-wheels")
+    printed = tool.read_text().strip().splitlines()[-2] if tool.is_file() else WHEELS_LINE
+    assert printed == WHEELS_LINE
+    assert WHEELS_LINE in SCRIPT.read_text()
+
+
+def test_dry_run_lists_the_steps_by_priority_within_eight_minutes(tmp_path):
+    result, _ = _run(tmp_path, DRY_RUN="1")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("tests (background, timeout 200): env SPMDLAB_TEST_PLATFORMS=cuda,cpu SPMDLAB_TEST_CPU_DEVICES=1")
+    assert lines[1].startswith("main_job (timeout 120): env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m experiments.train")
+    assert [line.split(":")[0] for line in lines[2:]] == PRIORITY
+    assert "--config.model.attention=auto" in lines[2] and "--config.model.attention=pallas" in lines[3]
+    assert "experiments.bench_cpu_peer --device=cuda --presets=gpt2-124m --batch_shapes=16x1024" in lines[4]
+    expected = [int(re.search(r": expected (\d+) s", line).group(1)) for line in lines[2:]]
+    assert 200 + sum(expected[:3]) <= 450  # the tests, then the step rows and the twin fit in the budget
+
+
+def test_one_run_writes_at_most_8_files_tests_beside_the_main_job_and_skips_past_the_budget(tmp_path):
+    (tmp_path / ".whl").mkdir()
+    (tmp_path / ".whl" / "ml_collections-1.0-py3-none-any.whl").write_text("")
+    result, out = _run(tmp_path, BUDGET_S="80", SLEEP_TESTS="2")
+    assert result.returncode == 0, result.stderr
+    calls = [c.split(" ", 1) for c in (tmp_path / "calls.txt").read_text().splitlines()]
+    commands = [c for _, c in calls]
+    assert commands[0].startswith("PYTHONPATH= -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/")
+    assert all(c.startswith(f"PYTHONPATH=/tmp/site:{tmp_path} ") for c in commands[1:])
+    tests, main = next(c for c in calls if "pytest" in c[1]), next(c for c in calls if "experiments.train" in c[1])
+    assert int(main[0]) - int(tests[0]) < 2  # started together: the tests run while the main job does
+    steps = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == ["main_job", "tests", *PRIORITY]
+    assert steps[2]["exit"] == 0 and steps[2]["result"] == {"ok": 1}
+    assert steps[3]["exit"] == 1  # the failing pallas row loses nothing else
+    assert steps[4]["exit"] == 0
+    skipped = [s["step"] for s in steps if str(s["exit"]).startswith("skipped: budget")]
+    assert "optimizers" in skipped and PRIORITY[:4] == [s["step"] for s in steps[2:6]]  # 90 s expected, under 80 s left
+    assert len(os.listdir(out)) <= 8 and all((out / f).is_file() for f in os.listdir(out))
+    assert sorted(os.listdir(out)) == ["env.txt", "log.txt", "results.jsonl", "tests.txt"]

@@ -1,0 +1,45 @@
+"""tests/conftest.py: a test whose meshes ask for more devices than its ``devices`` mark fails, naming the mark."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+CASES = '''
+import jax
+import pytest
+
+from sharding import mesh as mesh_lib
+
+
+def test_unmarked_two_device_mesh():
+    mesh_lib.make_mesh("data:2", jax.devices()[:2])
+
+
+def test_unmarked_jax_make_mesh():
+    jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+
+
+@pytest.mark.devices(2)
+def test_marked_two_device_mesh():
+    mesh_lib.make_mesh("data:2", jax.devices()[:2])
+
+
+def test_unmarked_mesh_over_whatever_is_present():
+    mesh_lib.make_mesh("data:-1")
+    jax.make_mesh((jax.device_count(),), ("fsdp",))
+'''
+
+
+def test_a_missing_devices_mark_fails_the_test(tmp_path):
+    (tmp_path / "test_cases.py").write_text(CASES)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SPMDLAB_TEST_CPU_DEVICES": "8", "SPMDLAB_TEST_PLATFORMS": "cpu"}
+    command = [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-o", "addopts=", "-q", "-p", "no:cacheprovider"]
+    result = subprocess.run([*command, str(tmp_path / "test_cases.py")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = result.stdout
+    assert "2 failed, 2 passed" in out, out[-3000:]
+    assert "FAILED test_cases.py::test_unmarked_two_device_mesh" in out and "FAILED test_cases.py::test_unmarked_jax_make_mesh" in out
+    assert "a mesh of this test asks for 2 devices but it is marked devices(1) (1 unmarked): add @pytest.mark.devices(2)" in out
+    assert "a mesh of this test asks for 4 devices but it is marked devices(1) (1 unmarked): add @pytest.mark.devices(4)" in out

@@ -19,7 +19,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from experiments import checkpointing, hardware, metrics_io, train_lib
+from experiments import checkpointing, hardware, metrics_io, profile_summary, train_lib
 from experiments.cli import UsageError
 from experiments.run_spec import RunSpec, balancing, build_run, run_meta
 from lm import data, hf, input_pipeline, pipeline
@@ -47,6 +47,7 @@ class LoopSettings:
     log_every: int
     max_bad_steps: int
     token_shares: dict[str, float] | None = None  # a mixture's share of tokens per source over the run
+    profile: tuple[int, int] | None = None  # steps to trace (`experiments.profile_summary.StepTrace`)
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> LoopSettings:
@@ -58,11 +59,19 @@ class LoopSettings:
             log_every=config.log_every,
             max_bad_steps=config.max_bad_steps,
             token_shares=input_pipeline.token_shares(config),
+            profile=_profile_steps(config.get("profile", "")),
         )
 
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len
+
+
+def _profile_steps(text: str) -> tuple[int, int] | None:
+    try:
+        return profile_summary.parse_steps(text)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
 
 
 @dataclasses.dataclass
@@ -196,11 +205,14 @@ def _loop(
     # first, so no checkpoint is saved past a step that ends the run.
     in_flight: collections.deque = collections.deque()
     previous_ready = time.perf_counter()
+    trace = profile_summary.StepTrace(settings.profile, workdir)
     try:
         for step in range(start, settings.steps):
             done = step + 1
-            dispatched = time.perf_counter()
-            state, metrics = train_step(state, train_lib.global_batch(next(train_iter), shardings))
+            with trace.begin(done, state):
+                dispatched = time.perf_counter()
+                state, metrics = train_step(state, train_lib.global_batch(next(train_iter), shardings))
+            trace.end(done, state)
             in_flight.append((done, metrics, dispatched))
             if stop.at is not None and done == stop.at:
                 stop.request(signal.SIGTERM)
@@ -244,6 +256,7 @@ def _loop(
                 print(f"stopped by signal {stop.signum} after step {done}; checkpoint saved, rerun with the same --workdir to resume", file=sys.stderr)
                 return {"interrupted": True, "steps": done, "signal": stop.signum}
     finally:
+        trace.close(state)
         progress.close()
         writer.close()
     return _summarize(settings, spec, workdir, step_times, last, val_loss, start)

@@ -94,4 +94,5 @@ def get_config() -> ml_collections.ConfigDict:
     config.checkpoint_every = 100
     config.keep_checkpoints = 2
     config.max_bad_steps = 5  # consecutive non-finite steps before the run stops
+    config.profile = ""  # "START:STOP": trace those steps into the workdir (experiments/profile_summary.py)
     return config

@@ -41,7 +41,7 @@ CATEGORIES = ("matrix products", "attention", "copies", "collectives", "reductio
 _RULES = (
     ("attention", r"fmha|flash|attention|_mha|mha_|cudnn\$|splash"),
     ("collectives", r"all-reduce|all-gather|reduce-scatter|collective|all-to-all|nccl|send|recv|psum"),
-    ("matrix products", r"gemm|dot|matmul|conv|cublas|cutlass|sm\d+_xmma|ynn_fusion|xnn_fusion|onednn|ragged|gmm|triton_gemm"),
+    ("matrix products", r"gemm|dot|matmul|convolution|cublas|cutlass|sm\d+_xmma|ynn_fusion|xnn_fusion|onednn|ragged|gmm|triton_gemm"),
     ("copies", r"copy|memcpy|memset|dynamic-update-slice|dynamic_update_slice|transpose|concatenate"),
     ("reductions", r"reduce|reduction|argmax|argmin|softmax"),
     ("elementwise", r"fusion|loop_|elementwise|convert|multiply|add|subtract|exp|select|broadcast|compare|negate|tanh|rsqrt|divide"),
@@ -220,3 +220,54 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     define_flags()
     app.run(main)
+
+
+def loop_buffer_moves(hlo: str, activation: tuple[int, int]) -> list[dict[str, int]]:
+    """Per while loop of a compiled module (e.g. the scanned layers, forward and backward), how many
+    activation-sized buffers its body copies and writes into stacks.
+
+    ``activation = (batch, seq)``: an array counts when its shape holds both in that order
+    (``(..., batch, ..., seq, ...)``) or their product (a flattened ``(batch * seq, features)``). ``copies`` are ``copy`` instructions and
+    fusions whose root is a copy or transpose (a layout change); ``stack_writes`` are
+    dynamic-update-slices (or fusions rooted in one) into a buffer with one more leading axis: the
+    saved residuals a rolled scan writes per layer. Each entry: ``{"copies", "stack_writes", "bytes"}``
+    (bytes copied and written per iteration).
+    """
+    from experiments.bench_comm import _computations, _shape_bytes
+
+    comps, _ = _computations(hlo)
+    b, t = activation
+
+    def sized(shape: str) -> bool:
+        dims = [int(d) for d in re.findall(r"\[([\d,]+)\]", shape)[0].split(",")] if re.search(r"\[[\d,]+\]", shape) else []
+        return (b in dims and t in dims[dims.index(b) + 1 :]) or b * t in dims
+
+    def root(name: str) -> str:
+        lines = [x for x in comps.get(name, ()) if "ROOT" in x]
+        op = re.search(r"=\s*.*?\s+([\w\-]+)\(", lines[0]) if lines else None
+        return op.group(1) if op else ""
+
+    out = []
+    for lines in comps.values():
+        for line in lines:
+            body = re.search(r"\bwhile\(.*body=%?([\w.\-]+)", line)
+            if not body:
+                continue
+            counts = {"copies": 0, "stack_writes": 0, "bytes": 0}
+            for inner in comps.get(body.group(1), ()):
+                op = re.search(r"=\s*(.*?)\s+([\w\-]+)\(", inner)
+                if not op or not sized(op.group(1)):
+                    continue
+                kind = op.group(2)
+                if kind == "fusion":
+                    calls = re.search(r"calls=%?([\w.\-]+)", inner)
+                    kind = root(calls.group(1)) if calls else kind
+                if kind in ("copy", "transpose"):
+                    counts["copies"] += 1
+                elif kind == "dynamic-update-slice":
+                    counts["stack_writes"] += 1
+                else:
+                    continue
+                counts["bytes"] += _shape_bytes(op.group(1))
+            out.append(counts)
+    return out

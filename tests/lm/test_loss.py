@@ -115,3 +115,14 @@ def test_chunked_loss_on_a_vocab_sharded_head(tie):
     np.testing.assert_allclose(chunked, whole, rtol=2e-6)
     for got, want in zip(jax.tree.leaves(g_chunked), jax.tree.leaves(g_whole), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6 * float(jnp.max(jnp.abs(want))))
+
+
+def test_chunked_path_keeps_the_attention_max_logits():
+    """MuonClip's ``attn_max_logits`` leave the model beside the chunked loss as beside the whole one."""
+    cfg = dataclasses.replace(_config(True, "none", track_attn_logits=True), n_layers=2)
+    params = model_lib.init_params(model_lib.define(cfg), 0)
+    tokens = jax.random.randint(jax.random.key(4), (2, 17), 0, VOCAB)
+    whole = loss_lib.next_token_loss(model_lib.define(cfg), params, tokens)[2]
+    chunked = loss_lib.next_token_loss(model_lib.define(dataclasses.replace(cfg, loss_chunk="8")), params, tokens)[2]
+    assert whole["attn_max_logits"].shape == (2, cfg.n_heads)
+    np.testing.assert_allclose(chunked["attn_max_logits"], whole["attn_max_logits"], rtol=1e-6)

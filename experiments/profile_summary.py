@@ -209,7 +209,7 @@ def define_flags() -> None:
 
 def main(argv: list[str]) -> None:
     if len(argv) != 2:
-        raise app.UsageError("give one WORKDIR (or trace file): python -m experiments.profile_summary WORKDIR [--top=N]")
+        raise app.UsageError("give one WORKDIR (or trace file): python -m experiments.profile_summary WORKDIR [--top=N]", exitcode=2)
     try:
         print(format_summary(summarize(load_events(argv[1]), flags.FLAGS.top)))
     except (FileNotFoundError, ValueError) as e:

@@ -35,7 +35,7 @@ import optax
 
 from lm import model as model_lib
 from lm import moe as moe_lib
-from lm.loss import cross_entropy
+from lm.loss import cross_entropy, next_token_loss
 from lm.parallel import pipeline_1f1b
 from optim import placement
 from sharding import partition
@@ -177,9 +177,7 @@ def make_train_step(
     total = (lambda x: jax.lax.psum(x, replica_axis)) if replica_axis else (lambda x: x)  # noqa: E731
 
     def loss_fn(params, tokens, prior_counts=None):
-        # A token mean: logits and targets both in the model's layout (zig-zag under context), no inverse.
-        logits, aux = model_lib.apply(model_def, params, tokens[:, :-1], return_aux=True, model_layout=True)
-        loss, metrics = cross_entropy(logits, model_lib.in_model_layout(model_def, tokens[:, 1:]), z_loss=z_loss)
+        loss, metrics, aux = next_token_loss(model_def, params, tokens, z_loss=z_loss)
         routed = {k: v for k, v in aux.items() if k in OPTIMIZER_AUX}
         if "moe" in aux:
             stats = aux["moe"]
@@ -290,8 +288,7 @@ def make_eval_step(model_def: model_lib.ModelDef) -> Callable[[Any, jax.Array], 
     """Mean next-token loss (nats per token) of ``params`` on a batch."""
 
     def eval_step(params, batch):
-        logits = model_lib.apply(model_def, params, batch[:, :-1])
-        return cross_entropy(logits, batch[:, 1:])[0]
+        return next_token_loss(model_def, params, batch)[0]
 
     return eval_step
 

@@ -21,7 +21,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from experiments import checkpointing, hardware, metrics_io, restore, train_lib
+from experiments import checkpointing, hardware, metrics_io, profile_summary, restore, train_lib
 from experiments.cli import UsageError
 from experiments.run_spec import RunSpec, balancing, build_run, data_config, resolve, run_meta
 from lm import hf
@@ -53,6 +53,7 @@ class LoopSettings:
     token_shares: dict[str, float] | None = None  # a mixture's share of tokens per source over the run
     config: dict | None = None  # the resolved config, for TensorBoard hparams and Weights & Biases
     wandb: dict | None = None  # the config's ``wandb`` block
+    profile: tuple[int, int] | None = None  # steps to trace (`experiments.profile_summary.StepTrace`)
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> LoopSettings:
@@ -66,11 +67,19 @@ class LoopSettings:
             token_shares=input_pipeline.token_shares(data_config(config), config.steps * config.batch_size),
             config=config.to_dict(),
             wandb=config.wandb.to_dict() if config.get("wandb") else None,
+            profile=_profile_steps(config.get("profile", "")),
         )
 
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len
+
+
+def _profile_steps(text: str) -> tuple[int, int] | None:
+    try:
+        return profile_summary.parse_steps(text)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
 
 
 @dataclasses.dataclass
@@ -245,11 +254,14 @@ def _loop(
     # first, so no checkpoint is saved past a step that ends the run.
     in_flight: collections.deque = collections.deque()
     previous_ready = time.perf_counter()
+    trace = profile_summary.StepTrace(settings.profile, workdir)
     try:
         for step in range(start, settings.steps):
             done = step + 1
-            dispatched = time.perf_counter()
-            state, metrics = train_step(state, train_lib.global_batch(next(train_iter), shardings))
+            with trace.begin(done, state):
+                dispatched = time.perf_counter()
+                state, metrics = train_step(state, train_lib.global_batch(next(train_iter), shardings))
+            trace.end(done, state)
             in_flight.append((done, metrics, dispatched))
             if stop.at is not None and done == stop.at:
                 stop.request(signal.SIGTERM)
@@ -297,6 +309,7 @@ def _loop(
         writer.write_summary(summary)
         return summary
     finally:
+        trace.close(state)
         progress.close()
         writer.close()
 

@@ -49,6 +49,7 @@ class ModelConfig:
     scan_layers: bool = True  # one compiled block, scanned over depth
     scan_unroll: int = 0  # blocks per scan iteration; 0: auto, every block on XLA:CPU without remat, else 1 (lm.transformer.layers_per_iteration)
     remat: str = "none"  # what the backward pass recomputes, a policy in lm/remat.py (true: "full")
+    loss_chunk: str = "auto"  # logits rows (tokens) per chunk of the fused LM head + loss; auto | none | N (lm/loss.py)
     track_attn_logits: bool = False  # report per-layer, per-head max pre-softmax logits
     attention: str = "auto"  # auto | xla | cudnn | pallas (lm/attention.py)
     # Parallel modes (lm/parallel/): how the model runs over the `context` and `stage` mesh axes (sharding/axes.py).
@@ -80,6 +81,10 @@ class ModelConfig:
     def __post_init__(self):
         object.__setattr__(self, "remat", remat_lib.canonical(self.remat))
         problems = []
+        chunk = str(self.loss_chunk).strip().lower()
+        object.__setattr__(self, "loss_chunk", chunk)
+        if chunk not in ("auto", "none") and not (chunk.isdigit() and int(chunk) > 0):
+            problems.append(f"model.loss_chunk={self.loss_chunk!r} must be 'auto', 'none' or a positive number of tokens per chunk")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "max_seq_len"):
             if getattr(self, name) < 1:
                 problems.append(f"model.{name}={getattr(self, name)} must be >= 1")

@@ -108,6 +108,14 @@ def apply(model_def: ModelDef, params: Params, tokens: jax.Array, *, return_aux:
     return model(tokens, return_aux=return_aux, model_layout=model_layout)
 
 
+def features(model_def: ModelDef, params: Params, tokens: jax.Array) -> tuple[jax.Array, tuple[jax.Array, bool], dict]:
+    """``(features, (head, vocab_first), aux)``: the LM head's input ``(batch, seq, d_model)`` in the model's
+    layout (`in_model_layout`), its float32 weight and axis order (`Transformer.head_matrix`), and the aux dict."""
+    model = nnx.merge(model_def.graphdef, params)
+    h, aux = model.features(tokens)
+    return h, model.head_matrix(), aux
+
+
 def in_model_layout(model_def: ModelDef, x: jax.Array) -> jax.Array:
     """``x`` ``(batch, seq, ...)`` in the sequence layout the model runs in: targets for ``apply(..., model_layout=True)``."""
     return transformer.in_model_layout(model_def.config, x)

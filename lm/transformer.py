@@ -157,6 +157,15 @@ class Transformer(nnx.Module):
         ``(n_layers, n_heads)`` when ``track_attn_logits`` is on; ``aux["moe"]`` holds the MoE
         layers' statistics stacked over those layers (`lm.moe.balancing_losses`) in an MoE model.
         """
+        features, aux = self.features(tokens)
+        logits = self.head(features)
+        order = context_attention.model_order(self.cfg.context_parallel, tokens.shape[1])
+        if order is not None and not model_layout:
+            logits = constrain(logits[:, np.argsort(order)], ("batch", "seq", "vocab"))
+        return (logits, aux) if return_aux else logits
+
+    def features(self, tokens: jax.Array) -> tuple[jax.Array, dict]:
+        """``(RMSNorm(h_L), aux)``: the head's input ``(batch, seq, d_model)`` in the model's layout, and `__call__`'s aux."""
         cfg = self.cfg
         segment_ids = document_segments(cfg, tokens)  # from the tokens in order
         order = context_attention.model_order(cfg.context_parallel, tokens.shape[1])
@@ -177,20 +186,25 @@ class Transformer(nnx.Module):
             max_logits = jnp.stack([m for m, _ in per_layer]) if cfg.track_attn_logits else None
             moe_layers = [stats for _, stats in per_layer if stats is not None]
             moe_stats = jax.tree.map(lambda *xs: jnp.stack(xs), *moe_layers) if moe_layers else None
-        logits = self._logits(x)
-        if order is not None and not model_layout:
-            logits = constrain(logits[:, np.argsort(order)], ("batch", "seq", "vocab"))
-        if not return_aux:
-            return logits
         aux = {"attn_max_logits": max_logits} if cfg.track_attn_logits else {}
         if moe_stats is not None:
             aux["moe"] = moe_stats
-        return logits, aux
+        return self.final_norm(x), aux
+
+    def head_matrix(self) -> tuple[jax.Array, bool]:
+        """The LM head's float32 weight and whether its vocabulary axis comes first: the tied embedding
+        ``(vocab, d_model)``, or the untied ``lm_head`` kernel ``(d_model, vocab)``."""
+        if self.cfg.tie_embeddings:
+            return self.embed.embedding[...], True
+        return self.lm_head.kernel[...], False
+
+    def head(self, features: jax.Array) -> jax.Array:
+        """Logits ``(batch, seq, vocab)`` in the compute dtype from `features`' output."""
+        logits = self.embed.attend(features) if self.cfg.tie_embeddings else self.lm_head(features)
+        return constrain(logits, ("batch", "seq", "vocab"))
 
     def _logits(self, x: jax.Array) -> jax.Array:
-        x = self.final_norm(x)
-        logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.lm_head(x)
-        return constrain(logits, ("batch", "seq", "vocab"))
+        return self.head(self.final_norm(x))
 
     def decode(self, tokens: jax.Array, cache: kv_cache.Cache, start: jax.Array) -> tuple[jax.Array, kv_cache.Cache]:
         """Logits ``(batch, s, vocab)`` of ``tokens`` ``(batch, s)`` at positions ``start ..``, and the cache.

@@ -30,7 +30,8 @@ factors move (`low_rank` pins them for GSPMD). Fan-in split: ``B^T Q`` all-reduc
 partial sums. Fan-out split: ``B^T Q``'s rows are gathered (``fan_out x r``) for the QR and ``B P``
 all-reduces ``fan_in x r``. The column norms all-reduce ``r`` floats. microsoft/dion's
 ``dion_update_fsdp`` moves the same factors but reduces ``P`` onto one owner per matrix for a
-randomized Cholesky QR; here every device runs the plain QR on the reduced ``P``. From the compiled
+randomized Cholesky QR; here every device orthonormalises the reduced ``P`` itself (`orthonormalize`:
+Householder QR on CPU, shifted Cholesky QR 3 from matrix products on accelerators). From the compiled
 HLO (experiments/bench_optimizer_comm.py, docs/benchmarks.md 6a): at ``r = d/8`` a `tiny` step moves
 1.10x AdamW's collective bytes on ``fsdp:8`` (unpinned, GSPMD gathered whole matrices: 1.57x).
 
@@ -81,6 +82,49 @@ def low_rank(x: jax.Array, rows: str) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+def orthonormalize(p: jax.Array) -> jax.Array:
+    """``Q`` of ``P = QR`` for ``(*batch, m, r)`` factors, ``m >= r``: Householder QR on CPU
+    (`matrix_roots.lapack_each`, one matrix at a time), `cholesky_qr` elsewhere.
+
+    Batched Householder QR on a GPU is a chain of small solver kernels; Cholesky QR is two products
+    per pass (microsoft/dion orthonormalises with a randomized Cholesky QR for the same reason).
+    """
+    householder = lambda p: matrix_roots.lapack_each(jnp.linalg.qr, p)[0]  # noqa: E731
+    if p.shape[-2] < p.shape[-1]:
+        return householder(p)
+    return jax.lax.platform_dependent(p, cpu=householder, default=cholesky_qr)
+
+
+def cholesky_qr(p: jax.Array, tolerance: float = 1e-4) -> jax.Array:
+    """``Q`` of ``P = QR`` (``R``'s diagonal positive) by shifted Cholesky QR 3: matrix products and ``r x r``
+    Cholesky factors only; Householder QR where that does not give orthonormal columns.
+
+    A pass is ``G = P^T P + s I``, ``L = chol(G)``, ``P <- P L^{-T}`` (``L^{-T}`` from an ``r x r``
+    triangular solve, applied as one product). The first pass shifts by ``s = 11 (m r + r (r + 1)) u
+    ||P||_F^2``, which keeps ``G`` positive definite for ``cond(P)`` up to ``~u^{-1}`` and leaves ``P``
+    well conditioned; two unshifted passes (CholeskyQR2) then make it orthonormal to ``O(u)``
+    (Fukaya, Kannan, Nakatsukasa, Yamamoto and Yanagisawa, "Shifted Cholesky QR for computing the QR
+    factorization of ill-conditioned matrices", SIAM J. Sci. Comput. 2020). A (nearly) rank-deficient
+    ``P`` (a gradient of rank below ``r``) keeps columns that are not unit vectors: where ``Q^T Q`` is
+    more than ``tolerance`` from ``I`` (or not finite), the stack takes Householder QR,
+    which completes the basis, as the reference's QR does. Products at full float32 precision (no TF32).
+    """
+    highest = jax.lax.Precision.HIGHEST
+    m, r = p.shape[-2:]
+    eye = jnp.eye(r, dtype=jnp.float32)
+    q = p.astype(jnp.float32)
+    for shifted in (True, False, False):
+        gram = jnp.einsum("...mi,...mj->...ij", q, q, precision=highest)
+        if shifted:
+            shift = 11.0 * (m * r + r * (r + 1)) * jnp.finfo(jnp.float32).eps * jnp.trace(gram, axis1=-2, axis2=-1)
+            gram = gram + shift[..., None, None] * eye
+        lower = jnp.linalg.cholesky(gram)
+        inverse = jax.lax.linalg.triangular_solve(lower, jnp.broadcast_to(eye, lower.shape), left_side=True, lower=True)
+        q = jnp.einsum("...mi,...ji->...mj", q, inverse, precision=highest)  # P L^{-T}
+    error = jnp.max(jnp.abs(jnp.einsum("...mi,...mj->...ij", q, q, precision=highest) - eye))
+    return jax.lax.cond(jnp.isfinite(error) & (error <= tolerance), lambda: q, lambda: jnp.linalg.qr(p.astype(jnp.float32))[0])
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DionDirection:
     """Dion's direction ``sqrt(fan_out / fan_in) Q_t P_t^T`` per matrix (module docstring).
@@ -127,7 +171,7 @@ class DionDirection:
             def leaf(g, m, q):
                 b = m + g.astype(jnp.float32)  # W layout: B_t^T
                 p = low_rank(jnp.swapaxes(b, -1, -2) @ low_rank(q, "keep"), "replicate")  # (fan_out, r)
-                p = low_rank(matrix_roots.lapack_each(jnp.linalg.qr, p)[0], "replicate")
+                p = low_rank(orthonormalize(p), "replicate")
                 r = low_rank(b @ p, "keep")  # (fan_in, r)
                 m = b - (1 - mu_) * r @ jnp.swapaxes(p, -1, -2)
                 q = r / (jnp.linalg.norm(r, axis=-2, keepdims=True) + eps)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from experiments import cli, restore, run_spec, tokenize, train_tokenizer, trainer
+from experiments import cli, restore, run_spec, trainer
 from experiments.configs import default, resolved
 from experiments.metrics_io import read_metrics
-from lm.data import documents
+from lm.data import documents, tokenize, tokenizer
 from optim import registry, schedules
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +30,7 @@ def shards(tmp_path_factory):
     for i in range(30):
         (root / "text" / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i} + y  # sum\n" * (4 + i % 7))
     files = documents.expand(str(root / "text"))
-    tokenizer_file = train_tokenizer.train_bpe((t for f in files for t in documents.read(f)), 300, root / "tok")
+    tokenizer_file = tokenizer.train_bpe((t for f in files for t in documents.read(f)), 300, root / "tok")
     tokenize.tokenize(str(tokenizer_file), files, root / "data", val_fraction=0.2, shard_tokens=2000, workers=1)
     return root
 

@@ -1,4 +1,5 @@
-r"""Collectives of a compiled XLA program and their bytes on the wire, read from its optimised HLO text.
+r"""Collectives of a compiled XLA program and their bytes on the wire, read from its optimised HLO text
+(and, by `loop_buffer_moves`, the activation-sized copies and stack writes inside its while loops).
 
 Every collective (all-reduce, all-gather, all-to-all, reduce-scatter, collective-permute; async
 ``-start`` forms included) is counted from its result shape:
@@ -164,3 +165,52 @@ def compiled_hlo(config: ml_collections.ConfigDict) -> str:
         state = train_lib.abstract_state(spec.model_def, spec.tx, shardings)
         batch = jax.ShapeDtypeStruct((config.batch_size, config.data.seq_len + 1), jnp.int32, sharding=shardings.batch)
         return train_lib.jit_train_step(step_fn, shardings).lower(state, batch).compile().as_text()
+
+
+def loop_buffer_moves(hlo: str, activation: tuple[int, int]) -> list[dict[str, int]]:
+    """Per while loop of a compiled module (e.g. the scanned layers, forward and backward), how many
+    activation-sized buffers its body copies and writes into stacks.
+
+    ``activation = (batch, seq)``: an array counts when its shape holds both in that order
+    (``(..., batch, ..., seq, ...)``) or their product (a flattened ``(batch * seq, features)``). ``copies`` are ``copy`` instructions and
+    fusions whose root is a copy or transpose (a layout change); ``stack_writes`` are
+    dynamic-update-slices (or fusions rooted in one) into a buffer with one more leading axis: the
+    saved residuals a rolled scan writes per layer. Each entry: ``{"copies", "stack_writes", "bytes"}``
+    (bytes copied and written per iteration).
+    """
+    comps, _ = _computations(hlo)
+    b, t = activation
+
+    def sized(shape: str) -> bool:
+        dims = [int(d) for d in re.findall(r"\[([\d,]+)\]", shape)[0].split(",")] if re.search(r"\[[\d,]+\]", shape) else []
+        return (b in dims and t in dims[dims.index(b) + 1 :]) or b * t in dims
+
+    def root(name: str) -> str:
+        lines = [x for x in comps.get(name, ()) if "ROOT" in x]
+        op = re.search(r"=\s*.*?\s+([\w\-]+)\(", lines[0]) if lines else None
+        return op.group(1) if op else ""
+
+    out = []
+    for lines in comps.values():
+        for line in lines:
+            body = re.search(r"\bwhile\(.*body=%?([\w.\-]+)", line)
+            if not body:
+                continue
+            counts = {"copies": 0, "stack_writes": 0, "bytes": 0}
+            for inner in comps.get(body.group(1), ()):
+                op = re.search(r"=\s*(.*?)\s+([\w\-]+)\(", inner)
+                if not op or not sized(op.group(1)):
+                    continue
+                kind = op.group(2)
+                if kind == "fusion":
+                    calls = re.search(r"calls=%?([\w.\-]+)", inner)
+                    kind = root(calls.group(1)) if calls else kind
+                if kind in ("copy", "transpose"):
+                    counts["copies"] += 1
+                elif kind == "dynamic-update-slice":
+                    counts["stack_writes"] += 1
+                else:
+                    continue
+                counts["bytes"] += _shape_bytes(op.group(1))
+            out.append(counts)
+    return out

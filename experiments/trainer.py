@@ -21,7 +21,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from experiments import checkpointing, hardware, metrics_io, profile_summary, restore, train_lib
+from experiments import checkpointing, hardware, metrics_io, profiling, restore, train_lib
 from experiments.cli import UsageError
 from experiments.run_spec import RunSpec, balancing, build_run, data_config, resolve, run_meta
 from lm import hf
@@ -53,7 +53,7 @@ class LoopSettings:
     token_shares: dict[str, float] | None = None  # a mixture's share of tokens per source over the run
     config: dict | None = None  # the resolved config, for TensorBoard hparams and Weights & Biases
     wandb: dict | None = None  # the config's ``wandb`` block
-    profile: tuple[int, int] | None = None  # steps to trace (`experiments.profile_summary.StepTrace`)
+    profile: tuple[int, int] | None = None  # steps to trace (`experiments.profiling.StepTrace`)
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> LoopSettings:
@@ -77,7 +77,7 @@ class LoopSettings:
 
 def _profile_steps(text: str) -> tuple[int, int] | None:
     try:
-        return profile_summary.parse_steps(text)
+        return profiling.parse_steps(text)
     except ValueError as e:
         raise UsageError(str(e)) from e
 
@@ -254,7 +254,7 @@ def _loop(
     # first, so no checkpoint is saved past a step that ends the run.
     in_flight: collections.deque = collections.deque()
     previous_ready = time.perf_counter()
-    trace = profile_summary.StepTrace(settings.profile, workdir)
+    trace = profiling.StepTrace(settings.profile, workdir)
     try:
         for step in range(start, settings.steps):
             done = step + 1

@@ -98,5 +98,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.checkpoint_every = 100  # steps between checkpoints (and at the last step)
     config.keep_checkpoints = 2  # newest checkpoints kept
     config.max_bad_steps = 5  # consecutive non-finite steps before the run stops
-    config.profile = ""  # "START:STOP": trace those steps into the workdir (experiments/profile_summary.py)
+    config.profile = ""  # "START:STOP": trace those steps into the workdir (experiments/profiling.py, experiments/profile_summary.py)
     return config

@@ -6,7 +6,7 @@ import json
 import jax
 import pytest
 
-from experiments import cli, profile_summary, trainer
+from experiments import cli, hlo_bytes, profiling, trainer
 from experiments.configs import default
 
 
@@ -18,12 +18,12 @@ def test_profiled_run_traces_its_steps_and_summarises_on_cpu(tmp_path):
     )  # fmt: skip
     trainer.run(config, tmp_path)
     assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))  # what TensorBoard / XProf read
-    events = profile_summary.load_events(tmp_path)
-    summary = profile_summary.summarize(events, top=5)
+    events = profiling.load_events(tmp_path)
+    summary = profiling.summarize(events, top=5)
     assert summary.steps == 2
     assert summary.by_category["matrix products"][0] > 0
     assert len(summary.top) == 5 and all(op for _, op, _, _, _ in summary.top)  # each kernel names its HLO op
-    table = profile_summary.format_summary(summary)
+    table = profiling.format_summary(summary)
     assert "2 traced step(s)" in table and "idle" in table and summary.top[0][1] in table
 
 
@@ -56,7 +56,7 @@ def _gpu_trace(path):
 
 def test_gpu_trace_categories_and_idle(tmp_path):
     _gpu_trace(tmp_path / "host.trace.json.gz")
-    summary = profile_summary.summarize(profile_summary.load_events(tmp_path))
+    summary = profiling.summarize(profiling.load_events(tmp_path))
     got = {c: t for c, (t, _) in summary.by_category.items() if t}
     assert got == {"matrix products": 40, "attention": 20, "copies": 10, "elementwise": 5, "reductions": 5, "collectives": 10, "idle": 10}
     assert summary.steps == 1 and summary.top[0][:3] == ("sm90_xmma_gemm_bf16bf16_bf16f32", "custom-call.3", "matrix products")
@@ -87,6 +87,6 @@ def test_rolled_layer_loop_moves_only_the_carry_and_attentions_layout():
     state = {"params": model_def.abstract_params, "opt_state": jax.eval_shape(tx.init, model_def.abstract_params), **counters}
     step = jax.jit(train_lib.make_train_step(model_def, tx))
     hlo = step.lower(state, jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)).compile().as_text()
-    forward, backward = profile_summary.loop_buffer_moves(hlo, (batch, seq))
+    forward, backward = hlo_bytes.loop_buffer_moves(hlo, (batch, seq))
     assert forward["stack_writes"] == 1 and backward["stack_writes"] == 0
     assert forward["copies"] <= 3 and backward["copies"] <= 3

@@ -31,6 +31,11 @@ capped at ``n`` (the authors' state would not fit); at ``r = n`` the complement 
 (its value in exact arithmetic; the authors' code orthogonalises the rounding error of ``D - D P P^T``
 there, normalised to the size of a real direction). State: ``mu`` like the parameter, ``basis``
 ``(*batch, fan_in, r)``, ``gram`` ``(*batch, r, r)``, ``nu`` ``(*batch, fan_out, r)``.
+
+Conditioning: where ``r`` exceeds the gradients' rank (a rank-1 gradient, as optax's contrib harness
+uses), ``D P`` and ``V`` vanish in exact arithmetic on the extra directions and ``A_t`` divides their
+rounding error by ``eps`` (the authors' code does the same); updates there differ between any two
+roundings (e.g. with and without `optax.inject_hyperparams`), not between the two readings of the rule.
 """
 
 from __future__ import annotations

@@ -156,3 +156,37 @@ class DirectionOptimizer(spec.OptimizerSpec):
             optax.scale_by_learning_rate(self.learning_rate),
         )
         return shapes.checked(full, type(self).__name__.lower())
+
+
+def unzip(tree: Any, out: Any, n: int) -> tuple[Any, ...]:
+    """``n`` trees shaped like ``tree`` from ``out`` (``tree`` with an ``n``-tuple at each leaf); ``n``
+    empty trees when ``tree`` has no leaves (a branch of `optax.partition` that holds no parameter)."""
+    treedef = jax.tree.structure(tree)
+    rows = treedef.flatten_up_to(out)
+    return tuple(treedef.unflatten([row[i] for row in rows]) for i in range(n))
+
+
+try:  # optax's shapeless stand-in for the parameters (`optax.tree.map_params` initialises on it)
+    from optax.tree_utils._state_utils import _ParamsPlaceholder as _OptaxPlaceholder
+except ImportError:  # a later optax without it: `by_shapes` builds as usual
+    _OptaxPlaceholder = ()
+
+
+class ShapesUnknown:
+    """Stands, as one pytree leaf, for a state part whose structure follows the parameters' shapes
+    (Shampoo's block stacks, PSGD-Kron's factors, `quantize_state`'s codes) in a state initialised on
+    `optax.tree.map_params`'s placeholder, which has no shapes. ``map_params`` then matches that
+    part whole as non-parameter state (``transform_non_params`` receives it whole)."""
+
+    def __repr__(self) -> str:
+        return "ShapesUnknown()"
+
+
+def is_placeholder(params: Any) -> bool:
+    """Whether ``params`` is `optax.tree.map_params`'s shapeless stand-in for the parameters."""
+    return isinstance(params, _OptaxPlaceholder)
+
+
+def by_shapes(params: Any, build: Callable[[], Any]) -> Any:
+    """``build()``, the state part that ``params``' shapes define; `ShapesUnknown` on optax's placeholder."""
+    return ShapesUnknown() if is_placeholder(params) else build()

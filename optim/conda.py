@@ -130,8 +130,7 @@ class CondaDirection:
                 return d.astype(g.dtype), m, v, q
 
             out = jax.tree.map(leaf, updates, state.mu, state.nu, state.basis)
-            treedef = jax.tree.structure(updates)
-            d, mu, nu, basis = (treedef.unflatten(x) for x in zip(*treedef.flatten_up_to(out), strict=True))
+            d, mu, nu, basis = common.unzip(updates, out, 4)
             return d, CondaState(count=count, mu=mu, nu=nu, basis=basis)
 
         return optax.GradientTransformation(init_fn, update_fn)

@@ -31,6 +31,11 @@ capped at ``n`` (the authors' state would not fit); at ``r = n`` the complement 
 (its value in exact arithmetic; the authors' code orthogonalises the rounding error of ``D - D P P^T``
 there, normalised to the size of a real direction). State: ``mu`` like the parameter, ``basis``
 ``(*batch, fan_in, r)``, ``gram`` ``(*batch, r, r)``, ``nu`` ``(*batch, fan_out, r)``.
+
+Conditioning: where ``r`` exceeds the gradients' rank (a rank-1 gradient, as optax's contrib harness
+uses), ``D P`` and ``V`` vanish in exact arithmetic on the extra directions and ``A_t`` divides their
+rounding error by ``eps`` (the authors' code does the same); updates there differ between any two
+roundings (e.g. with and without `optax.inject_hyperparams`), not between the two readings of the rule.
 """
 
 from __future__ import annotations
@@ -113,6 +118,8 @@ class CosmosDirection(NewtonSchulz):
 
     def direction(self) -> optax.GradientTransformation:
         rank = common.static_int("rank", self.rank, STATIC_ARGS)
+        # float32 from the start, so ``1 - b1`` rounds alike whether or not optax.inject_hyperparams made them arrays
+        b1, b2, eps, gamma = (jnp.asarray(x, jnp.float32) for x in (self.b1, self.b2, self.eps, self.gamma))
 
         def ranks(p):
             return min(rank, p.shape[-2])
@@ -136,28 +143,28 @@ class CosmosDirection(NewtonSchulz):
             g = _t(g.astype(jnp.float32).reshape(-1, *shape[-2:]))  # (B, m, n), PyTorch's orientation
             mu = _t(mu.reshape(g.shape[0], *shape[-2:]))
             p, s, v = (x.reshape(g.shape[0], *x.shape[-2:]) for x in (p, s, v))
-            mu = self.b1 * mu + g
+            mu = b1 * mu + g
             p, s = jax.lax.cond(
                 first,
-                lambda p, s: initial_subspace(g, p.shape[-1], self.b2),
-                lambda p, s: track_subspace(g, p, s, self.b2),
+                lambda p, s: initial_subspace(g, p.shape[-1], b2),
+                lambda p, s: track_subspace(g, p, s, b2),
                 p,
                 s,
             )
             gp = _mm(g, p)
-            v = self.b2 * v + (1 - self.b2) * gp * gp
-            c1 = (1 - self.b1**t) / (1 - self.b1)
-            d = (g + self.b1 * mu) / (1 + self.b1 * c1) if self.nesterov else mu / c1
+            v = b2 * v + (1 - b2) * gp * gp
+            c1 = (1 - b1**t) / (1 - b1)
+            d = (g + b1 * mu) / (1 + b1 * c1) if self.nesterov else mu / c1
             dp = _mm(d, p)
-            adaptive = _mm(dp / (jnp.sqrt(v / (1 - self.b2**t)) + self.eps), _t(p))
+            adaptive = _mm(dp / (jnp.sqrt(v / (1 - b2**t)) + eps), _t(p))
             scale = (shape[-1] * shape[-2]) ** 0.5
             u = adaptive
             if p.shape[-1] < g.shape[-1]:  # else the complement is empty: D - D P P^T is rounding only
                 rest = ns.newton_schulz(
                     d - _mm(dp, _t(p)), self.ns_coeffs, self.ns_steps, eps=self.ns_eps, dtype=self.ns_dtype
                 )
-                u = u + self.gamma * scale * rest / (_frobenius(rest) + self.eps)
-            u = scale * u / (_frobenius(u) + self.eps)
+                u = u + gamma * scale * rest / (_frobenius(rest) + eps)
+            u = scale * u / (_frobenius(u) + eps)
 
             def back(x, like):
                 return x.reshape(like)

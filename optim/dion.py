@@ -180,8 +180,7 @@ class DionDirection:
                 return d.astype(g.dtype), m, q
 
             out = jax.tree.map(leaf, updates, state.mu, state.q)
-            treedef = jax.tree.structure(updates)
-            d, mu, q = (treedef.unflatten(x) for x in zip(*treedef.flatten_up_to(out), strict=True))
+            d, mu, q = common.unzip(updates, out, 3)
             return d, DionState(mu=mu, q=q)
 
         return optax.GradientTransformation(init_fn, update_fn)

@@ -173,8 +173,7 @@ class Dion2Direction:
                 return d.astype(g.dtype), m
 
             out = jax.tree.map(leaf, updates, state.mu)
-            treedef = jax.tree.structure(updates)
-            d, mu = (treedef.unflatten(x) for x in zip(*treedef.flatten_up_to(out), strict=True))
+            d, mu = common.unzip(updates, out, 2)
             return d, Dion2State(mu=mu)
 
         return optax.GradientTransformation(init_fn, update_fn)

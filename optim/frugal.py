@@ -306,6 +306,8 @@ class FrugalBlockDirection(FrugalRule):
         def update_fn(updates, state, params=None):
             del params
             grads, treedef = jax.tree.flatten(updates)
+            if not grads:  # a branch of `optax.partition` that holds no parameter
+                return updates, state._replace(count=optax.safe_increment(state.count))
             sizes = [math.prod(g.shape[:-2]) for g in grads]
             n = sum(sizes)
             switch, since = state.count // self.update_gap, state.count % self.update_gap

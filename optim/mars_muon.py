@@ -68,7 +68,8 @@ class MarsMuonDirection(MuonDirection):
     def _correct(self, g: jax.Array, prev: jax.Array, ax: ns.MatrixAxes) -> tuple[jax.Array, jax.Array]:
         """``(c_t, g_t)``: the corrected (clipped) gradient, and the gradient to keep as ``g_{t-1}``."""
         g32 = g.astype(jnp.float32)
-        c = g32 + self.gamma * self.beta / (1 - self.beta) * (g32 - prev.astype(jnp.float32))
+        gamma, beta = jnp.asarray(self.gamma, jnp.float32), jnp.asarray(self.beta, jnp.float32)  # as injected
+        c = g32 + gamma * beta / (1 - beta) * (g32 - prev.astype(jnp.float32))
         if self.clip_c:
             _, fan_in, fan_out = ns.split_axes(c.shape, ax)
             norm = jnp.sqrt(jnp.sum(jnp.square(c), axis=fan_in + fan_out, keepdims=True))

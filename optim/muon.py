@@ -91,6 +91,7 @@ def momentum_direction(
     """``(D_t, M_t)`` for one leaf (see the module docstring); float32 math."""
     g = g.astype(jnp.float32)
     mu = mu.astype(jnp.float32)
+    beta = jnp.asarray(beta, jnp.float32)  # ``1 - beta`` rounds alike when optax.inject_hyperparams made it an array
     if form == "ema":
         mu = beta * mu + (1 - beta) * g
         direction = beta * mu + (1 - beta) * g if nesterov else mu

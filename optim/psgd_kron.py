@@ -291,7 +291,7 @@ def _scale_by_psgd_kron(h: PsgdKronDirection) -> optax.GradientTransformation:
         return KronState(
             count=jnp.zeros([], jnp.int32),
             mu=treedef.unflatten([jnp.zeros(p.shape, jnp.float32) for p in leaves]),
-            qs=tuple(init_factors(p.shape) for p in leaves),
+            qs=common.by_shapes(params, lambda: tuple(init_factors(p.shape) for p in leaves)),
             key=jax.random.key_data(jax.random.key(seed)),
             update_counter=jnp.zeros([], jnp.int32),
             balance_counter=jnp.zeros([], jnp.int32),

@@ -40,7 +40,8 @@ Fused kernel (``kernel=``, ``fused=``): AdamW and Lion take their step on the co
 (`optim.quantize_state_fused`).
 
 Under `optax.inject_hyperparams`, ``bits``, ``block_size`` and ``min_size`` set the stored arrays'
-shapes and must be static (``static_args=STATIC_ARGS``).
+shapes and must be static (``static_args=STATIC_ARGS``) when given; their defaults are None, which
+optax leaves out of the injected hyperparameters, so ``inject_hyperparams(quantize_state)(inner)`` works.
 
 Memory per parameter of AdamW's two moments: 8 bytes in fp32; 2 + 2 * 4/256 = 2.03 in 8 bits;
 1 + 4/128 + rank-1 maxima ~ 1.04 in 4 bits (`optim.memory.state_bytes` counts it exactly).
@@ -101,10 +102,10 @@ def default_mask(params: Any, *, min_size: int = 4096) -> Any:
 
 def quantize_state(
     inner: optax.GradientTransformation,
-    bits: int = 8,
+    bits: int | None = None,
     *,
-    block_size: int = 0,
-    min_size: int = 4096,
+    block_size: int | None = None,
+    min_size: int | None = None,
     mask: Callable[[Any], Any] | None = None,
     nonnegative_fields: tuple[str, ...] = NONNEGATIVE_FIELDS,
     stochastic_rounding: bool = False,
@@ -118,9 +119,9 @@ def quantize_state(
 
     Args:
       inner: any transform (a full optimizer or a ``scale_by_*``); it runs on the dequantized state.
-      bits: 8 or 4.
-      block_size: elements per block, a power of two; 0 picks 256 for 8 bits and 128 for 4 bits.
-      min_size: parameters with fewer elements keep fp32 state (default mask only).
+      bits: 8 or 4; None: 8.
+      block_size: elements per block, a power of two; 0 or None picks 256 for 8 bits and 128 for 4 bits.
+      min_size: parameters with fewer elements keep fp32 state (default mask only); None: 4096.
       mask: ``params -> pytree of bool``, True where that parameter's state is quantized; overrides
         `default_mask` (and ``min_size``) entirely.
       nonnegative_fields: state keys that mark second moments.
@@ -132,12 +133,12 @@ def quantize_state(
       param_specs: the parameters' `PartitionSpec` tree; under a mesh the kernel runs per shard.
       interpret: run the kernel in Pallas interpret mode (CPU tests).
     """
-    bits = common.static_int("bits", bits, STATIC_ARGS)
+    bits = 8 if bits is None else common.static_int("bits", bits, STATIC_ARGS)
     if bits not in DEFAULT_BLOCK:
         raise ValueError(f"quantize_state: bits must be 8 or 4, got {bits}")
-    block = common.static_int("block_size", block_size, STATIC_ARGS) or DEFAULT_BLOCK[bits]
+    block = common.static_int("block_size", 0 if block_size is None else block_size, STATIC_ARGS) or DEFAULT_BLOCK[bits]
     qz.check_block_size(block)
-    min_size = common.static_int("min_size", min_size, STATIC_ARGS)
+    min_size = 4096 if min_size is None else common.static_int("min_size", min_size, STATIC_ARGS)
     kernel_steps = fused_steps(
         fused, kernel=kernel, param_specs=param_specs, interpret=interpret, stochastic_rounding=stochastic_rounding
     )
@@ -200,6 +201,8 @@ def _quantized(
                     return codec.quantize(leaf, names[:start]) if hit[1] else None
             return None
 
+        if common.is_placeholder(params):  # `optax.tree.map_params`: no shapes, nothing to quantize
+            return QuantizedState(jnp.zeros([], jnp.int32), inner.init(params), common.ShapesUnknown())
         state = jax.lax.optimization_barrier(inner.init(params))
         leaves, state_def = jax.tree_util.tree_flatten_with_path(state)
         stored, quantized = [], {}

@@ -151,7 +151,8 @@ class ScionDirection(NewtonSchulz):
         }
         return _in_gradient_dtype(
             optax.chain(
-                optax.ema(1 - self.momentum, debias=False, accumulator_dtype=jnp.float32),
+                # 1 - momentum in float32, as under optax.inject_hyperparams (where momentum is an array)
+                optax.ema(1 - jnp.asarray(self.momentum, jnp.float32), debias=False, accumulator_dtype=jnp.float32),
                 optax.partition(lmos, scion_labels if self.param_labels is None else self.param_labels),
             )
         )

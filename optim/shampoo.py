@@ -216,8 +216,8 @@ def _scale_by_shampoo(h: ShampooDirection) -> optax.GradientTransformation:
             count=jnp.zeros([], jnp.int32),
             momentum=zeros(),
             graft_nu=zeros() if has_nu else None,
-            stats=eyes(h.matrix_eps),
-            preconds=eyes(1.0),
+            stats=common.by_shapes(params, lambda: eyes(h.matrix_eps)),
+            preconds=common.by_shapes(params, lambda: eyes(1.0)),
             root_failures=jnp.zeros([], jnp.int32),
         )
 

@@ -157,16 +157,15 @@ def _scale_by_soap(h: SoapDirection) -> optax.GradientTransformation:
         def zeros():  # a fresh buffer per field: a donating jit step must never see one twice
             return treedef.unflatten([jnp.zeros(p.shape, jnp.float32) for p in leaves])
 
+        def stacks(fill):
+            return blocking.BlockStacks({k: blocking.constrain_blocks(fill(n, b)) for k, b, n in stack.groups})
+
         return SoapState(
             count=jnp.zeros([], jnp.int32),
             mu=zeros(),
             nu=zeros(),
-            stats=blocking.BlockStacks(
-                {k: blocking.constrain_blocks(blocking.zeros_fill(n, b)) for k, b, n in stack.groups}
-            ),
-            bases=blocking.BlockStacks(
-                {k: blocking.constrain_blocks(blocking.identity_fill(n, b)) for k, b, n in stack.groups}
-            ),
+            stats=common.by_shapes(params, lambda: stacks(blocking.zeros_fill)),
+            bases=common.by_shapes(params, lambda: stacks(blocking.identity_fill)),
         )
 
     def update_fn(updates, state, params=None):

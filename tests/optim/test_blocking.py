@@ -89,7 +89,8 @@ def test_matmul_precision_reaches_the_statistics_and_preconditioning_matmuls(mak
 
 @pytest.mark.parametrize("name", ["shampoo", "soap"])
 def test_map_params_maps_a_state_with_block_stacks(name):
-    """issue 34 item 10: optax.tree.map_params fails on these states; blocking.map_params is its equivalent."""
+    """issue 34 item 10: blocking.map_params maps each stack's arrays as non-parameter state; optax's own
+    (issue 48 item 8) hands ``transform_non_params`` each stack whole."""
     import optax
 
     from optim import shampoo, soap
@@ -97,8 +98,10 @@ def test_map_params_maps_a_state_with_block_stacks(name):
     tx = (shampoo.shampoo if name == "shampoo" else soap.soap)(1e-3)
     params = {"w": jnp.ones((2, 8, 12)), "scale": jnp.ones((8,))}
     state = tx.init(params)
-    with pytest.raises(ValueError):
-        optax.tree.map_params(tx, lambda p: "param", state, transform_non_params=lambda x: "other")
+    whole = optax.tree.map_params(
+        tx, lambda p: "param", state, transform_non_params=lambda x: "other", is_leaf=lambda x: isinstance(x, optax.MaskedNode)
+    )
+    assert set(jax.tree.leaves(whole)) == {"param", "other"}
     masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731  # the other group's leaves (optax.partition)
     tag = lambda p, t: p if masked(p) else t  # noqa: E731
     mapped = blocking.map_params(

@@ -4,7 +4,10 @@ Each optimizer of `optim.registry.OPTIMIZERS` is built at its spec's defaults (w
 AdamW, the learned optimizer with a run length) and must: take an eagerly initialised state into a
 ``jit`` step that donates parameters and state; run under ``flax.nnx.Optimizer``, alone and inside
 `optim.quantize_state`; work under ``optax.inject_hyperparams``; accept extra keyword arguments in
-``update``; keep its state's dtypes under float64 parameters. The transform wrappers (`cautious`,
+``update``; keep its state's dtypes under float64 parameters; take a tree with no hidden matrix; let
+``optax.tree.map_params`` map its state (alone and inside `optim.quantize_state`); give the same
+updates under ``optax.inject_hyperparams`` as without it (issue 48 item 8: optax's own contrib
+harness, ``optax/contrib/_common_test.py``, run over the registry). The transform wrappers (`cautious`,
 `quantize_state`) are checked around AdamW. Tiny pytrees, a few steps each; the
 update rules are checked per optimizer in its own file, training-like use in ``test_common.py``.
 """
@@ -223,3 +226,69 @@ def test_runs_under_nnx_optimizer_with_quantized_state(name):
         train_step(model, optimizer, x)
     assert np.isfinite(np.asarray(model.up.kernel[...])).all()
 
+
+
+@pytest.mark.parametrize("name", EVERY)
+def test_a_tree_with_no_hidden_matrix(name):
+    """issue 48 item 8: Dion, Dion2 and Conda unpacked an empty leaf list (``not enough values to
+    unpack``) when `optax.partition` handed their branch no parameter."""
+    if name == "muon_clip":
+        pytest.skip("MuonClip needs attention kernels and their logits (tests/optim/test_muon_clip.py)")
+    tx = build(name)
+    p = {"norm": {"scale": jnp.ones(8)}, "bias": jnp.zeros(4)}
+    extra = {arg: jnp.ones((LAYERS, HEADS)) for arg in extra_args(name)}
+    updates, _ = jax.jit(lambda g, s, p: tx.update(g, s, p, **extra))(grads_like(p), tx.init(p), p)
+    assert jax.tree.structure(updates) == jax.tree.structure(p)
+    assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["plain", "quantize_state"])
+@pytest.mark.parametrize("name", NAMES)
+def test_optax_map_params_maps_the_state(name, quantized):
+    """issue 48 item 8: ``optax.tree.map_params`` initialises on a shapeless placeholder; a state part
+    whose structure follows the parameters' shapes (block stacks, Kronecker factors, quantized codes)
+    comes out of it as one `optim.common.ShapesUnknown` leaf, matched whole as non-parameter state."""
+    tx = build(name)
+    if quantized:
+        tx = quantize_state(tx, bits=8, min_size=64)
+    p = params()
+    state = tx.init(p)
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731  # the other group's leaves (optax.partition)
+    same = optax.tree.map_params(tx, lambda x: x, state, is_leaf=masked)
+    assert jax.tree.structure(same) == jax.tree.structure(state)
+    tagged = optax.tree.map_params(
+        tx, lambda x: x if masked(x) else "param", state, transform_non_params=lambda x: "other", is_leaf=masked
+    )
+    leaves = jax.tree.leaves(tagged)
+    assert leaves and set(leaves) <= {"param", "other"}
+
+
+@pytest.mark.parametrize("name", EVERY)
+def test_inject_hyperparams_gives_the_direct_updates(name):
+    """issue 48 item 8: hyperparameters injected as float32 arrays must give the updates of the Python
+    floats (rtol 1e-5, optax's harness): Scion's ``1 - momentum``, MARS-Muon's ``beta / (1 - beta)``
+    and COSMOS's ``1 - b1`` rounded differently in double precision. COSMOS at rank 2 (below the
+    gradients' rank), where its subspace Adam does not divide rounding error by ``eps``."""
+    fields = {"rank": 2} if name == "cosmos" else {}
+    tx, inj = build(name, **fields), injected(name, **fields)
+    p = params()
+    step = lambda t: jax.jit(lambda g, s, p: t.update(g, s, p, **extra_args(name)))  # noqa: E731
+    state, state_inj = tx.init(p), inj.init(p)
+    for seed in range(2):
+        g = grads_like(p, seed)
+        updates, state = step(tx)(g, state, p)
+        updates_inj, state_inj = step(inj)(g, state_inj, p)
+        for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(updates_inj), strict=True):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-9)
+
+
+def test_quantize_state_under_inject_hyperparams_with_its_defaults():
+    """issue 48 item 8: optax injects every numeric default, so ``bits=8`` as a default made
+    ``inject_hyperparams(quantize_state)(inner)`` fail; its shape-setting defaults are None now."""
+    inj = optax.inject_hyperparams(quantize_state)(build("adamw"), min_size=None)
+    direct = quantize_state(build("adamw"))
+    p, g = params(), grads_like(params())
+    a, _ = jax.jit(direct.update)(g, direct.init(p), p)
+    b, _ = jax.jit(inj.update)(g, inj.init(p), p)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-6)

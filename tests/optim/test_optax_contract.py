@@ -19,7 +19,6 @@ import optax
 import pytest
 from flax import nnx
 
-from optim import quantization as qz
 from optim import registry, spec
 from optim.cautious import cautious
 from optim import quantize_state as qs

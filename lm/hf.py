@@ -298,7 +298,7 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "float32", spelling: int | None 
         if moe:  # a dense model says so by first_k_dense_replace alone (transformers wants ints here)
             out |= {
                 "n_routed_experts": cfg.n_experts,
-                "n_shared_experts": cfg.n_shared_experts or None,
+                "n_shared_experts": cfg.n_shared_experts or (0 if spelling >= 5 else None),  # 5 wants an int, 4.x None
                 "num_experts_per_tok": cfg.experts_per_token,
             }
     return out

@@ -68,6 +68,9 @@ class ModelConfig:
     expert_mlp_dim: int = 0  # 0: mlp_dim
     router_score: str = "softmax"  # softmax | sigmoid
     normalize_router_weights: bool = False  # divide the top-k gates by their sum (DeepSeek)
+    router_scale: float = 1.0  # multiplies the routed experts' gates, after the normalisation (DeepSeek's routed_scaling_factor)
+    router_groups: int = 1  # experts in this many contiguous groups; top-k only within the best groups (DeepSeek's n_group)
+    router_topk_groups: int = 0  # groups kept per token, ranked by their best expert score; 0: every group (topk_group)
     capacity_factor: float = 0.0  # <= 0: dropless
     moe_matmul: str = "auto"  # auto | ragged_dot | gmm: the dropless dispatch's grouped matmuls (lm/moe.py)
     # Multi-head latent attention (lm/mla.py); with it head_dim is the per-head query/key width without
@@ -156,7 +159,23 @@ class ModelConfig:
             )
         if self.n_shared_experts < 0 or self.expert_mlp_dim < 0:
             problems.append("model.n_shared_experts and model.expert_mlp_dim must be >= 0")
+        if not self.router_scale > 0:
+            problems.append(f"model.router_scale={self.router_scale} must be > 0")
+        if self.router_groups < 1 or self.n_experts % self.router_groups:
+            problems.append(f"model.router_groups={self.router_groups} must be >= 1 and divide model.n_experts={self.n_experts}")
+        elif not 0 <= self.router_topk_groups <= self.router_groups:
+            problems.append(f"model.router_topk_groups={self.router_topk_groups} must be in [0, model.router_groups={self.router_groups}] (0: every group)")
+        elif self.experts_per_token > self.routable_experts:
+            problems.append(
+                f"model.experts_per_token={self.experts_per_token} exceeds the {self.routable_experts} experts of "
+                f"model.router_topk_groups={self.router_topk_groups} groups of {self.n_experts // self.router_groups}"
+            )
         return problems
+
+    @property
+    def routable_experts(self) -> int:
+        """Experts a token may choose from: those of its ``router_topk_groups`` best groups (all without groups)."""
+        return (self.router_topk_groups or self.router_groups) * (self.n_experts // self.router_groups)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.n_experts > 0 and layer >= self.first_dense_layers and (layer + 1) % self.moe_every == 0

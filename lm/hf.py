@@ -53,7 +53,8 @@ INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FIELDS = (
     "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "max_seq_len", "rope_theta",
     "norm_eps", "tie_embeddings", "qk_norm", "attention_type", "n_experts", "experts_per_token", "n_shared_experts",
-    "moe_every", "first_dense_layers", "expert_mlp_dim", "router_score", "normalize_router_weights", "kv_lora_rank",
+    "moe_every", "first_dense_layers", "expert_mlp_dim", "router_score", "normalize_router_weights", "router_scale",
+    "router_groups", "router_topk_groups", "kv_lora_rank",
     "q_lora_rank", "rope_head_dim", "v_head_dim", "rope_scaling", "rope_factor", "rope_original_max_len",
     "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim",
     "rope_attention_factor", "rope_truncate",
@@ -123,6 +124,24 @@ class Source:
 # ------------------------------------------------------------------------------------ architecture
 
 
+def _limits_groups(cfg: ModelConfig) -> bool:
+    """Whether ``cfg`` routes within fewer than all of its expert groups (DeepSeek-V2's ``group_limited_greedy``)."""
+    return 0 < cfg.router_topk_groups < cfg.router_groups
+
+
+def _deepseek_only_routing(cfg: ModelConfig) -> list[str]:
+    """``cfg``'s router settings that only transformers' DeepSeek-V2 computes (Mixtral and Qwen3-MoE lack them)."""
+    differences = []
+    if cfg.router_scale != 1.0:
+        differences.append(f"model.router_scale={cfg.router_scale} (only DeepSeek-V2 scales the gates): set it to 1.0")
+    if _limits_groups(cfg):
+        differences.append(
+            f"model.router_topk_groups={cfg.router_topk_groups} < model.router_groups={cfg.router_groups} "
+            "(only DeepSeek-V2 routes within groups): set model.router_topk_groups=0"
+        )
+    return differences
+
+
 def architecture(cfg: ModelConfig) -> str:
     """The transformers architecture of ``cfg`` (``LlamaForCausalLM``, ...); raises where there is none."""
     if cfg.attention_type == "mla":
@@ -131,7 +150,7 @@ def architecture(cfg: ModelConfig) -> str:
         return _QWEN3 if cfg.qk_norm else _LLAMA
     if cfg.qk_norm:
         return _qwen3_moe_architecture(cfg)
-    differences = []
+    differences = _deepseek_only_routing(cfg)
     if cfg.n_shared_experts:
         differences.append(f"model.n_shared_experts={cfg.n_shared_experts} (Mixtral has no shared experts)")
     if cfg.router_score != "softmax" or not cfg.normalize_router_weights:
@@ -147,7 +166,7 @@ def architecture(cfg: ModelConfig) -> str:
 
 
 def _qwen3_moe_architecture(cfg: ModelConfig) -> str:
-    differences = []
+    differences = _deepseek_only_routing(cfg)
     if cfg.n_shared_experts:
         differences.append(f"model.n_shared_experts={cfg.n_shared_experts} (Qwen3-MoE has no shared experts)")
     if cfg.router_score != "softmax":
@@ -270,16 +289,16 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "float32", spelling: int | None 
             "first_k_dense_replace": cfg.first_dense_layers if moe else cfg.n_layers,
             "moe_layer_freq": 1,
             "norm_topk_prob": False,  # transformers ignores it: its DeepSeek-V2 never renormalises (`architecture` refuses)
-            "routed_scaling_factor": 1.0,
+            "routed_scaling_factor": cfg.router_scale,
             "scoring_func": "softmax",
-            "topk_method": "greedy",
-            "n_group": 1,
-            "topk_group": 1,
+            "topk_method": "group_limited_greedy" if _limits_groups(cfg) else "greedy",
+            "n_group": cfg.router_groups if _limits_groups(cfg) else 1,
+            "topk_group": cfg.router_topk_groups if _limits_groups(cfg) else 1,
         }
         if moe:  # a dense model says so by first_k_dense_replace alone (transformers wants ints here)
             out |= {
                 "n_routed_experts": cfg.n_experts,
-                "n_shared_experts": cfg.n_shared_experts or None,
+                "n_shared_experts": cfg.n_shared_experts or (0 if spelling >= 5 else None),  # 5 wants an int, 4.x None
                 "num_experts_per_tok": cfg.experts_per_token,
             }
     return out
@@ -297,11 +316,13 @@ def from_hf_config(hf: dict[str, Any], where: str = CONFIG, **overrides: Any) ->
     Raises:
       UnsupportedArchitecture: an architecture other than Llama / Qwen3 / Qwen3-MoE / Mixtral / DeepSeek-V2, or a setting our
         model does not compute (a RoPE scaling other than linear / dynamic / llama3 / yarn, biases, sliding windows,
-        another activation, group-limited or scaled DeepSeek routing), named.
+        another activation, DeepSeek-V3's ``noaux_tc`` routing), named.
 
     Both spellings transformers has written are read (`installed_spelling`); where a key is absent the value is
     transformers' default for the architecture. Router normalisation is what transformers computes: Mixtral always
-    renormalises the top-k gates, Qwen3-MoE by ``norm_topk_prob``, DeepSeek-V2 never (it ignores the key).
+    renormalises the top-k gates, Qwen3-MoE by ``norm_topk_prob``, DeepSeek-V2 never (it ignores the key); DeepSeek-V2's
+``routed_scaling_factor`` and ``group_limited_greedy`` (``n_group``, ``topk_group``) become ``model.router_scale``,
+``router_groups`` and ``router_topk_groups`` (groups are dropped where ``topk_group >= n_group``: that routes greedily).
     """
     archs = _require(hf, "architectures", where)
     arch = archs[0] if isinstance(archs, list) and archs else archs
@@ -431,19 +452,22 @@ def _deepseek_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     if hf.get("scoring_func", "softmax") != "softmax":
         problems.append(f"scoring_func={hf['scoring_func']!r} (ours: softmax for DeepSeek-V2)")
     method = hf.get("topk_method") or "greedy"
+    groups = dict(router_groups=1, router_topk_groups=0)  # greedy
     if method == "group_limited_greedy":
         n_group, topk_group = hf.get("n_group"), hf.get("topk_group")
-        if not isinstance(n_group, int) or not isinstance(topk_group, int) or n_group < 1 or hf["n_routed_experts"] % n_group:
+        ints = isinstance(n_group, int) and isinstance(topk_group, int)
+        if not ints or n_group < 1 or topk_group < 1 or hf["n_routed_experts"] % n_group:
             raise UnsupportedArchitecture(
-                f"{where}: topk_method='group_limited_greedy' needs n_group dividing n_routed_experts and topk_group, "
+                f"{where}: topk_method='group_limited_greedy' needs n_group dividing n_routed_experts and topk_group >= 1, "
                 f"got n_group={n_group}, topk_group={topk_group}; set both (topk_group = n_group routes greedily)"
             )
         if topk_group < n_group:
-            problems.append(f"topk_method={method!r} with topk_group={topk_group} < n_group={n_group} (ours chooses experts greedily)")
+            groups = dict(router_groups=n_group, router_topk_groups=topk_group)
     elif method != "greedy":
-        problems.append(f"topk_method={method!r} (ours: greedy, or group_limited_greedy over every group)")
-    if hf.get("routed_scaling_factor", 1.0) != 1.0:
-        problems.append(f"routed_scaling_factor={hf['routed_scaling_factor']} (ours does not scale the gates)")
+        problems.append(f"topk_method={method!r} (ours: greedy or group_limited_greedy)")
+    scale = hf.get("routed_scaling_factor", 1.0)
+    if not isinstance(scale, int | float) or isinstance(scale, bool) or not scale > 0:
+        problems.append(f"routed_scaling_factor={scale!r} (ours: a number > 0)")
     if hf.get("moe_layer_freq", 1) != 1:
         problems.append(f"moe_layer_freq={hf['moe_layer_freq']} (ours: MoE from first_k_dense_replace on)")
     if problems:
@@ -456,8 +480,9 @@ def _deepseek_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
         expert_mlp_dim=_require(hf, "moe_intermediate_size", where),
         first_dense_layers=first_dense,
         normalize_router_weights=False,  # transformers' DeepSeek-V2 ignores norm_topk_prob (4.x and 5.x alike)
+        router_scale=float(scale),
         scan_layers=first_dense == 0,
-    )
+    ) | groups
 
 
 # ------------------------------------------------------------------------------------ tensor names

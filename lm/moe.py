@@ -4,12 +4,17 @@ For a token ``x`` with router logits ``z = W_r^T x`` (float32) and scores ``s = 
 ``s = sigmoid(z)``:
 
     S     = top_k(s + b)                       (b: per-expert bias that only chooses, never weighs)
-    g_e   = s_e                  for e in S    (optionally g_e / sum_{e' in S} s_e', DeepSeek)
+    g_e   = r s_e                for e in S    (optionally r s_e / sum_{e' in S} s_e', DeepSeek)
     y     = sum_{e in S} g_e SwiGLU_e(x) + sum_{shared} SwiGLU_shared(x)
 
+with ``r`` = ``model.router_scale`` (DeepSeek-V2's ``routed_scaling_factor``, 16 in the full model).
+Group-limited routing (``model.router_groups`` = G, ``router_topk_groups`` = M < G; DeepSeek-V2's
+``group_limited_greedy``, arXiv:2405.04434 section 2.2.2): the experts form G contiguous groups, group
+``j`` scores ``max_{e in j} (s_e + b_e)``, and ``S`` is the top k of the M best groups' experts only.
 (Switch, arXiv:2101.03961; Mixtral, arXiv:2401.04088; DeepSeekMoE, arXiv:2401.06066; the bias ``b``
 is DeepSeek-V3's auxiliary-loss-free balancing, arXiv:2412.19437, updated by `update_router_bias`
-outside the gradient.)
+outside the gradient. DeepSeek-V2 has no bias; with one, the groups are ranked by the biased scores,
+as they choose, and V3's sum-of-top-2 group score is not implemented.)
 
 Dispatch (the expert weights are stacked ``(experts, embed, mlp)``):
 
@@ -64,17 +69,30 @@ class Router(nnx.Module):
         return x.astype(jnp.float32) @ self.kernel[...]
 
 
-def route(logits: jax.Array, bias: jax.Array, k: int, score: str, normalize: bool):
-    """Top-``k`` experts per row of ``logits`` ``(T, E)``.
+def route(
+    logits: jax.Array, bias: jax.Array, k: int, score: str, normalize: bool, scale: float = 1.0, groups: int = 1,
+    topk_groups: int = 0,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Top-``k`` experts per row of ``logits`` ``(T, E)``, from the ``topk_groups`` best of ``groups`` groups.
 
-    Returns ``(experts (T, k) int32, gates (T, k) float32, probs (T, E))``; ``probs`` are the router
-    probabilities the balancing loss uses (softmax scores, or sigmoid scores normalised per token).
+    Returns ``(experts (T, k) int32, gates (T, k) float32, probs (T, E))``; ``gates`` are ``scale`` times the
+    (optionally renormalised) scores; ``probs`` are the router probabilities the balancing loss uses (softmax
+    scores, or sigmoid scores normalised per token). The other groups' experts are masked to ``-inf`` before the
+    top-k; transformers' DeepSeek-V2 masks them to 0, which chooses the same experts as softmax scores are > 0.
     """
     scores = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)
-    _, experts = jax.lax.top_k(scores + jax.lax.stop_gradient(bias), k)
+    choice = scores + jax.lax.stop_gradient(bias)
+    if 0 < topk_groups < groups:
+        per_group = choice.reshape(*choice.shape[:-1], groups, -1)
+        _, best = jax.lax.top_k(jnp.max(per_group, axis=-1), topk_groups)
+        kept = jnp.any(best[..., None] == jnp.arange(groups), axis=-2)  # (T, groups)
+        choice = jnp.where(kept[..., None], per_group, -jnp.inf).reshape(choice.shape)
+    _, experts = jax.lax.top_k(choice, k)
     gates = jnp.take_along_axis(scores, experts, axis=-1)
     if normalize:
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    if scale != 1.0:
+        gates = gates * scale
     probs = scores if score == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
     return experts.astype(jnp.int32), gates, probs
 
@@ -208,6 +226,7 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         n, d, f = cfg.n_experts, cfg.d_model, cfg.expert_mlp_dim or cfg.mlp_dim
         self.k, self.score, self.normalize = cfg.experts_per_token, cfg.router_score, cfg.normalize_router_weights
+        self.scale, self.groups, self.topk_groups = cfg.router_scale, cfg.router_groups, cfg.router_topk_groups
         self.capacity_factor, self.matmul = cfg.capacity_factor, cfg.moe_matmul
         self.dtype = cfg.compute_dtype
         self.router = Router(d, n, rngs=rngs)
@@ -229,7 +248,8 @@ class MoE(nnx.Module):
         b, s, d = x.shape
         logits = self.router(x)  # (b, s, E) float32
         n_experts = logits.shape[-1]
-        experts, gates, probs = route(logits.reshape(b * s, -1), self.router.bias[...], self.k, self.score, self.normalize)
+        routing = (self.k, self.score, self.normalize, self.scale, self.groups, self.topk_groups)
+        experts, gates, probs = route(logits.reshape(b * s, -1), self.router.bias[...], *routing)
         weights = tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
         flat = x.reshape(b * s, d)
         dropped = jnp.zeros((), jnp.float32)

@@ -42,6 +42,10 @@ CONFIGS = {
         **SMALL | dict(n_kv_heads=4, norm_eps=1e-6), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, rope_head_dim=6, v_head_dim=8,
         rope_scaling="yarn", rope_factor=8.0, rope_original_max_len=8, rope_mscale=1.0, rope_mscale_all_dim=0.5,
     ),
+    "deepseek_v2_groups": config_lib.ModelConfig(  # full DeepSeek-V2's routing: scaled gates, top 2 of 4 expert groups
+        **SMALL | dict(n_kv_heads=4, norm_eps=1e-6), tie_embeddings=False, attention_type="mla", kv_lora_rank=12, rope_head_dim=6,
+        v_head_dim=8, n_experts=8, experts_per_token=3, expert_mlp_dim=16, router_scale=2.5, router_groups=4, router_topk_groups=2,
+    ),
     "llama_llama3": config_lib.ModelConfig(
         **SMALL, rope_theta=5e5, rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=16, rope_high_freq_factor=2.0,
     ),
@@ -152,14 +156,21 @@ def _deepseek_attention(x, w, p, c):
 
 
 def _softmax_top_k_moe(x, w, p, c):
-    """DeepSeek-V2's and Qwen3-MoE's MoE: softmax gates of the top k (renormalised with norm_topk_prob), shared experts."""
+    """DeepSeek-V2's and Qwen3-MoE's MoE: softmax gates of the top k (renormalised with norm_topk_prob), shared experts;
+    DeepSeek-V2's ``group_limited_greedy`` (only the ``topk_group`` groups with the best expert score, the others' scores
+    set to 0) and its gates times ``routed_scaling_factor``."""
     logits = x @ w[f"{p}.gate.weight"].T
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     out = _mlp(x, w, f"{p}.shared_experts") if c.get("n_shared_experts") else np.zeros_like(x)
+    n_group = c["n_group"] if c.get("topk_method") == "group_limited_greedy" else 1
     for t in range(x.shape[0]):
-        top = np.argsort(-probs[t])[: c["num_experts_per_tok"]]
+        by_group = probs[t].reshape(n_group, -1)
+        kept = np.argsort(-by_group.max(-1))[: c["topk_group"] if n_group > 1 else 1]
+        masked = np.where(np.isin(np.arange(n_group), kept)[:, None], by_group, 0.0).reshape(-1)
+        top = np.argsort(-masked)[: c["num_experts_per_tok"]]
         gates = probs[t, top] / probs[t, top].sum() if c["norm_topk_prob"] else probs[t, top]
+        gates = gates * c.get("routed_scaling_factor", 1.0)
         for e, g in zip(top, gates, strict=True):
             out[t] += g * _mlp(x[t], w, f"{p}.experts.{e}")
     return out
@@ -271,6 +282,8 @@ def test_config_round_trip():
         (dict(n_experts=4, expert_mlp_dim=16), "normalize_router_weights"),
         (dict(attention_type="mla", n_experts=4, normalize_router_weights=True), "DeepSeek-V2 does not renormalise"),
         (dict(attention_type="mla", norm_eps=1e-5), "latents with eps 1e-06 whatever rms_norm_eps says: set model.norm_eps=1e-06"),
+        (dict(n_experts=4, expert_mlp_dim=16, normalize_router_weights=True, router_scale=2.0), "only DeepSeek-V2 scales the gates"),
+        (dict(qk_norm=True, n_experts=4, router_groups=2, router_topk_groups=1), "only DeepSeek-V2 routes within groups"),
     ],
 )
 def test_architectures_without_an_equivalent_name_the_difference(changes, message):
@@ -356,9 +369,15 @@ def test_moe_configs_in_both_spellings():
     assert deepseek["norm_topk_prob"] is False
     assert not hf.from_hf_config(deepseek | {"norm_topk_prob": True}).normalize_router_weights  # transformers ignores it
     every_group = deepseek | {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 2}
-    assert hf.from_hf_config(every_group, scan_layers=False) == CONFIGS["deepseek_v2"]
-    with pytest.raises(hf.UnsupportedArchitecture, match="topk_group=1 < n_group=2"):
-        hf.from_hf_config(every_group | {"topk_group": 1})
+    assert hf.from_hf_config(every_group, scan_layers=False) == CONFIGS["deepseek_v2"]  # greedy: no groups
+    limited = hf.from_hf_config(every_group | {"topk_group": 1, "num_experts_per_tok": 2, "routed_scaling_factor": 16})
+    assert (limited.router_groups, limited.router_topk_groups, limited.router_scale) == (2, 1, 16.0)
+    with pytest.raises(hf.UnsupportedArchitecture, match="experts_per_token=3 exceeds the 2 experts"):
+        hf.from_hf_config(every_group | {"topk_group": 1, "num_experts_per_tok": 3})
+    with pytest.raises(hf.UnsupportedArchitecture, match="routed_scaling_factor=None"):
+        hf.from_hf_config(deepseek | {"routed_scaling_factor": None})
+    with pytest.raises(hf.UnsupportedArchitecture, match="topk_method='noaux_tc'"):
+        hf.from_hf_config(deepseek | {"topk_method": "noaux_tc"})
     with pytest.raises(hf.UnsupportedArchitecture, match=r"group_limited_greedy' needs n_group .* got n_group=None"):
         hf.from_hf_config(every_group | {"n_group": None})
     with pytest.raises(hf.UnsupportedArchitecture, match="has no 'num_experts_per_tok' \\(or it is null\\)"):
@@ -442,6 +461,7 @@ TRANSFORMERS_CASES = {
     "qwen3_moe_normalised": ("Qwen3MoeConfig", dict(head_dim=8, num_experts=4, norm_topk_prob=True, mlp_only_layers=[0], **_MOE)),
     "qwen3_moe_unnormalised": ("Qwen3MoeConfig", dict(head_dim=8, num_experts=4, norm_topk_prob=False, rope_parameters=dict(rope_type="default", rope_theta=1e6), **_MOE)),
     "deepseek_v2_theta": ("DeepseekV2Config", dict(**_MLA, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True, rope_parameters=dict(rope_type="default", rope_theta=5e5), **_MOE)),
+    "deepseek_v2_groups": ("DeepseekV2Config", dict(**_MLA, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=16.0, num_experts_per_tok=3, moe_intermediate_size=16)),
     "deepseek_v2_yarn": ("DeepseekV2Config", dict(**_MLA, first_k_dense_replace=2, rope_parameters=_YARN | dict(rope_theta=1e4, mscale=0.707, mscale_all_dim=0.707))),
     "deepseek_v2_yarn_mscales": ("DeepseekV2Config", dict(**_MLA, first_k_dense_replace=2, rope_parameters=_YARN | dict(rope_theta=1e4, mscale=1.0, mscale_all_dim=0.5))),
 }  # fmt: skip
@@ -551,6 +571,13 @@ def test_a_released_deepseek_v2_config_imports_with_its_yarn():
     assert rope.attention_factor(cfg) == 1.0  # m(40, 0.707) / m(40, 0.707)
     assert rope.softmax_scale_factor(cfg) == pytest.approx((0.1 * 0.707 * np.log(40) + 1) ** 2)
     assert hf.from_hf_config(hf.to_hf_config(cfg, spelling=5), scan_layers=False) == cfg
-    full = _V2_LITE | {"topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3, "routed_scaling_factor": 16.0}
-    with pytest.raises(hf.UnsupportedArchitecture, match="topk_group=3 < n_group=8.*routed_scaling_factor=16.0"):
-        hf.from_hf_config(full)  # DeepSeek-V2 (full): routing ours does not compute
+    # DeepSeek-V2 (full): 160 routed experts top-6 from the best 3 of 8 groups, gates times 16
+    full = _V2_LITE | {"n_routed_experts": 160, "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3,
+                       "routed_scaling_factor": 16.0}  # fmt: skip
+    cfg = hf.from_hf_config(full)
+    assert (cfg.n_experts, cfg.router_groups, cfg.router_topk_groups, cfg.router_scale, cfg.routable_experts) == (160, 8, 3, 16.0, 60)
+    written = hf.to_hf_config(cfg)
+    assert {k: written[k] for k in ("topk_method", "n_group", "topk_group", "routed_scaling_factor")} == {
+        k: full[k] for k in ("topk_method", "n_group", "topk_group", "routed_scaling_factor")
+    }
+    assert hf.from_hf_config(written, scan_layers=False) == cfg

@@ -129,3 +129,71 @@ def test_parameter_counts_and_flops_count_routed_experts_by_use():
     assert loss.flops_per_token(sparse, 128) == loss.flops_per_token(dense, 128) + 6 * layers * d * n
     mixtral = model.param_counts(config_lib.from_preset("mixtral-8x7b"))
     assert 46.6e9 < mixtral.total < 46.8e9 and 12.8e9 < mixtral.active < 13.0e9  # Mixtral's published 46.7B / 12.9B
+
+
+def _numpy_route(logits, k, *, normalize, scale, groups, topk_groups, bias=None):
+    """DeepSeek-V2's gate (transformers' ``DeepseekV2TopkRouter``) in NumPy: softmax, groups scored by their best
+    expert, the other groups' scores set to 0, top k, gates optionally renormalised, times ``scale``."""
+    scores = np.exp(logits - logits.max(-1, keepdims=True))
+    scores /= scores.sum(-1, keepdims=True)
+    choice = scores + (0.0 if bias is None else bias)
+    experts, gates = [], []
+    for row, s in zip(choice, scores, strict=True):
+        best = np.argsort(-row.reshape(groups, -1).max(-1), kind="stable")[:topk_groups]
+        masked = np.where(np.isin(np.arange(row.size) // (row.size // groups), best), row, 0.0)
+        top = np.argsort(-masked, kind="stable")[:k]
+        g = s[top] / s[top].sum() if normalize else s[top]
+        experts.append(top)
+        gates.append(scale * g)
+    return np.array(experts), np.array(gates)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("groups,topk_groups,k", [(4, 2, 3), (8, 3, 6), (2, 1, 4)])
+def test_group_limited_scaled_routing_matches_a_numpy_transcription(groups, topk_groups, k, normalize):
+    logits = np.random.default_rng(groups + k).normal(size=(64, 16)).astype(np.float32) * 2
+    route = jax.jit(lambda z: moe.route(z, jnp.zeros(16), k, "softmax", normalize, 16.0, groups, topk_groups))
+    experts, gates, probs = route(logits)
+    want_experts, want_gates = _numpy_route(logits, k, normalize=normalize, scale=16.0, groups=groups, topk_groups=topk_groups)
+    np.testing.assert_array_equal(np.asarray(experts), want_experts)
+    np.testing.assert_allclose(np.asarray(gates), want_gates, rtol=1e-5)
+    group_of = np.asarray(experts) // (16 // groups)
+    assert max(len(set(row)) for row in group_of) <= topk_groups
+    greedy, _, _ = moe.route(logits, jnp.zeros(16), k, "softmax", normalize)
+    assert not np.array_equal(np.asarray(greedy), want_experts)  # the group limit changes some choices
+    np.testing.assert_allclose(np.asarray(probs).sum(-1), 1.0, rtol=1e-5)  # the balancing terms see the unscaled scores
+
+
+def test_groups_are_ranked_by_the_biased_scores():
+    logits = np.random.default_rng(0).normal(size=(32, 16)).astype(np.float32)
+    bias = np.where(np.arange(16) // 4 == 3, 1.0, 0.0).astype(np.float32)  # group 3 always wins a place
+    experts, _, _ = moe.route(logits, jnp.asarray(bias), 2, "softmax", False, 1.0, 4, 1)
+    np.testing.assert_array_equal(np.asarray(experts) // 4, 3)
+    want, _ = _numpy_route(logits, 2, normalize=False, scale=1.0, groups=4, topk_groups=1, bias=bias)
+    np.testing.assert_array_equal(np.asarray(experts), want)
+
+
+def test_default_routing_is_unchanged_by_the_group_and_scale_arguments():
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(16, 8)), jnp.float32)
+    base = moe.route(logits, jnp.zeros(8), 2, "softmax", True)
+    for args in ((1.0, 1, 0), (1.0, 4, 4), (1.0, 4, 0)):
+        for a, b in zip(base, moe.route(logits, jnp.zeros(8), 2, "softmax", True, *args), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(router_scale=0.0), "model.router_scale=0.0 must be > 0"),
+        (dict(router_groups=3), "model.router_groups=3 must be >= 1 and divide model.n_experts=8"),
+        (dict(router_groups=4, router_topk_groups=5), r"model.router_topk_groups=5 must be in \[0, model.router_groups=4\]"),
+        (dict(router_groups=4, router_topk_groups=1, experts_per_token=3), "experts_per_token=3 exceeds the 2 experts"),
+    ],
+)
+def test_router_group_settings_are_validated(changes, message):
+    from lm import config as config_lib
+
+    base = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64, n_experts=8, experts_per_token=2)
+    assert config_lib.ModelConfig(**base, router_groups=4, router_topk_groups=1).routable_experts == 2
+    with pytest.raises(ValueError, match=message):
+        config_lib.ModelConfig(**base | changes)

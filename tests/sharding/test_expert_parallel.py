@@ -18,8 +18,10 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def runs():
-    """Two SGD steps of a 1-layer, 8-expert model on each mesh: losses, and whether all-to-all ran."""
-    model_def = model_lib.define(config_lib.from_preset("moe-tiny", n_layers=1, vocab_size=64))
+    """Two SGD steps of a 1-layer, 8-expert model on each mesh: losses, and whether all-to-all ran. It routes as
+    DeepSeek-V2 does (scaled gates, the best 2 of 4 expert groups): routing happens before the dispatch, on any mesh."""
+    cfg = config_lib.from_preset("moe-tiny", n_layers=1, vocab_size=64, router_scale=2.0, router_groups=4, router_topk_groups=2)
+    model_def = model_lib.define(cfg)
     tx = optax.sgd(0.5)
     batch = jnp.asarray(np.random.default_rng(0).integers(0, 64, (8, 17)), jnp.int32)
     out = {}

@@ -38,7 +38,8 @@ class CheckpointUnreadable(CheckpointError):
     """A saved step is corrupt, truncated or incomplete."""
 
 
-def manager(workdir: str | Path, *, keep: int, every: int) -> ocp.CheckpointManager:
+def manager(workdir: str | Path, *, keep: int | None, every: int) -> ocp.CheckpointManager:
+    """The run's orbax manager of `workdir/checkpoints` (``keep`` None: every step is kept)."""
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, save_interval_steps=max(every, 1), enable_async_checkpointing=True, create=True
     )
@@ -139,6 +140,18 @@ def _shape_differences(state_dir: Path, target: Any) -> list[str]:
     return out
 
 
+def check_meta(mgr: ocp.CheckpointManager, step: int, meta: dict) -> None:
+    """Raises `CheckpointMismatch` when checkpoint ``step``'s meta differs from ``meta`` (another model,
+    optimizer or replica count), `CheckpointUnreadable` when its meta cannot be read."""
+    saved_meta = _read(mgr, step, lambda: mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())))["meta"]
+    differences = _diff(saved_meta, meta)
+    if differences:
+        raise CheckpointMismatch(
+            f"{mgr.directory} holds a checkpoint of a different run ({'; '.join(differences[:4])}); "
+            "use a fresh --workdir, or the checkpoint's original config"
+        )
+
+
 def restore(
     mgr: ocp.CheckpointManager, target: Any, meta: dict, step: int | None = None, *, discard_newer: bool = True
 ) -> tuple[int, Any, dict] | None:
@@ -167,13 +180,7 @@ def restore(
         step = steps[-1]
     elif step not in steps:
         raise CheckpointError(f"no checkpoint at step {step} in {mgr.directory}; saved steps: {list(steps) or 'none'}")
-    saved_meta = _read(mgr, step, lambda: mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())))["meta"]
-    differences = _diff(saved_meta, meta)
-    if differences:
-        raise CheckpointMismatch(
-            f"{mgr.directory} holds a checkpoint of a different run ({'; '.join(differences[:4])}); "
-            "use a fresh --workdir, or the checkpoint's original config"
-        )
+    check_meta(mgr, step, meta)
     differences = _read(mgr, step, lambda: _shape_differences(mgr.directory / str(step) / "state", target))
     if differences:
         raise CheckpointMismatch(

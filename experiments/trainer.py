@@ -140,6 +140,7 @@ def run(
         raise UsageError(f"wandb.project={config.wandb.project} needs Weights & Biases: pip install -e '.[wandb]'")
     latest = restore_step if restore_step is not None else checkpointing.latest_step(workdir)
     if latest is not None and latest >= config.steps:
+        _check_finished(workdir, latest, run_meta(config, spec.cfg, spec.shardings.replicas))
         return _finished(workdir, latest, config.steps)
     train_iter, val_batches = load_data(config, spec.cfg.vocab_size)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -199,6 +200,17 @@ def run(
         for s, h in handlers.items():
             signal.signal(s, h)
     return summary
+
+
+def _check_finished(workdir: Path, step: int, meta: dict) -> None:
+    """A finished run's checkpoint is this run's (the same model, optimizer and replicas), else a usage error."""
+    mgr = checkpointing.manager(workdir, keep=None, every=1)  # keeps every step: opening it deletes nothing
+    try:
+        checkpointing.check_meta(mgr, step, meta)
+    except checkpointing.CheckpointError as e:
+        raise UsageError(str(e)) from e
+    finally:
+        mgr.close()
 
 
 def _finished(workdir: Path, step: int, steps: int) -> dict:

@@ -179,7 +179,7 @@ def test_replica_local_data_parallel_matches_one_device_and_evaluates_the_replic
     [
         ("fsdp:8", "fsdp", "", "not an axis of mesh"),
         ("data:8", "fsdp", "embed=data", "shard parameters over 'data'"),
-        ("data:8", "fsdp", "batch=fsdp", "batch is not split over mesh axis 'data'"),
+        ("data:4,fsdp:2", "fsdp", "batch=fsdp", "batch is not split over mesh axis 'data'"),
         ("data:2,fsdp:2,tensor:2", "tp", "", "keep one, e.g. --config.mesh=data:2,fsdp:4"),
     ],
 )

@@ -21,8 +21,8 @@ import dataclasses
 import functools
 import inspect
 import math
-import types
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -337,7 +337,7 @@ def test_train_step_skips_a_step_whose_optimizer_state_overflows(monkeypatch):
     tx = build.build(optimizer_config("adamw", grad_clip_norm=0.0), 100)
     counters = {k: jnp.zeros((), jnp.int32) for k in ("step", "bad_streak", "skipped")}
     state = {"params": params, "opt_state": tx.init(params), **counters}
-    stand_in = types.SimpleNamespace(config=ModelConfig(vocab_size=32))  # what the step reads of a model besides `apply`
+    stand_in = SimpleNamespace(config=ModelConfig(vocab_size=32))  # what the step reads of a model besides `apply`
     step = jax.jit(train_lib.make_train_step(stand_in, tx, z_loss=1e30))
     new, metrics = step(state, jnp.asarray(rng.integers(0, 32, (2, 9)), jnp.int32))
     assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["update_norm"]))

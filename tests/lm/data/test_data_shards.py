@@ -13,7 +13,7 @@ import pytest
 
 from lm.data import batches, documents, shards, tokenize, tokenizer
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_bin_shard_layout_is_llm_c(tmp_path):

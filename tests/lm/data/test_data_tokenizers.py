@@ -11,7 +11,7 @@ import pytest
 
 from lm.data import tokenizer
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TEXT = "".join(f"def function_{i}(x):\n    return x * {i} + the_value  # the comment {i}\n\n" for i in range(200))
 SAMPLE = "def the_value(x):\n    return x * 3  # ünïcode ✓\n"
 

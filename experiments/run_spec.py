@@ -42,7 +42,14 @@ _RESUMABLE_MODEL_CHANGES = (
 
 def data_config(config: ml_collections.ConfigDict) -> input_pipeline.DataConfig:
     """The `DataConfig` of ``config.data`` (defaults for keys an older run's config lacks)."""
-    return input_pipeline.DataConfig(**config.data.to_dict())
+    values = config.data.to_dict()
+    known = {f.name for f in dataclasses.fields(input_pipeline.DataConfig)}
+    if unknown := sorted(set(values) - known):
+        raise ValueError(
+            f"config.data has no setting {', '.join(unknown)}: the data settings are {', '.join(sorted(known))} "
+            "(`python -m experiments.train --list_config` explains each); remove or rename it"
+        )
+    return input_pipeline.DataConfig(**values)
 
 
 def model_config(config: ml_collections.ConfigDict) -> model_config_lib.ModelConfig:

@@ -113,3 +113,11 @@ def test_cli_tokenize_and_train_tokenizer_refuse_non_utf8_with_exit_2(tmp_path):
     result = _main("experiments.tokenize", f"--input={tmp_path / 'in.txt'}", f"--out={tmp_path / 'out'}", "--workers=1", "--errors=replace", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["splits"]["train"]["bytes"] == len(LATIN1)
+
+
+def test_an_unknown_data_setting_is_named():
+    config = small_config()
+    with config.data.unlocked():
+        config.data.shuffle_buffer_typo = 3
+    with pytest.raises(ValueError, match="config.data has no setting shuffle_buffer_typo: the data settings are .*seq_len"):
+        run_spec.data_config(config)

@@ -140,11 +140,12 @@ def _shape_differences(state_dir: Path, target: Any) -> list[str]:
     return out
 
 
-def check_meta(mgr: ocp.CheckpointManager, step: int, meta: dict) -> None:
-    """Raises `CheckpointMismatch` when checkpoint ``step``'s meta differs from ``meta`` (another model,
-    optimizer or replica count), `CheckpointUnreadable` when its meta cannot be read."""
+def check_meta(mgr: ocp.CheckpointManager, step: int, meta: dict, upgrade: Callable[[dict], dict] | None = None) -> None:
+    """Raises `CheckpointMismatch` when checkpoint ``step``'s meta (read through ``upgrade``, which brings an older
+    checkpoint's meta to today's form) differs from ``meta`` (another model, optimizer or replica count),
+    `CheckpointUnreadable` when its meta cannot be read."""
     saved_meta = _read(mgr, step, lambda: mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())))["meta"]
-    differences = _diff(saved_meta, meta)
+    differences = _diff(upgrade(saved_meta) if upgrade else saved_meta, meta)
     if differences:
         raise CheckpointMismatch(
             f"{mgr.directory} holds a checkpoint of a different run ({'; '.join(differences[:4])}); "
@@ -153,7 +154,13 @@ def check_meta(mgr: ocp.CheckpointManager, step: int, meta: dict) -> None:
 
 
 def restore(
-    mgr: ocp.CheckpointManager, target: Any, meta: dict, step: int | None = None, *, discard_newer: bool = True
+    mgr: ocp.CheckpointManager,
+    target: Any,
+    meta: dict,
+    step: int | None = None,
+    *,
+    discard_newer: bool = True,
+    upgrade: Callable[[dict], dict] | None = None,
 ) -> tuple[int, Any, dict] | None:
     """Restores checkpoint ``step`` (default: the newest) into ``target`` (abstract arrays with shardings).
 
@@ -165,7 +172,7 @@ def restore(
       ``(step, state, data_state)``, or None when there is no checkpoint and no ``step`` was asked for.
 
     Raises:
-      CheckpointMismatch: the checkpoint's meta differs from ``meta`` (another model or optimizer), or
+      CheckpointMismatch: the checkpoint's meta (read through ``upgrade``, as `check_meta`) differs from ``meta`` (another model or optimizer), or
         its arrays have other shapes than ``target`` (written by another version of the code).
       CheckpointUnreadable: the step's files are corrupt, truncated or missing.
       CheckpointError: ``step`` is not a saved step.
@@ -180,7 +187,7 @@ def restore(
         step = steps[-1]
     elif step not in steps:
         raise CheckpointError(f"no checkpoint at step {step} in {mgr.directory}; saved steps: {list(steps) or 'none'}")
-    check_meta(mgr, step, meta)
+    check_meta(mgr, step, meta, upgrade)
     differences = _read(mgr, step, lambda: _shape_differences(mgr.directory / str(step) / "state", target))
     if differences:
         raise CheckpointMismatch(

@@ -43,7 +43,9 @@ def restore_run(workdir: str | Path, step: int | None = None, *, mesh: str = "",
     try:
         with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
             target = train_lib.abstract_state(spec.model_def, spec.tx, spec.shardings)
-            restored = checkpointing.restore(mgr, target, run_spec.run_meta(config, spec.cfg), step, discard_newer=False)
+            restored = checkpointing.restore(
+                mgr, target, run_spec.run_meta(config, spec.cfg), step, discard_newer=False, upgrade=run_spec.upgrade_meta
+            )
     except checkpointing.CheckpointError as e:
         raise cli.UsageError(str(e)) from e
     finally:

@@ -35,7 +35,7 @@ STATE_SHAPING_KEYS = ("state_bits", "cautious")
 
 # Model fields a resumed run may change: they alter how the step computes, not what the state is.
 _RESUMABLE_MODEL_CHANGES = (
-    "attention", "dtype", "remat", "scan_unroll", "track_attn_logits",
+    "attention", "dtype", "remat", "scan_unroll", "track_attn_logits", "loss_chunk",
     "context_parallel", "pipeline_schedule", "pipeline_microbatches", "pipeline_repeats",
 )  # fmt: skip
 
@@ -116,6 +116,16 @@ def run_meta(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConfi
             **{k: config.optimizer[k] for k in STATE_SHAPING_KEYS if k in config.optimizer},
         },
     }
+
+
+def upgrade_meta(saved: dict) -> dict:
+    """A checkpoint's `run_meta` in today's form: model fields added since it was written take their defaults
+    (a new field's default is the behaviour before it existed), fields now resumable are dropped."""
+    if not isinstance(saved.get("model"), dict):
+        return saved
+    defaults = dataclasses.asdict(model_config_lib.ModelConfig())
+    model = {k: v for k, v in (defaults | saved["model"]).items() if k not in _RESUMABLE_MODEL_CHANGES}
+    return saved | {"model": model}
 
 
 @dataclasses.dataclass(frozen=True)

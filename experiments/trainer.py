@@ -23,7 +23,7 @@ import numpy as np
 
 from experiments import checkpointing, hardware, metrics_io, profiling, restore, train_lib
 from experiments.cli import UsageError
-from experiments.run_spec import RunSpec, balancing, build_run, data_config, resolve, run_meta
+from experiments.run_spec import RunSpec, balancing, build_run, data_config, resolve, run_meta, upgrade_meta
 from lm import hf
 from lm.data import batches as batches_lib
 from lm.data import input_pipeline
@@ -171,7 +171,7 @@ def run(
         with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
             target = train_lib.abstract_state(spec.model_def, spec.tx, shardings)
             try:
-                restored = checkpointing.restore(mgr, target, meta, restore_step)
+                restored = checkpointing.restore(mgr, target, meta, restore_step, upgrade=upgrade_meta)
             except checkpointing.CheckpointError as e:
                 raise UsageError(str(e)) from e
             if restored is None:
@@ -206,7 +206,7 @@ def _check_finished(workdir: Path, step: int, meta: dict) -> None:
     """A finished run's checkpoint is this run's (the same model, optimizer and replicas), else a usage error."""
     mgr = checkpointing.manager(workdir, keep=None, every=1)  # keeps every step: opening it deletes nothing
     try:
-        checkpointing.check_meta(mgr, step, meta)
+        checkpointing.check_meta(mgr, step, meta, upgrade_meta)
     except checkpointing.CheckpointError as e:
         raise UsageError(str(e)) from e
     finally:

@@ -41,3 +41,29 @@ def test_only_unfinished_saves_start_afresh_with_a_warning(tmp_path, caplog):
     assert checkpointing.restore(mgr, {}, {"run": "a"}) is None
     assert "only unfinished saves ['3.orbax-checkpoint-tmp-1700000000']" in caplog.text
     mgr.close()
+
+
+def test_an_older_checkpoints_meta_is_read_in_todays_form(tmp_path):
+    """A checkpoint written before a model field existed (it took the field's default) or while a field was
+    not yet resumable (`context_parallel`) is this run's; a field that really differs is still named."""
+    import dataclasses
+
+    from experiments import run_spec
+    from lm import config as model_config
+
+    model = dataclasses.asdict(model_config.ModelConfig())
+    now = {"model": {k: v for k, v in model.items() if k not in ("attention", "dtype", "remat", "scan_unroll",
+           "track_attn_logits", "loss_chunk", "context_parallel", "pipeline_schedule", "pipeline_microbatches",
+           "pipeline_repeats")}, "optimizer": {"name": "adamw"}}  # fmt: skip
+    older = {"model": {k: v for k, v in model.items() if not k.startswith(("pipeline_", "router_"))}, "optimizer": {"name": "adamw"}}
+    older["model"]["context_parallel"] = "ring"
+    assert run_spec.upgrade_meta(older) == now
+    mgr = checkpointing.manager(tmp_path, keep=1, every=1)
+    checkpointing.save(mgr, 1, {"w": jnp.zeros(2)}, {"position": 1}, older, force=True)
+    mgr.wait_until_finished()
+    checkpointing.check_meta(mgr, 1, now, run_spec.upgrade_meta)
+    with pytest.raises(checkpointing.CheckpointMismatch, match="model.router_scale: checkpoint 1.0 vs now 2.0"):
+        checkpointing.check_meta(mgr, 1, {**now, "model": {**now["model"], "router_scale": 2.0}}, run_spec.upgrade_meta)
+    with pytest.raises(checkpointing.CheckpointMismatch, match="model.context_parallel: checkpoint 'ring' vs now None"):
+        checkpointing.check_meta(mgr, 1, now)  # read as written, the old meta differs
+    mgr.close()

@@ -4,6 +4,9 @@
     h_l = h_{l-1} + Attn(RMSNorm(h_{l-1}));  h_l = h_l + SwiGLU(RMSNorm(h_l))
     logits = RMSNorm(h_L) @ W_out            (W_out = E^T when embeddings are tied)
 
+With ``model.parscale = P > 1`` the blocks run on P streams of each sequence and the final states are
+mixed before the head (ParScale, `lm/parscale.py`).
+
 With ``scan_layers`` the blocks' parameters are stacked along a leading ``layers`` axis and one block
 is compiled and scanned over depth, so compile time does not grow with the number of layers; on XLA:CPU
 the scan is unrolled by default (`layers_per_iteration`), which is faster there.

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from lm import config as config_lib
+from lm import hf
 from lm import kv_cache, sampling
 from lm import loss as loss_lib
 from lm import model as model_lib
@@ -124,3 +125,5 @@ def test_refuses_what_it_cannot_run():
         _config(parscale=2, document_separator=0)
     with pytest.raises(ValueError, match="parscale_smoothing"):
         _config(parscale=2, parscale_smoothing=2.0)
+    with pytest.raises(hf.UnsupportedArchitecture, match="parscale"):
+        hf.architecture(_config(parscale=2))

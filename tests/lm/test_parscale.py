@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from lm import config as config_lib
-from lm import hf
-from lm import kv_cache, sampling
+from lm import hf, kv_cache, sampling
 from lm import loss as loss_lib
 from lm import model as model_lib
 from optim import labels

@@ -21,11 +21,13 @@ example ``b``), so the decoder runs unchanged on ``P B`` rows whose logical axis
 GSPMD shards them like any batch, each shard holding whole examples when ``B`` divides, and any
 split of the batch into contiguous groups of ``P`` rows (microbatches, shards) keeps row ``r`` in
 stream ``r mod P``. (Pipeline microbatches take strided rows and context parallelism splits the
-sequence the prefix goes before: neither runs with ``P > 1``.) Attention runs as the authors' does: ``T`` zero queries and the prefix keys
-and values go before the sequence, causal attention over ``T + S`` positions then gives each real
-query every prefix position and its causal past, and the zero queries' outputs are dropped. Decoding
-puts the prefix before the cache's rows the same way. ``P = 1`` is the plain model: no prefix, no
-aggregation, no parameters added.
+sequence the prefix goes before: neither runs with ``P > 1``.)
+
+Attention runs as the authors' does: ``T`` zero queries and the prefix keys and values go before the
+sequence, causal attention over ``T + S`` positions (any ``model.attention`` implementation) then
+gives each real query every prefix position and its causal past, and the zero queries' outputs are
+dropped. Their logits (zeros) enter the tracked max logits. Decoding puts the prefix before the
+cache's rows the same way. ``P = 1`` is the plain model: no prefix, no aggregation, no parameters.
 
 Initialisation (the authors load trained prefixes; their ``_init_weights`` leaves them unset):
 prefix keys and values ``N(0, 1)``, the scale of a key or value of a normalised input under the
@@ -43,7 +45,7 @@ from lm.layers import project
 from lm.parallel import context_attention, pipeline
 from sharding.partition import constrain
 
-STREAMS = "streams"  # logical axis of per-stream parameters (the prefixes)
+STREAMS = "streams"  # logical axis of per-stream parameters: the prefixes, the aggregation's output
 _ACTIVATION = ("batch", "seq", "embed")
 _KV = ("batch", "seq", "kv_heads", "head_dim")
 

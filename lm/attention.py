@@ -17,7 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from kernels_pallas.attention import api as attention_api
-from lm import kv_cache, remat, rope
+from lm import kv_cache, parscale, remat, rope
 from lm.config import ModelConfig
 from lm.layers import RMSNorm, linear, split_heads
 from lm.parallel import context_attention
@@ -113,6 +113,8 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, "head_dim", eps=cfg.norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(cfg.head_dim, "head_dim", eps=cfg.norm_eps, dtype=dtype)
+        if cfg.parscale > 1:
+            self.prefix = parscale.Prefix(cfg, rngs=rngs)
 
     def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries, keys (both after RoPE at ``positions``) and values of ``x``, split into heads."""
@@ -128,6 +130,8 @@ class Attention(nnx.Module):
         """``order``: the positions of ``x``'s rows when the model laid its sequence out zig-zag, else None."""
         cfg = self.cfg
         q, k, v = self._qkv(x, jnp.arange(x.shape[1]) if order is None else jnp.asarray(order))
+        if cfg.parscale > 1:
+            q, k, v = self.prefix.extend(q, k, v)
         q, k, v = checkpoint_name(q, remat.ATTN_Q), checkpoint_name(k, remat.ATTN_K), checkpoint_name(v, remat.ATTN_V)
         out, max_logits = attend(
             q,
@@ -141,6 +145,8 @@ class Attention(nnx.Module):
         )
         out = checkpoint_name(out, remat.ATTN_CONTEXT)
         b, s = x.shape[:2]
+        if cfg.parscale > 1:
+            out = out[:, self.prefix.tokens :]
         return self.o_proj(out.reshape(b, s, -1)), max_logits
 
     def decode(self, x: jax.Array, cache: kv_cache.Cache, start: jax.Array) -> tuple[jax.Array, kv_cache.Cache]:
@@ -153,8 +159,12 @@ class Attention(nnx.Module):
         b, s = x.shape[:2]
         q, k, v = self._qkv(x, start + jnp.arange(s))
         cache = {"k": kv_cache.write(cache["k"], k, start), "v": kv_cache.write(cache["v"], v, start)}
+        keys, values, visible_to = cache["k"], cache["v"], start
+        if cfg.parscale > 1:  # the prefix positions go first and every query sees them
+            keys, values = self.prefix.prepend(keys, values)
+            visible_to = start + self.prefix.tokens
         grouped = q.reshape(b, s, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim)
-        logits = jnp.einsum("bskgd,btkd->bkgst", grouped, cache["k"], preferred_element_type=jnp.float32)
-        probs = kv_cache.causal_softmax(logits * cfg.head_dim**-0.5, start)
-        out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(v.dtype), cache["v"])
+        logits = jnp.einsum("bskgd,btkd->bkgst", grouped, keys, preferred_element_type=jnp.float32)
+        probs = kv_cache.causal_softmax(logits * cfg.head_dim**-0.5, visible_to)
+        out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(v.dtype), values)
         return self.o_proj(out.reshape(b, s, -1)), cache

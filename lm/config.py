@@ -80,6 +80,11 @@ class ModelConfig:
     q_lora_rank: int = 0  # width of the compressed query latent; 0: full-rank query projection
     rope_head_dim: int = 16  # decoupled RoPE width of each query head and of the one shared RoPE key
     v_head_dim: int = 0  # value width per head; 0: head_dim
+    # ParScale (lm/parscale.py): P parallel streams of the decoder, each with its own prefix keys and values in
+    # every layer, mixed by learned dynamic weights; 1 is the plain model.
+    parscale: int = 1  # P, streams
+    parscale_prefix_tokens: int = 48  # T, prefix positions per stream and layer (the authors' parscale_n_tokens)
+    parscale_smoothing: float = 0.01  # eps, label smoothing of the stream weights (the authors' parscale_attn_smooth)
 
     def __post_init__(self):
         object.__setattr__(self, "remat", remat_lib.canonical(self.remat))
@@ -121,8 +126,20 @@ class ModelConfig:
                 problems.append(f"model.rope_head_dim={self.rope_head_dim} must be even and >= 2 for mla")
             if self.qk_norm:
                 problems.append("model.qk_norm applies to gqa only (mla normalises its latents); set it to False")
+        if self.parscale != 1:
+            problems += self._parscale_problems()
         if problems:
             raise ValueError("; ".join(problems))
+
+    def _parscale_problems(self) -> list[str]:
+        problems = []
+        if self.parscale < 1 or self.parscale_prefix_tokens < 1 or not 0 <= self.parscale_smoothing <= 1:
+            problems.append("model.parscale and model.parscale_prefix_tokens must be >= 1 and model.parscale_smoothing in [0, 1]")
+        if self.attention_type != "gqa":
+            problems.append("model.parscale > 1 prefixes grouped-query attention's keys and values; set model.attention_type=gqa")
+        if self.document_separator is not None:
+            problems.append("model.parscale > 1 shows every stream prefix to all positions, across document masks; unset model.document_separator")
+        return problems
 
     def _rope_problems(self) -> list[str]:
         if self.rope_scaling not in ROPE_SCALINGS:

@@ -144,6 +144,11 @@ def _deepseek_only_routing(cfg: ModelConfig) -> list[str]:
 
 def architecture(cfg: ModelConfig) -> str:
     """The transformers architecture of ``cfg`` (``LlamaForCausalLM``, ...); raises where there is none."""
+    if cfg.parscale > 1:
+        raise UnsupportedArchitecture(
+            f"model.parscale={cfg.parscale}: transformers has no ParScale architecture (the authors' Qwen2ParScale is "
+            "remote code) and a Llama / Qwen3 export would drop the prefixes and the aggregation; set model.parscale=1"
+        )
     if cfg.attention_type == "mla":
         return _deepseek_architecture(cfg)
     if not cfg.n_experts:

@@ -11,6 +11,10 @@ A cache is a dict of arrays with a leading ``layers`` axis and room for ``max_le
 A decode call takes ``s`` new tokens at positions ``start .. start + s - 1``, writes their entries at
 those rows and lets query ``i`` see cache rows ``j <= start + i``. Rows past what has been written are
 never seen, so the cache starts as zeros. Prefill is the same call with the whole prompt at ``start=0``.
+
+With ParScale (``model.parscale = P > 1``, `lm.parscale`) a cache for ``batch`` sequences holds the
+``batch * P`` rows of their streams (row ``b P + i``: stream ``i`` of sequence ``b``); the streams'
+prefix keys and values are parameters, read from the model at every step, not cache rows.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ Cache = dict[str, jax.Array]
 
 def shapes(cfg: ModelConfig, batch: int, max_len: int) -> dict[str, tuple[int, ...]]:
     """The shape of each cache entry of a model with config ``cfg``."""
-    lead = (cfg.n_layers, batch, max_len)
+    lead = (cfg.n_layers, batch * cfg.parscale, max_len)
     if cfg.attention_type == "mla":
         return {"latent": (*lead, cfg.kv_lora_rank), "k_rope": (*lead, cfg.rope_head_dim)}
     return {"k": (*lead, cfg.n_kv_heads, cfg.head_dim), "v": (*lead, cfg.n_kv_heads, cfg.head_dim)}

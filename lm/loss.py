@@ -173,8 +173,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     (`lm.model.param_counts`: the embedding lookup is free, the LM head is not, a routed expert
     stack counts ``experts_per_token / n_experts``), ``12 L H d_head T`` is attention's score and
     value products (PaLM, arXiv:2204.02311, App. B; the causal mask's savings are not counted, as
-    is customary for MFU).
+    is customary for MFU). With ParScale's ``P`` streams (`lm.parscale`) the blocks' weights and
+    attention run ``P`` times, over ``T`` plus the prefix positions; the aggregation and the head once.
     """
-    matmul_params = param_counts(cfg).active_matmul
+    counts = param_counts(cfg)
+    matmul_params = counts.active_matmul + (cfg.parscale - 1) * counts.stream_matmul
+    keys = seq_len + (cfg.parscale_prefix_tokens if cfg.parscale > 1 else 0)
     score_and_value = cfg.head_dim + (cfg.rope_head_dim if cfg.attention_type == "mla" else 0) + cfg.value_head_dim
-    return 6.0 * matmul_params + 6.0 * cfg.n_layers * cfg.n_heads * score_and_value * seq_len
+    return 6.0 * matmul_params + 6.0 * cfg.parscale * cfg.n_layers * cfg.n_heads * score_and_value * keys

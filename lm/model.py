@@ -45,6 +45,7 @@ class ParamCounts(NamedTuple):
     total: int
     active: int  # used per token: a routed expert stack counts experts_per_token / n_experts of its size
     active_matmul: int  # active weights of matrix multiplies: no norms, biases, or embedding lookup; the LM head counts
+    stream_matmul: int = 0  # the part of active_matmul in the blocks, which run once per ParScale stream (lm/parscale.py)
 
 
 @functools.lru_cache(maxsize=64)
@@ -52,8 +53,10 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     """Counts the parameters of ``cfg``'s model from its abstract parameter tree and logical axes.
 
     A leaf is a matrix multiply's weight when it has two or more logical axes besides ``layers``;
-    the ``(vocab, embed)`` table counts as one only when it is tied (it is then the LM head). A leaf
-    with both ``experts`` and ``mlp`` axes is a routed expert stack.
+    the ``(vocab, embed)`` table counts as one only when it is tied (it is then the LM head), and
+    ParScale's prefix keys and values (``streams`` and ``head_dim`` axes) never do: attention reads
+    them as it reads the sequence's keys. A leaf with both ``experts`` and ``mlp`` axes is a routed
+    expert stack.
     """
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):  # callable under a run's mesh
         return count_params(define(cfg))
@@ -62,17 +65,19 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
 def count_params(model_def: ModelDef) -> ParamCounts:
     """`param_counts` of a model already defined (tracing a deep unrolled model takes seconds)."""
     cfg = model_def.config
-    total = active = matmul = 0
+    total = active = matmul = stream = 0
     specs = jax.tree.leaves(model_def.logical_specs, is_leaf=lambda x: isinstance(x, jax.P))
-    for spec, leaf in zip(specs, jax.tree.leaves(model_def.abstract_params), strict=True):
+    for spec, (path, leaf) in zip(specs, jax.tree_util.tree_leaves_with_path(model_def.abstract_params), strict=True):
         names = tuple(n for n in spec if n != "layers")
         size = math.prod(leaf.shape)
         used = size * cfg.experts_per_token // cfg.n_experts if {"experts", "mlp"} <= set(names) else size
         total += size
         active += used
-        lookup_only = names == ("vocab", "embed") and not cfg.tie_embeddings
-        matmul += used if len(names) >= 2 and not lookup_only else 0
-    return ParamCounts(total, active, matmul)
+        lookup_only = (names == ("vocab", "embed") and not cfg.tie_embeddings) or {"streams", "head_dim"} <= set(names)
+        weight = used if len(names) >= 2 and not lookup_only else 0
+        matmul += weight
+        stream += weight if path[0].key == "blocks" else 0
+    return ParamCounts(total, active, matmul, stream)
 
 
 def unstack_layers(blocks: Params, n_layers: int) -> Params:

@@ -4,6 +4,9 @@
     h_l = h_{l-1} + Attn(RMSNorm(h_{l-1}));  h_l = h_l + SwiGLU(RMSNorm(h_l))
     logits = RMSNorm(h_L) @ W_out            (W_out = E^T when embeddings are tied)
 
+With ``model.parscale = P > 1`` the blocks run on P streams of each sequence and the final states are
+mixed before the head (ParScale, `lm/parscale.py`).
+
 With ``scan_layers`` the blocks' parameters are stacked along a leading ``layers`` axis and one block
 is compiled and scanned over depth, so compile time does not grow with the number of layers; on XLA:CPU
 the scan is unrolled by default (`layers_per_iteration`), which is faster there.
@@ -16,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lm import kv_cache
+from lm import kv_cache, parscale
 from lm import remat as remat_lib
 from lm.attention import Attention
 from lm.config import ModelConfig
@@ -144,6 +147,8 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, "embed", eps=cfg.norm_eps, dtype=dtype)
         if not cfg.tie_embeddings:
             self.lm_head = linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
+        if cfg.parscale > 1:
+            self.aggregate = parscale.Aggregator(cfg, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, *, return_aux: bool = False, model_layout: bool = False):
         """Logits ``(batch, seq, vocab)`` for ``tokens`` ``(batch, seq)``.
@@ -170,7 +175,7 @@ class Transformer(nnx.Module):
         segment_ids = document_segments(cfg, tokens)  # from the tokens in order
         order = context_attention.model_order(cfg.context_parallel, tokens.shape[1])
         tokens, segment_ids = in_model_layout(cfg, tokens), in_model_layout(cfg, segment_ids)
-        x = constrain(self.embed(tokens), ACTIVATION)
+        x = self._streams(constrain(self.embed(tokens), ACTIVATION))
         if cfg.scan_layers and pipeline.stage_count() > 1:
             run_group = lambda blocks, h, seg: scan_blocks(cfg, blocks, h, seg, order)[0]  # noqa: E731
             x = pipeline.run_stack(self.blocks, x, segment_ids, run_group, cfg)
@@ -189,7 +194,7 @@ class Transformer(nnx.Module):
         aux = {"attn_max_logits": max_logits} if cfg.track_attn_logits else {}
         if moe_stats is not None:
             aux["moe"] = moe_stats
-        return self.final_norm(x), aux
+        return self._final_states(x), aux
 
     def head_matrix(self) -> tuple[jax.Array, bool]:
         """The LM head's float32 weight and whether its vocabulary axis comes first: the tied embedding
@@ -203,8 +208,17 @@ class Transformer(nnx.Module):
         logits = self.embed.attend(features) if self.cfg.tie_embeddings else self.lm_head(features)
         return constrain(logits, ("batch", "seq", "vocab"))
 
+    def _streams(self, x: jax.Array) -> jax.Array:
+        """The embedded tokens ``(B, S, D)`` as the decoder's input: ``(B P, S, D)`` for ParScale's P streams."""
+        return parscale.expand(x, self.cfg.parscale) if self.cfg.parscale > 1 else x
+
+    def _final_states(self, x: jax.Array) -> jax.Array:
+        """``RMSNorm(h_L)``, the P streams' aggregated (`lm.parscale.Aggregator`) with ParScale."""
+        h = self.final_norm(x)
+        return self.aggregate(h) if self.cfg.parscale > 1 else h
+
     def _logits(self, x: jax.Array) -> jax.Array:
-        return self.head(self.final_norm(x))
+        return self.head(self._final_states(x))
 
     def decode(self, tokens: jax.Array, cache: kv_cache.Cache, start: jax.Array) -> tuple[jax.Array, kv_cache.Cache]:
         """Logits ``(batch, s, vocab)`` of ``tokens`` ``(batch, s)`` at positions ``start ..``, and the cache.
@@ -213,7 +227,7 @@ class Transformer(nnx.Module):
         returned one also holds ``tokens``'. With ``start=0`` and an empty cache this is prefill and
         equals ``__call__``'s logits.
         """
-        x = constrain(self.embed(tokens), ACTIVATION)
+        x = self._streams(constrain(self.embed(tokens), ACTIVATION))
         if self.cfg.scan_layers:
             scan = nnx.scan(
                 lambda block, h, layer_cache: block.decode(h, layer_cache, start),

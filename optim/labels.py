@@ -33,7 +33,9 @@ VECTOR_NAMES: tuple[str, ...] = ("scale", "bias")
 # be orthogonalised (the tied embedding is also the LM head).
 TOKEN_EMBEDDING_NAMES: tuple[str, ...] = ("embed", "embedding", "embeddings", "wte")
 READOUT_NAMES: tuple[str, ...] = ("lm_head", "unembed")
-EMBEDDING_NAMES: tuple[str, ...] = (*TOKEN_EMBEDDING_NAMES, *READOUT_NAMES, "wpe")
+# ParScale's per-stream prefix keys and values (lm/parscale.py) are learned virtual tokens, a table as
+# the embedding is: element-wise, never orthogonalised.
+EMBEDDING_NAMES: tuple[str, ...] = (*TOKEN_EMBEDDING_NAMES, *READOUT_NAMES, "wpe", "prefix")
 
 # Attention projections MuonClip rescales (`optim.muon_clip`), by module name -> role: the query
 # kernel ("q"), the key kernel ("k"), and MLA's (lm/mla.py) query up-projection (after a low-rank

@@ -2,7 +2,8 @@
 
 Models name every parameter and key activation dimension with a *logical* axis (``batch``, ``seq``,
 ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``vocab``, ``experts``, ``layers``, and
-``latent``, the compressed width of multi-head latent attention, replicated in every preset). A
+``latent``, the compressed width of multi-head latent attention, and ``streams``, ParScale's
+per-stream parameters, both replicated in every preset). A
 rule set maps each logical name to zero, one or several mesh axes. Mesh axes that the current mesh
 lacks are dropped, so one rule set serves every mesh: ``fsdp`` rules on a ``data:8`` mesh are plain
 data parallelism.
@@ -57,7 +58,7 @@ RuleTable = tuple[tuple[str, MeshAxes], ...]
 
 OPTIONAL = "?"  # a mesh axis written "expert?" is optional (`logical_to_mesh_spec`)
 
-LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "experts", "layers", "latent")
+LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "experts", "layers", "latent", "streams")
 
 
 @dataclasses.dataclass(frozen=True)

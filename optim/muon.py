@@ -42,9 +42,11 @@ The family is built by composition. `scale_by_muon_core` is the pipeline above w
 per-matrix steps that a variant plugs in, each with its own state field next to the momentum ``mu``:
 a correction of the gradient before the momentum (MARS-M, optim/mars_muon.py) and a normalisation of
 ``O_t`` before the shape scale (NorMuon, optim/normuon.py). MuonClip chains a QK-clip step after the
-full optimizer (optim/muon_clip.py). Hyperparameters are declared once, in the spec dataclasses
-`NewtonSchulz` and `MuonDirection` here (shared by every variant) and the AdamW group
-(`optim.common.AdamGroup`); `muon` and `scale_by_muon` are generated from them (`optim.spec`).
+full optimizer (optim/muon_clip.py). AuON (optim/auon.py) replaces Newton-Schulz itself: the core
+calls its spec's ``orthogonalize``. Hyperparameters are declared once, in the spec dataclasses
+`NewtonSchulz` and `MatrixMomentum` (momentum and shape scale; `MuonDirection` is both) here, shared
+by every variant, and the AdamW group (`optim.common.AdamGroup`); `muon` and `scale_by_muon` are
+generated from them (`optim.spec`).
 """
 
 from __future__ import annotations

@@ -59,6 +59,7 @@ def with_adam(
     adam_b2: float,
     adam_eps: float,
     param_labels: Callable[[Any], Any] | Any | None,
+    decay_matrices: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """The full optimizer of a matrix family: its direction on "matrix" leaves, AdamW elsewhere.
 
@@ -66,7 +67,8 @@ def with_adam(
     "adam": ``adamw(adam_lr, adam_b1, adam_b2, adam_eps, weight_decay)``, decaying leaves of two or
     more axes (embeddings yes, norms and biases no). ``adam_lr`` is ``adam_learning_rate`` if given,
     else ``adam_lr_ratio * learning_rate`` (following the same schedule). Labels come from
-    ``param_labels`` (a label tree or function) or `optim.labels.matrix_labels`.
+    ``param_labels`` (a label tree or function) or `optim.labels.matrix_labels`. With
+    ``decay_matrices=False`` the "matrix" chain has no decay step (a direction that decays itself).
     """
     if adam_learning_rate is None:
         if callable(learning_rate):
@@ -76,11 +78,8 @@ def with_adam(
 
         else:
             adam_learning_rate = adam_lr_ratio * learning_rate
-    matrix = optax.chain(
-        matrix_direction,
-        optax.add_decayed_weights(weight_decay),
-        optax.scale_by_learning_rate(learning_rate),
-    )
+    decay = [optax.add_decayed_weights(weight_decay)] if decay_matrices else []
+    matrix = optax.chain(matrix_direction, *decay, optax.scale_by_learning_rate(learning_rate))
     adam = optax.adamw(
         adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=adam_eps, weight_decay=weight_decay, mask=labels.decay_mask
     )

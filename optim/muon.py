@@ -42,9 +42,11 @@ The family is built by composition. `scale_by_muon_core` is the pipeline above w
 per-matrix steps that a variant plugs in, each with its own state field next to the momentum ``mu``:
 a correction of the gradient before the momentum (MARS-M, optim/mars_muon.py) and a normalisation of
 ``O_t`` before the shape scale (NorMuon, optim/normuon.py). MuonClip chains a QK-clip step after the
-full optimizer (optim/muon_clip.py). Hyperparameters are declared once, in the spec dataclasses
-`NewtonSchulz` and `MuonDirection` here (shared by every variant) and the AdamW group
-(`optim.common.AdamGroup`); `muon` and `scale_by_muon` are generated from them (`optim.spec`).
+full optimizer (optim/muon_clip.py). AuON (optim/auon.py) replaces Newton-Schulz itself: the core
+calls its spec's ``orthogonalize``. Hyperparameters are declared once, in the spec dataclasses
+`NewtonSchulz` and `MatrixMomentum` (momentum and shape scale; `MuonDirection` is both) here, shared
+by every variant, and the AdamW group (`optim.common.AdamGroup`); `muon` and `scale_by_muon` are
+generated from them (`optim.spec`).
 """
 
 from __future__ import annotations
@@ -153,8 +155,9 @@ class NewtonSchulz:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MuonDirection(NewtonSchulz):
-    """Muon's direction ``s(W) NewtonSchulz(D_t)`` for a pytree of matrices (no learning rate).
+class MatrixMomentum:
+    """The momentum and shape scale of the Muon family; a subclass supplies the per-matrix map
+    ``orthogonalize(tree, axes)`` (`NewtonSchulz`'s, or AuON's bound, optim/auon.py).
 
     Attributes:
       beta: momentum coefficient.
@@ -164,7 +167,6 @@ class MuonDirection(NewtonSchulz):
       mu_dtype: storage dtype of the momentum.
       dimension_numbers: a `MatrixAxes` for every leaf, a callable mapping the updates to a tree of
         them, or None for ``(*batch, fan_in, fan_out)``.
-      (ns_*: `NewtonSchulz`.)
     """
 
     beta: float = spec.param(0.95, valid="[0, 1)")
@@ -177,10 +179,21 @@ class MuonDirection(NewtonSchulz):
     family: ClassVar[str] = "muon"  # the optimizer's name in error messages
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
         common.check_choice("momentum_form", self.momentum_form, MOMENTUM_FORMS)
         common.check_choice("shape_scale", self.shape_scale, SHAPE_SCALES)
         common.check_choice("mu_dtype", self.mu_dtype, DTYPES)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MuonDirection(MatrixMomentum, NewtonSchulz):
+    """Muon's direction ``s(W) NewtonSchulz(D_t)`` for a pytree of matrices (no learning rate).
+
+    (beta, momentum_form, nesterov, shape_scale, mu_dtype, dimension_numbers: `MatrixMomentum`;
+    ns_*: `NewtonSchulz`.)
+    """
 
     def direction(self) -> optax.GradientTransformation:
         return scale_by_muon_core(self, MuonState)
@@ -196,7 +209,7 @@ class MatrixStep(NamedTuple):
 
 
 def scale_by_muon_core(
-    h: MuonDirection,
+    h: MatrixMomentum,
     state_type: Callable[..., Any],
     *,
     correction: MatrixStep | None = None,
@@ -206,7 +219,7 @@ def scale_by_muon_core(
 
         c_t = correction(G_t)                    state field correction.field (MARS-M)
         D_t, M_t = momentum direction of c_t     state field mu
-        O_t = NewtonSchulz(D_t)                  batched over the tree
+        O_t = h.orthogonalize(D_t)               Newton-Schulz, batched over the tree (AuON: a bound)
         P_t = normalization(O_t)                 state field normalization.field (NorMuon)
         update = s(W) P_t                        in the gradient's dtype
 

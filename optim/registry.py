@@ -10,6 +10,7 @@ from __future__ import annotations
 from optim import spec
 from optim.adamuon import AdaMuon
 from optim.adamw import AdamW
+from optim.auon import Auon
 from optim.came import Came
 from optim.conda import Conda
 from optim.cosmos import Cosmos
@@ -18,6 +19,7 @@ from optim.des_loc import DESLOC
 from optim.diloco import DiLoCo, StreamingDiLoCo
 from optim.dion import Dion
 from optim.dion2 import Dion2
+from optim.drop_muon import DropMuon
 from optim.frugal import Frugal, FrugalBlock
 from optim.hyperball import AdamHyperball, MuonHyperball
 from optim.kl_shampoo import KLShampoo
@@ -67,6 +69,8 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "noloco": NoLoCo,
     "des_loc": DESLOC,
     "frugal_block": FrugalBlock,
+    "drop_muon": DropMuon,
+    "auon": Auon,
 }
 
 

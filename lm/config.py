@@ -8,6 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from lm import remat as remat_lib
+from lm import speedrun_config
 from lm.data import tokenizer
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")  # see lm/attention.py
@@ -80,6 +81,20 @@ class ModelConfig:
     q_lora_rank: int = 0  # width of the compressed query latent; 0: full-rank query projection
     rope_head_dim: int = 16  # decoupled RoPE width of each query head and of the one shared RoPE key
     v_head_dim: int = 0  # value width per head; 0: head_dim
+    # modded-nanogpt speedrun options (lm/speedrun_config.py, lm/speedrun_blocks.py); the defaults change nothing.
+    mlp_activation: str = "swiglu"  # swiglu | relu2: down(relu(up(x))^2) (So et al., arXiv:2109.08668)
+    zero_init_head: bool = False  # the untied lm_head starts at zero
+    logit_softcap: float = 0.0  # c > 0: logits c * tanh(z / c) (Gemma 2, arXiv:2408.00118); 0: off
+    norm_scale: bool = True  # RMSNorms learn a scale; False: x / rms(x), no parameter
+    attention_scale: float = 0.0  # attention logit scale; 0: head_dim ** -0.5
+    embed_vocab_size: int = 0  # rows of the token and value embeddings under an untied head wider than them; 0: vocab_size
+    value_embeddings: int = 0  # k: token tables mixed into the values of the first k and last k blocks
+    unet_skips: bool = False  # decoder block i adds w_i times encoder block (n/2 - 1 - i)'s output, w learned
+    x0_mixing: bool = False  # x0 = RMSNorm(embedding); each block starts from a x + b x0, (a, b) learned
+    skip_attention: str = ""  # comma-separated blocks without attention (the record's "7")
+    attention_window: int = 0  # sliding window in tokens; 0: full causal attention
+    window_block: int = 1  # window granularity: query block i sees key blocks i - window / window_block < j <= i
+    window_pattern: str = ""  # one letter per layer: L (attention_window) or S (half of it); empty: all L
 
     def __post_init__(self):
         object.__setattr__(self, "remat", remat_lib.canonical(self.remat))
@@ -121,6 +136,7 @@ class ModelConfig:
                 problems.append(f"model.rope_head_dim={self.rope_head_dim} must be even and >= 2 for mla")
             if self.qk_norm:
                 problems.append("model.qk_norm applies to gqa only (mla normalises its latents); set it to False")
+        problems += speedrun_config.problems(self)
         if problems:
             raise ValueError("; ".join(problems))
 

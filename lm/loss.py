@@ -53,7 +53,7 @@ def loss_chunks(cfg: ModelConfig, batch: int, seq: int) -> int:
     smallest such ``n`` whose chunks hold at most ``loss_chunk`` tokens (``auto``: as many tokens as
     `AUTO_CHUNK_BYTES` of float32 logits hold).
     """
-    if cfg.loss_chunk == "none":
+    if cfg.loss_chunk == "none" or cfg.logit_softcap:  # the fused head has no soft-cap: whole logits
         return 1
     limit = AUTO_CHUNK_BYTES // (4 * cfg.vocab_size) if cfg.loss_chunk == "auto" else int(cfg.loss_chunk)
     return next((n for n in range(1, seq + 1) if seq % n == 0 and batch * (seq // n) <= limit), seq)

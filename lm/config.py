@@ -216,6 +216,11 @@ class ModelConfig:
         return query + d * (r + rope) + r * h * (hd + vd) + h * vd * d
 
 
+# The options every speedrun preset shares (lm/speedrun_blocks.py): the record's logit soft-cap 15 and attention scale 0.12.
+SPEEDRUN_OPTIONS = dict(
+    mlp_activation="relu2", zero_init_head=True, logit_softcap=15.0, norm_scale=False, attention_scale=0.12, unet_skips=True, x0_mixing=True,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # ~0.8M parameters: learns Python bytes in a minute on 2 CPU cores.
     "tiny": dict(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, mlp_dim=384, max_seq_len=1024),
@@ -224,6 +229,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     # GPT-2 small's shape (124M with a 50k vocabulary), SwiGLU sized to GPT-2's MLP parameter count.
     "gpt2-124m": dict(
         vocab_size=50304, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, head_dim=64, mlp_dim=2048, max_seq_len=1024
+    ),
+    # modded-nanogpt's GPT-2 speedrun record 21 (track 1, 2025-01-26, 2.933 minutes on 8 H100s; README
+    # "GPT-2 speedrun"): 275,598,388 parameters, 38.6M of them the untied head padded to 50304 rows.
+    "speedrun-124m": dict(
+        vocab_size=50304, embed_vocab_size=50257, d_model=768, n_layers=12, n_heads=6, n_kv_heads=6, head_dim=128,
+        mlp_dim=3072, max_seq_len=262144, tie_embeddings=False, qk_norm=True, dtype="bfloat16", scan_layers=False,
+        **SPEEDRUN_OPTIONS, value_embeddings=3, skip_attention="7", attention_window=1792, window_block=128,
+        window_pattern="LSSSLSSLSSSL",
+    ),
+    # The same options at `tiny`'s width on the byte-level stdlib corpus: the harness end to end on a CPU.
+    "speedrun-tiny": dict(
+        d_model=128, n_layers=4, n_heads=2, n_kv_heads=2, head_dim=64, mlp_dim=512, max_seq_len=1024, tie_embeddings=False,
+        qk_norm=True, scan_layers=False, **SPEEDRUN_OPTIONS, value_embeddings=1, attention_window=128, window_block=32,
+        window_pattern="LSSL",
     ),
     # Llama 3.2 1B's shape.
     "llama-1b": dict(

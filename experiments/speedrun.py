@@ -34,17 +34,20 @@ REPORT_KEYS = (
 )  # fmt: skip
 
 
-def stdlib_shards(out: str | Path, *, max_files: int = 0) -> Path:
+def stdlib_shards(out: str | Path, *, max_files: int = 0, val_fraction: float = 0.05) -> Path:
     """Byte-level ``train_*.bin`` / ``val_*.bin`` shards of the standard library's Python files (the first
-    ``max_files`` of them; 0: all) in ``out``, written once and reused."""
+    ``max_files`` of them; 0: all; ``val_fraction`` of the documents, by a hash of their text, in ``val``) in
+    ``out``, written once and reused."""
     out = Path(out)
     if not (out / MANIFEST).is_file():
         files = corpus.list_documents(corpus.stdlib_root(), python_only=True)
-        tokenize("bytes", files[:max_files] if max_files else files, out, val_fraction=0.05, shard_tokens=10**8, workers=1)
+        tokenize("bytes", files[:max_files] if max_files else files, out, val_fraction=val_fraction, shard_tokens=10**8, workers=1)
     return out
 
 
-def run(config: ml_collections.ConfigDict, workdir: str | Path, *, shard_dir: str | Path = "", max_files: int = 0) -> dict:
+def run(
+    config: ml_collections.ConfigDict, workdir: str | Path, *, shard_dir: str | Path = "", max_files: int = 0, val_fraction: float = 0.05
+) -> dict:
     """Trains ``config`` in ``workdir`` until its ``target_val_loss`` (or its ``steps``); returns the report.
 
     Without ``data.train_files`` the run reads `stdlib_shards` in ``shard_dir`` (default: under the corpus cache).
@@ -52,7 +55,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | Path, *, shard_dir: st
     if config.get("target_val_loss") is None:
         raise cli.UsageError("the speedrun needs config.target_val_loss (3.28 for the record)")
     if not config.data.train_files:
-        folder = stdlib_shards(shard_dir or corpus.default_cache_dir() / "speedrun-stdlib-shards", max_files=max_files)
+        folder = stdlib_shards(shard_dir or corpus.default_cache_dir() / "speedrun-stdlib-shards", max_files=max_files, val_fraction=val_fraction)
         config = copy.deepcopy(config)
         config.data.train_files, config.data.val_files = str(folder / "train_*.bin"), str(folder / "val_*.bin")
     summary = trainer.run(config, workdir)

@@ -117,7 +117,7 @@ def test_zero_head_starts_at_uniform_loss(model):
 
 
 def _dense_window(q, k, v, window, block, segments):
-    b, t, h, d = q.shape
+    t, d = q.shape[1], q.shape[3]
     allowed = jnp.stack([_window_mask(t, window, block, s) for s in np.asarray(segments)])[:, None]
     s = jnp.einsum("bihd,bjhd->bhij", q, k) * d**-0.5
     return jnp.einsum("bhij,bjhd->bihd", jax.nn.softmax(jnp.where(allowed, s, -jnp.inf), axis=-1), v)

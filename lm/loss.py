@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from lm import model as model_lib
+from lm import speedrun_config
 from lm.config import ModelConfig
 from lm.model import param_counts
 from sharding.partition import constrain
@@ -173,8 +174,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     (`lm.model.param_counts`: the embedding lookup is free, the LM head is not, a routed expert
     stack counts ``experts_per_token / n_experts``), ``12 L H d_head T`` is attention's score and
     value products (PaLM, arXiv:2204.02311, App. B; the causal mask's savings are not counted, as
-    is customary for MFU).
+    is customary for MFU), ``L T`` summed over the blocks with attention, each over at most its window
+    (`lm.speedrun_config.attended_keys`).
     """
     matmul_params = param_counts(cfg).active_matmul
     score_and_value = cfg.head_dim + (cfg.rope_head_dim if cfg.attention_type == "mla" else 0) + cfg.value_head_dim
-    return 6.0 * matmul_params + 6.0 * cfg.n_layers * cfg.n_heads * score_and_value * seq_len
+    return 6.0 * matmul_params + 6.0 * cfg.n_heads * score_and_value * speedrun_config.attended_keys(cfg, seq_len)

@@ -37,6 +37,13 @@ def layer_window(cfg: Any, layer: int) -> int:
     return cfg.attention_window // 2 if short else cfg.attention_window
 
 
+def attended_keys(cfg: Any, seq_len: int) -> int:
+    """Keys per query summed over the blocks with attention, counting every key of a full causal
+    layer (``seq_len``) and at most ``window`` of a windowed one: FLOPs per token's attention factor."""
+    skipped = skipped_attention(cfg)
+    return sum(min(seq_len, layer_window(cfg, layer) or seq_len) for layer in range(cfg.n_layers) if layer not in skipped)
+
+
 def value_table(cfg: Any, layer: int) -> int | None:
     """Which value-embedding table block ``layer`` mixes into its values, or None."""
     k, n = cfg.value_embeddings, cfg.n_layers

@@ -229,7 +229,7 @@ class Transformer(nnx.Module):
         return self.lm_head.kernel[...], False
 
     def head(self, features: jax.Array) -> jax.Array:
-        """Logits ``(batch, seq, vocab)`` in the compute dtype from `features`' output."""
+        """Logits ``(batch, seq, vocab)`` in the compute dtype (float32 under a soft-cap) from `features`' output."""
         logits = self.embed.attend(features) if self.cfg.tie_embeddings else self.lm_head(features)
         return constrain(speedrun_blocks.softcap(logits, self.cfg.logit_softcap), ("batch", "seq", "vocab"))
 

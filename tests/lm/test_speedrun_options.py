@@ -17,6 +17,7 @@ from kernels_pallas.attention import api as attention_api
 from kernels_pallas.attention import window as window_lib
 from lm import config as config_lib
 from lm import model as model_lib
+from lm import speedrun_config
 from lm.loss import next_token_loss
 
 CFG = config_lib.ModelConfig(
@@ -108,6 +109,8 @@ def test_parameters_the_options_add(model):
     assert params["embed"]["embedding"].shape == params["value_embeds"][0]["embedding"].shape == (60, 32)
     assert params["lm_head"]["kernel"].shape == (32, 64)
     assert params["blocks"][1]["mlp"].keys() == {"up_proj", "down_proj"}
+    assert speedrun_config.attended_keys(CFG, 16) == 8 + 4 + 8  # blocks 0, 1, 3 (L, S, L); none in block 2
+    assert speedrun_config.attended_keys(dataclasses.replace(CFG, attention_window=0, window_pattern=""), 16) == 3 * 16
 
 
 def test_zero_head_starts_at_uniform_loss(model):

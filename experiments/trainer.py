@@ -54,6 +54,7 @@ class LoopSettings:
     config: dict | None = None  # the resolved config, for TensorBoard hparams and Weights & Biases
     wandb: dict | None = None  # the config's ``wandb`` block
     profile: tuple[int, int] | None = None  # steps to trace (`experiments.profiling.StepTrace`)
+    target_val_loss: float | None = None  # stop at the first evaluation at or below it (`experiments.speedrun`)
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> LoopSettings:
@@ -68,6 +69,7 @@ class LoopSettings:
             config=config.to_dict(),
             wandb=config.wandb.to_dict() if config.get("wandb") else None,
             profile=_profile_steps(config.get("profile", "")),
+            target_val_loss=config.get("target_val_loss"),
         )
 
     @property
@@ -259,7 +261,7 @@ def _loop(
     progress = Progress(settings.steps, start, lead)
     step_times: list[float] = []
     last = {}
-    val_loss = None
+    val_loss = reached = None
     # Steps dispatched whose metrics have not been read: (step, metrics, dispatch time). Reading a
     # step's metrics waits for it, so they are read one step late: the host loads and dispatches
     # step n + 1 while the device runs step n. A step that evaluates or checkpoints reads them all
@@ -300,6 +302,8 @@ def _loop(
                     record["val_loss"] = val_loss
                     if (bits_per_byte := val_batches.bits_per_byte(val_loss)) is not None:
                         record["val_bits_per_byte"] = bits_per_byte
+                    if settings.target_val_loss is not None and val_loss <= settings.target_val_loss:
+                        reached = record_step
                 last = record
                 if record_step % settings.log_every == 0 or "val_loss" in record or record_step == settings.steps:
                     writer.write(record)
@@ -310,14 +314,18 @@ def _loop(
                         f"{record_step}); parameters were left unchanged and no such state was checkpointed. Lower "
                         "optimizer.learning_rate, enable optimizer.grad_clip_norm, or check the data"
                     )
-            if saving:
+            if saving or reached is not None:
                 checkpointing.save(checkpoints.manager, done, state, train_iter.get_state(), checkpoints.meta, force=True)
+            if reached is not None:
+                break
             if stopping:
                 progress.close()
                 print(f"stopped by signal {stop.signum} after step {done}; checkpoint saved, rerun with --workdir={workdir} to resume", file=sys.stderr)
                 return {"interrupted": True, "steps": done, "signal": stop.signum}
         progress.close()
         summary = _summarize(settings, spec, workdir, step_times, last, val_loss, start)
+        if settings.target_val_loss is not None:
+            summary |= _to_target(settings, step_times, reached)
         writer.write_summary(summary)
         return summary
     finally:
@@ -362,6 +370,23 @@ def _summarize(settings: LoopSettings, spec: RunSpec, workdir: Path, step_times,
         title = f"{workdir.name}: {model.get('preset', '')} + {optimizer.get('name', '')}, {settings.steps} steps"
         metrics_io.plot_losses(workdir / "metrics.jsonl", workdir / "loss.png", title=title)
     return summary
+
+
+def _to_target(settings: LoopSettings, step_times: list[float], reached: int | None) -> dict:
+    """Steps, tokens and training seconds to ``settings.target_val_loss``, as modded-nanogpt times a record:
+    the steps' time on the device without evaluations, and without compilation (the first step's time,
+    which includes it, is replaced by the median of the others)."""
+    timed = step_times[1:]
+    seconds = sum(timed) + (float(np.median(timed)) if timed else 0.0)
+    steps = reached if reached is not None else len(step_times)
+    return {
+        "target_val_loss": settings.target_val_loss,
+        "reached_target": reached is not None,
+        "steps_to_target": steps,
+        "tokens_to_target": steps * settings.tokens_per_step,
+        "seconds_to_target": seconds,
+        "compile_step_seconds": step_times[0] if step_times else None,
+    }
 
 
 class Progress:

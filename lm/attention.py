@@ -17,9 +17,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from kernels_pallas.attention import api as attention_api
-from lm import kv_cache, parscale, remat, rope
+from lm import kv_cache, parscale, remat, rope, speedrun_blocks, speedrun_config
 from lm.config import ModelConfig
-from lm.layers import RMSNorm, linear, split_heads
+from lm.layers import linear, split_heads
 from lm.parallel import context_attention
 from sharding import partition
 
@@ -64,6 +64,8 @@ def attend(
     segment_ids: jax.Array | None = None,
     context_parallel: str = "all_gather",
     zigzag: bool = False,
+    window: int = 0,
+    window_block: int = 1,
 ):
     """Causal softmax attention, logits and softmax statistics in float32 (`attention_api.attention`).
 
@@ -76,13 +78,14 @@ def attend(
       context_parallel: with the sequence split over a ``context`` mesh axis, how keys and values
         reach the queries (`lm.parallel.context_attention`): ``all_gather``, ``ring`` or ``ulysses``.
       zigzag: the sequence is in the zig-zag layout of `lm.parallel.context_attention.model_order`.
+      window, window_block: > 0: sliding-window attention (`kernels_pallas.attention.window`).
 
     Returns:
       ``(out, max_logits)``: out ``(batch, seq, n_heads, head_dim)`` in q's dtype; max_logits is
       None unless tracked.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if context_attention.sequence_split():
+    if context_attention.sequence_split() and not window:
         return context_attention.attend(
             q, k, v, mode=context_parallel, implementation=implementation, track_max_logits=track_max_logits,
             segment_ids=segment_ids, zigzag=zigzag,
@@ -96,11 +99,13 @@ def attend(
         sequence_sharded=any(mesh.shape[a] > 1 for a in partition.logical_mesh_axes("seq")),
         per_shard=lambda run: _per_shard(run, track_max_logits=track_max_logits),
         segment_ids=segment_ids,
+        window_size=window,
+        window_block=window_block,
     )
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
         dtype = cfg.compute_dtype
         out_scale = (2 * cfg.n_layers) ** -0.5
         self.cfg = cfg
@@ -111,8 +116,11 @@ class Attention(nnx.Module):
             cfg.n_heads * cfg.head_dim, cfg.d_model, ("heads", "embed"), dtype=dtype, rngs=rngs, scale=out_scale
         )
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, "head_dim", eps=cfg.norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(cfg.head_dim, "head_dim", eps=cfg.norm_eps, dtype=dtype)
+            self.q_norm = speedrun_blocks.norm(cfg, cfg.head_dim, "head_dim")
+            self.k_norm = speedrun_blocks.norm(cfg, cfg.head_dim, "head_dim")
+        self.window = speedrun_config.layer_window(cfg, layer)
+        if cfg.value_embeddings:
+            self.v_lambdas = speedrun_blocks.scalars((0.5, 0.5))
         if cfg.parscale > 1:
             self.prefix = parscale.Prefix(cfg, rngs=rngs)
 
@@ -124,12 +132,20 @@ class Attention(nnx.Module):
         v = split_heads(self.v_proj(x), cfg.n_kv_heads, _KV)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return rope.rotary_embedding(q, positions, cfg), rope.rotary_embedding(k, positions, cfg), v
+        q = rope.rotary_embedding(q, positions, cfg)
+        if cfg.attention_scale:
+            q = q * jnp.asarray(cfg.attention_scale * cfg.head_dim**0.5, q.dtype)  # the op's head_dim ** -0.5 then gives the scale
+        return q, rope.rotary_embedding(k, positions, cfg), v
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, order: jax.typing.ArrayLike | None = None):
-        """``order``: the positions of ``x``'s rows when the model laid its sequence out zig-zag, else None."""
+    def __call__(
+        self, x: jax.Array, segment_ids: jax.Array | None = None, order: jax.typing.ArrayLike | None = None, ve: jax.Array | None = None
+    ):
+        """``order``: the positions of ``x``'s rows when the model laid its sequence out zig-zag, else None;
+        ``ve``: this block's value embedding ``(batch, seq, d_model)`` (`lm.speedrun_blocks.mix_values`)."""
         cfg = self.cfg
         q, k, v = self._qkv(x, jnp.arange(x.shape[1]) if order is None else jnp.asarray(order))
+        if cfg.value_embeddings:
+            v = speedrun_blocks.mix_values(v, ve, self.v_lambdas[...])
         if cfg.parscale > 1:
             q, k, v = self.prefix.extend(q, k, v)
         q, k, v = checkpoint_name(q, remat.ATTN_Q), checkpoint_name(k, remat.ATTN_K), checkpoint_name(v, remat.ATTN_V)
@@ -142,6 +158,8 @@ class Attention(nnx.Module):
             segment_ids=segment_ids,
             context_parallel=cfg.context_parallel,
             zigzag=order is not None,
+            window=self.window,
+            window_block=cfg.window_block,
         )
         out = checkpoint_name(out, remat.ATTN_CONTEXT)
         b, s = x.shape[:2]

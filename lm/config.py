@@ -8,6 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from lm import remat as remat_lib
+from lm import speedrun_config
 from lm.data import tokenizer
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")  # see lm/attention.py
@@ -85,6 +86,20 @@ class ModelConfig:
     parscale: int = 1  # P, streams
     parscale_prefix_tokens: int = 48  # T, prefix positions per stream and layer (the authors' parscale_n_tokens)
     parscale_smoothing: float = 0.01  # eps, label smoothing of the stream weights (the authors' parscale_attn_smooth)
+    # modded-nanogpt speedrun options (lm/speedrun_config.py, lm/speedrun_blocks.py); the defaults change nothing.
+    mlp_activation: str = "swiglu"  # swiglu | relu2: down(relu(up(x))^2) (So et al., arXiv:2109.08668)
+    zero_init_head: bool = False  # the untied lm_head starts at zero
+    logit_softcap: float = 0.0  # c > 0: logits c * tanh(z / c) (Gemma 2, arXiv:2408.00118); 0: off
+    norm_scale: bool = True  # RMSNorms learn a scale; False: x / rms(x), no parameter
+    attention_scale: float = 0.0  # attention logit scale; 0: head_dim ** -0.5
+    embed_vocab_size: int = 0  # rows of the token and value embeddings under an untied head wider than them; 0: vocab_size
+    value_embeddings: int = 0  # k: token tables mixed into the values of the first k and last k blocks
+    unet_skips: bool = False  # decoder block i adds w_i times encoder block (n/2 - 1 - i)'s output, w learned
+    x0_mixing: bool = False  # x0 = RMSNorm(embedding); each block starts from a x + b x0, (a, b) learned
+    skip_attention: str = ""  # comma-separated blocks without attention (the record's "7")
+    attention_window: int = 0  # sliding window in tokens; 0: full causal attention
+    window_block: int = 1  # window granularity: query block i sees key blocks i - window / window_block < j <= i
+    window_pattern: str = ""  # one letter per layer: L (attention_window) or S (half of it); empty: all L
 
     def __post_init__(self):
         object.__setattr__(self, "remat", remat_lib.canonical(self.remat))
@@ -128,6 +143,7 @@ class ModelConfig:
                 problems.append("model.qk_norm applies to gqa only (mla normalises its latents); set it to False")
         if self.parscale != 1:
             problems += self._parscale_problems()
+        problems += speedrun_config.problems(self)
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -139,6 +155,11 @@ class ModelConfig:
             problems.append("model.parscale > 1 prefixes grouped-query attention's keys and values; set model.attention_type=gqa")
         if self.document_separator is not None:
             problems.append("model.parscale > 1 shows every stream prefix to all positions, across document masks; unset model.document_separator")
+        if self.value_embeddings or self.unet_skips or self.x0_mixing or self.attention_window:
+            problems.append(
+                "model.parscale > 1 is not built with the speedrun's block options (value_embeddings, unet_skips, "
+                "x0_mixing, attention_window); set model.parscale=1 or turn them off"
+            )
         return problems
 
     def _rope_problems(self) -> list[str]:
@@ -217,6 +238,11 @@ class ModelConfig:
         return query + d * (r + rope) + r * h * (hd + vd) + h * vd * d
 
 
+# The options every speedrun preset shares (lm/speedrun_blocks.py): the record's logit soft-cap 15 and attention scale 0.12.
+SPEEDRUN_OPTIONS = dict(
+    mlp_activation="relu2", zero_init_head=True, logit_softcap=15.0, norm_scale=False, attention_scale=0.12, unet_skips=True, x0_mixing=True,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # ~0.8M parameters: learns Python bytes in a minute on 2 CPU cores.
     "tiny": dict(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, mlp_dim=384, max_seq_len=1024),
@@ -225,6 +251,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     # GPT-2 small's shape (124M with a 50k vocabulary), SwiGLU sized to GPT-2's MLP parameter count.
     "gpt2-124m": dict(
         vocab_size=50304, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, head_dim=64, mlp_dim=2048, max_seq_len=1024
+    ),
+    # modded-nanogpt's GPT-2 speedrun record 21 (track 1, 2025-01-26, 2.933 minutes on 8 H100s; README
+    # "GPT-2 speedrun"): 275,598,388 parameters, 38.6M of them the untied head padded to 50304 rows.
+    "speedrun-124m": dict(
+        vocab_size=50304, embed_vocab_size=50257, d_model=768, n_layers=12, n_heads=6, n_kv_heads=6, head_dim=128,
+        mlp_dim=3072, max_seq_len=262144, tie_embeddings=False, qk_norm=True, dtype="bfloat16", scan_layers=False,
+        **SPEEDRUN_OPTIONS, value_embeddings=3, skip_attention="7", attention_window=1792, window_block=128,
+        window_pattern="LSSSLSSLSSSL",
+    ),
+    # The same options at `tiny`'s width on the byte-level stdlib corpus: the harness end to end on a CPU.
+    "speedrun-tiny": dict(
+        d_model=128, n_layers=4, n_heads=2, n_kv_heads=2, head_dim=64, mlp_dim=512, max_seq_len=1024, tie_embeddings=False,
+        qk_norm=True, scan_layers=False, **SPEEDRUN_OPTIONS, value_embeddings=1, attention_window=128, window_block=32,
+        window_pattern="LSSL",
     ),
     # Llama 3.2 1B's shape.
     "llama-1b": dict(

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from lm import model as model_lib
+from lm import speedrun_config
 from lm.config import ModelConfig
 from lm.model import param_counts
 from sharding.partition import constrain
@@ -53,7 +54,7 @@ def loss_chunks(cfg: ModelConfig, batch: int, seq: int) -> int:
     smallest such ``n`` whose chunks hold at most ``loss_chunk`` tokens (``auto``: as many tokens as
     `AUTO_CHUNK_BYTES` of float32 logits hold).
     """
-    if cfg.loss_chunk == "none":
+    if cfg.loss_chunk == "none" or cfg.logit_softcap:  # the fused head has no soft-cap: whole logits
         return 1
     limit = AUTO_CHUNK_BYTES // (4 * cfg.vocab_size) if cfg.loss_chunk == "auto" else int(cfg.loss_chunk)
     return next((n for n in range(1, seq + 1) if seq % n == 0 and batch * (seq // n) <= limit), seq)
@@ -173,11 +174,12 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     (`lm.model.param_counts`: the embedding lookup is free, the LM head is not, a routed expert
     stack counts ``experts_per_token / n_experts``), ``12 L H d_head T`` is attention's score and
     value products (PaLM, arXiv:2204.02311, App. B; the causal mask's savings are not counted, as
-    is customary for MFU). With ParScale's ``P`` streams (`lm.parscale`) the blocks' weights and
+    is customary for MFU), ``L T`` summed over the blocks with attention, each over at most its window
+    (`lm.speedrun_config.attended_keys`). With ParScale's ``P`` streams (`lm.parscale`) the blocks' weights and
     attention run ``P`` times, over ``T`` plus the prefix positions; the aggregation and the head once.
     """
     counts = param_counts(cfg)
     matmul_params = counts.active_matmul + (cfg.parscale - 1) * counts.stream_matmul
     keys = seq_len + (cfg.parscale_prefix_tokens if cfg.parscale > 1 else 0)
     score_and_value = cfg.head_dim + (cfg.rope_head_dim if cfg.attention_type == "mla" else 0) + cfg.value_head_dim
-    return 6.0 * matmul_params + 6.0 * cfg.parscale * cfg.n_layers * cfg.n_heads * score_and_value * keys
+    return 6.0 * matmul_params + 6.0 * cfg.parscale * cfg.n_heads * score_and_value * speedrun_config.attended_keys(cfg, keys)

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import jax
 from flax import nnx
 
-from lm import transformer
+from lm import speedrun_config, transformer
 from lm.config import ModelConfig
 from lm.transformer import Transformer
 
@@ -94,7 +94,7 @@ def init_params(model_def: ModelDef, seed: int, shardings: Params | None = None)
     differ (dense and MoE, ``moe_every > 1`` or ``first_dense_layers``) cannot be stacked and are initialised one by one.
     """
     cfg = model_def.config
-    uniform = cfg.n_experts == 0 or (cfg.moe_every == 1 and cfg.first_dense_layers == 0)
+    uniform = (cfg.n_experts == 0 or (cfg.moe_every == 1 and cfg.first_dense_layers == 0)) and not speedrun_config.layer_dependent(cfg)
     stacked = dataclasses.replace(cfg, scan_layers=True) if uniform else cfg
 
     def init() -> Params:

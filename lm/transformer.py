@@ -19,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lm import kv_cache, parscale
+from lm import kv_cache, parscale, speedrun_blocks, speedrun_config
 from lm import remat as remat_lib
 from lm.attention import Attention
 from lm.config import ModelConfig
-from lm.layers import RMSNorm, SwiGLU, linear
+from lm.layers import SwiGLU, linear
 from lm.mla import MultiHeadLatentAttention
 from lm.moe import MoE
 from lm.parallel import context_attention, pipeline
@@ -35,24 +35,43 @@ ACTIVATION = ("batch", "seq", "embed")
 class Block(nnx.Module):
     """One pre-norm block; its MLP is a routed MoE (`lm/moe.py`) when ``moe``."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False, layer: int = 0):
         dtype = cfg.compute_dtype
-        self.attn_norm = RMSNorm(cfg.d_model, "embed", eps=cfg.norm_eps, dtype=dtype)
-        self.attn = MultiHeadLatentAttention(cfg, rngs=rngs) if cfg.attention_type == "mla" else Attention(cfg, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, "embed", eps=cfg.norm_eps, dtype=dtype)
+        self.x0_mixing = cfg.x0_mixing
+        if cfg.x0_mixing:
+            self.x0_lambdas = speedrun_blocks.scalars((1.0, 0.0))
+        self.attn_norm = speedrun_blocks.norm(cfg, cfg.d_model, "embed")
+        if layer in speedrun_config.skipped_attention(cfg):
+            self.attn = None
+        elif cfg.attention_type == "mla":
+            self.attn = MultiHeadLatentAttention(cfg, rngs=rngs)
+        else:
+            self.attn = Attention(cfg, rngs=rngs, layer=layer)
+        self.mlp_norm = speedrun_blocks.norm(cfg, cfg.d_model, "embed")
         if moe:
             self.mlp = MoE(cfg, rngs=rngs)
+        elif cfg.mlp_activation == "relu2":
+            self.mlp = speedrun_blocks.ReluSquaredMLP(cfg.d_model, cfg.mlp_dim, out_scale=(2 * cfg.n_layers) ** -0.5, dtype=dtype, rngs=rngs)
         else:
             self.mlp = SwiGLU(cfg.d_model, cfg.mlp_dim, out_scale=(2 * cfg.n_layers) ** -0.5, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, order: np.ndarray | None = None):
+    def __call__(
+        self, x: jax.Array, segment_ids: jax.Array | None = None, order: np.ndarray | None = None,
+        x0: jax.Array | None = None, ve: jax.Array | None = None,
+    ):  # fmt: skip
         """``x -> (x', (attention max logits or None, MoE statistics or None))``; tokens attend within their segment.
 
         ``order``: the positions of ``x``'s rows when the sequence is in the zig-zag layout
-        (`lm.parallel.context_attention.model_order`), else None (in order).
+        (`lm.parallel.context_attention.model_order`), else None (in order). ``x0`` (x0 mixing) and
+        ``ve`` (this block's value embedding) come from `lm.speedrun_blocks.run_blocks`.
         """
-        attn_out, max_logits = self.attn(self.attn_norm(x), segment_ids, order)
-        x = constrain(x + attn_out, ACTIVATION)
+        max_logits = None
+        if self.x0_mixing and x0 is not None:
+            lambdas = self.x0_lambdas[...].astype(x.dtype)
+            x = lambdas[0] * x + lambdas[1] * x0
+        if self.attn is not None:
+            attn_out, max_logits = self.attn(self.attn_norm(x), segment_ids, order, *(() if ve is None else (ve,)))
+            x = constrain(x + attn_out, ACTIVATION)
         mlp_out = self.mlp(self.mlp_norm(x))
         mlp_out, moe_stats = mlp_out if isinstance(self.mlp, MoE) else (mlp_out, None)
         x = constrain(x + mlp_out, ACTIVATION)
@@ -74,7 +93,7 @@ def _block_fn(cfg: ModelConfig, segment_ids: jax.Array | None, order: np.ndarray
     remat, so it gets prevent_cse's optimisation barriers; a rolled scan body is not merged with its
     neighbours and needs none.
     """
-    call = lambda blk, h: blk(h, segment_ids, order)  # noqa: E731
+    call = lambda blk, h, *extra: blk(h, segment_ids, order, *extra)  # noqa: E731
     if cfg.remat == "none":
         return call
     return nnx.remat(call, policy=remat_lib.POLICIES[cfg.remat], prevent_cse=straight_line)
@@ -127,7 +146,7 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         dtype = cfg.compute_dtype
         self.embed = nnx.Embed(
-            cfg.vocab_size,
+            cfg.embed_vocab_size or cfg.vocab_size,
             cfg.d_model,
             dtype=dtype,
             param_dtype=jnp.float32,
@@ -143,12 +162,20 @@ class Transformer(nnx.Module):
 
             self.blocks = make_blocks(rngs)
         else:
-            self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=cfg.is_moe_layer(i)) for i in range(cfg.n_layers)])
-        self.final_norm = RMSNorm(cfg.d_model, "embed", eps=cfg.norm_eps, dtype=dtype)
-        if not cfg.tie_embeddings:
+            self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=cfg.is_moe_layer(i), layer=i) for i in range(cfg.n_layers)])
+        self.final_norm = speedrun_blocks.norm(cfg, cfg.d_model, "embed")
+        if cfg.zero_init_head:
+            self.lm_head = speedrun_blocks.zero_head(cfg, rngs)
+        elif not cfg.tie_embeddings:
             self.lm_head = linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
         if cfg.parscale > 1:
             self.aggregate = parscale.Aggregator(cfg, rngs=rngs)
+        if cfg.x0_mixing:
+            self.embed_norm = speedrun_blocks.norm(cfg, cfg.d_model, "embed")
+        if cfg.value_embeddings:
+            self.value_embeds = speedrun_blocks.value_tables(cfg, rngs)
+        if cfg.unet_skips:
+            self.skip_weights = speedrun_blocks.scalars([1.0] * (cfg.n_layers - cfg.n_layers // 2))
 
     def __call__(self, tokens: jax.Array, *, return_aux: bool = False, model_layout: bool = False):
         """Logits ``(batch, seq, vocab)`` for ``tokens`` ``(batch, seq)``.
@@ -184,10 +211,13 @@ class Transformer(nnx.Module):
             x, (max_logits, moe_stats) = scan_blocks(cfg, self.blocks, x, segment_ids, order)
         else:
             run_block = _block_fn(cfg, segment_ids, order, straight_line=True)
-            per_layer = []
-            for block in self.blocks:
-                x, layer_aux = run_block(block, x)
-                per_layer.append(layer_aux)
+            if speedrun_config.layer_dependent(cfg):
+                x, per_layer = speedrun_blocks.run_blocks(self, tokens, x, run_block)
+            else:
+                per_layer = []
+                for block in self.blocks:
+                    x, layer_aux = run_block(block, x)
+                    per_layer.append(layer_aux)
             max_logits = jnp.stack([m for m, _ in per_layer]) if cfg.track_attn_logits else None
             moe_layers = [stats for _, stats in per_layer if stats is not None]
             moe_stats = jax.tree.map(lambda *xs: jnp.stack(xs), *moe_layers) if moe_layers else None
@@ -204,9 +234,9 @@ class Transformer(nnx.Module):
         return self.lm_head.kernel[...], False
 
     def head(self, features: jax.Array) -> jax.Array:
-        """Logits ``(batch, seq, vocab)`` in the compute dtype from `features`' output."""
+        """Logits ``(batch, seq, vocab)`` in the compute dtype (float32 under a soft-cap) from `features`' output."""
         logits = self.embed.attend(features) if self.cfg.tie_embeddings else self.lm_head(features)
-        return constrain(logits, ("batch", "seq", "vocab"))
+        return constrain(speedrun_blocks.softcap(logits, self.cfg.logit_softcap), ("batch", "seq", "vocab"))
 
     def _streams(self, x: jax.Array) -> jax.Array:
         """The embedded tokens ``(B, S, D)`` as the decoder's input: ``(B P, S, D)`` for ParScale's P streams."""
@@ -227,6 +257,8 @@ class Transformer(nnx.Module):
         returned one also holds ``tokens``'. With ``start=0`` and an empty cache this is prefill and
         equals ``__call__``'s logits.
         """
+        if speedrun_config.layer_dependent(self.cfg) or self.cfg.attention_window:
+            raise NotImplementedError("decoding does not yet run the speedrun's block stack or windows (lm/speedrun_blocks.py)")
         x = self._streams(constrain(self.embed(tokens), ACTIVATION))
         if self.cfg.scan_layers:
             scan = nnx.scan(

@@ -38,14 +38,14 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import backends, varying
-from kernels_pallas.attention import base, mosaic_tpu, reference, triton
+from kernels_pallas.attention import base, mosaic_tpu, reference, triton, window
 from kernels_pallas.attention.base import BlockSizes
 from kernels_pallas.backends import platform
 
 BACKENDS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
 
 __all__ = [
-    "BACKENDS", "IMPLEMENTATIONS", "ORDER", "BlockSizes", "attention", "block_implementation", "choose", "flash_attention", "platform",
+    "BACKENDS", "IMPLEMENTATIONS", "ORDER", "BlockSizes", "attention", "block_implementation", "choose", "flash_attention", "platform", "windowed",
 ]
 
 _log = logging.getLogger(__name__)
@@ -392,6 +392,8 @@ def attention(
     per_shard: Callable[[AttentionFn], AttentionFn] | None = None,
     segment_ids: jax.Array | None = None,
     training: bool = True,
+    window_size: int = 0,
+    window_block: int = 1,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Causal softmax attention by ``implementation`` (``auto``, ``xla``, ``cudnn`` or ``pallas``).
 
@@ -405,11 +407,15 @@ def attention(
       segment_ids: ``(batch, seq)`` int or None; a query sees only keys of its own segment (document).
       training: a gradient may be taken through the call (``auto`` then passes over what refuses one);
         False for forward-only calls such as decoding.
+      window_size: > 0: sliding-window attention over blocks of ``window_block`` tokens (`windowed`).
 
     Returns:
       ``(out, max_logits)``: out ``(batch, seq, heads, head_dim)`` in q's dtype; max_logits is None
       unless tracked.
     """
+    if window_size:
+        args = (implementation, window_size, window_block, track_max_logits, sequence_sharded, segment_ids, training)
+        return windowed(q, k, v, *args), None
     target = platform()
     gpu = target in _GPU_PLATFORMS
     capability, cudnn = _gpu_versions() if gpu else ("", None)
@@ -426,3 +432,33 @@ def attention(
     if impl.per_shard and per_shard is not None:
         run = per_shard(run)
     return run(q, k, v, segment_ids)
+
+
+def windowed(q, k, v, implementation: str, size: int, block: int, track_max_logits: bool, sequence_sharded: bool, segment_ids, training: bool):
+    """Sliding-window attention (`window`): cuDNN's token window where it serves (``block == 1`` on a GPU
+    cuDNN takes, as `cudnn_unsupported` checks), else the banded XLA computation. The Pallas kernel has
+    no window yet, so ``pallas`` is refused rather than run without one."""
+    if track_max_logits or sequence_sharded or implementation == "pallas":
+        raise ValueError(
+            "windowed attention runs in XLA or cuDNN on whole sequences, without tracked max logits: use model.attention="
+            "auto, xla or cudnn, model.track_attn_logits=False and no context split (or model.attention_window=0)"
+        )
+    target = platform()
+    reason = None
+    if implementation in ("auto", "cudnn"):
+        if block > 1:
+            reason = f"cuDNN's sliding window is per token; a window over blocks of {block} runs in XLA"
+        elif target not in _GPU_PLATFORMS:
+            reason = f"cuDNN needs an NVIDIA GPU, not {target}"
+        else:
+            capability, cudnn = _gpu_versions()
+            call = Call(q, k, v, target, False, False, backends.device_kind(), segment_ids is not None, training, capability, cudnn)
+            reason = cudnn_unsupported(call)
+    if implementation == "cudnn" and reason is not None:
+        raise ValueError(f"model.attention=cudnn cannot run this windowed attention: {reason}; use auto or xla")
+    if implementation != "xla" and reason is None:
+        return window.cudnn(q, k, v, window=size, segment_ids=segment_ids)
+    if implementation == "auto" and target in _GPU_PLATFORMS and reason not in _LOGGED:
+        _LOGGED.add(reason)
+        _log.info("model.attention=auto chose xla for windowed attention: %s", reason)
+    return window.attention(q, k, v, window=size, block=block, segment_ids=segment_ids)

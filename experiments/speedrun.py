@@ -1,0 +1,103 @@
+r"""The GPT-2 speedrun harness: modded-nanogpt's track 1 (train to validation loss <= 3.28 on FineWeb).
+
+    python data/cached_fineweb10B.py 9          # in a modded-nanogpt checkout: its GPT-2-token .bin shards
+    python -m experiments.speedrun --workdir=runs/speedrun --config.data.train_files='data/fineweb10B/fineweb_train_*.bin' \
+        --config.data.val_files='data/fineweb10B/fineweb_val_*.bin'
+    python -m experiments.speedrun --config=experiments/configs/speedrun.py:tiny --workdir=runs/speedrun-tiny   # on a CPU
+
+The run is `experiments.trainer.run` of ``experiments/configs/speedrun.py`` (`speedrun-124m` and the
+record's schedule) on every device of the mesh, as any run; it stops at the first evaluation at or
+below ``target_val_loss`` and reports, as the record does, the training time to it without
+compilation and without evaluations, with the tokens and steps (``speedrun.json`` in the workdir).
+With no ``data.train_files`` (the ``:tiny`` config) it first writes byte-level ``.bin`` shards of the
+standard library's Python files (`lm.data.tokenize`) and trains on those.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import sys
+from pathlib import Path
+
+import ml_collections
+from absl import app, flags
+
+from experiments import cli, trainer
+from lm.data import corpus, shards
+from lm.data.tokenize import MANIFEST, tokenize
+
+REPORT_KEYS = (
+    "reached_target", "target_val_loss", "final_val_loss", "steps_to_target", "tokens_to_target", "seconds_to_target",
+    "compile_step_seconds", "tokens_per_second", "mfu", "num_params", "devices",
+)  # fmt: skip
+
+
+def stdlib_shards(out: str | Path, *, max_files: int = 0, val_fraction: float = 0.05) -> Path:
+    """Byte-level ``train_*.bin`` / ``val_*.bin`` shards of the standard library's Python files (the first
+    ``max_files`` of them; 0: all; ``val_fraction`` of the documents, by a hash of their text, in ``val``) in
+    ``out``, written once and reused."""
+    out = Path(out)
+    if not (out / MANIFEST).is_file():
+        files = corpus.list_documents(corpus.stdlib_root(), python_only=True)
+        tokenize("bytes", files[:max_files] if max_files else files, out, val_fraction=val_fraction, shard_tokens=10**8, workers=1)
+    return out
+
+
+def run(
+    config: ml_collections.ConfigDict, workdir: str | Path, *, shard_dir: str | Path = "", max_files: int = 0, val_fraction: float = 0.05
+) -> dict:
+    """Trains ``config`` in ``workdir`` until its ``target_val_loss`` (or its ``steps``); returns the report.
+
+    Without ``data.train_files`` the run reads `stdlib_shards` in ``shard_dir`` (default: under the corpus cache).
+    """
+    if config.get("target_val_loss") is None:
+        raise cli.UsageError("the speedrun needs config.target_val_loss (3.28 for the record)")
+    if not config.data.train_files:
+        folder = stdlib_shards(shard_dir or corpus.default_cache_dir() / "speedrun-stdlib-shards", max_files=max_files, val_fraction=val_fraction)
+        config = copy.deepcopy(config)
+        config.data.train_files, config.data.val_files = str(folder / "train_*.bin"), str(folder / "val_*.bin")
+    summary = trainer.run(config, workdir)
+    report = {key: summary.get(key) for key in REPORT_KEYS}
+    (Path(workdir) / "speedrun.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def describe(report: dict) -> str:
+    """One line: where the run stopped and what it took."""
+    verdict = "reached" if report["reached_target"] else "did not reach"
+    return (
+        f"{verdict} val loss {report['target_val_loss']} (last {report['final_val_loss']:.4f}) in {report['steps_to_target']} steps, "
+        f"{report['tokens_to_target']:,} tokens, {report['seconds_to_target']:.1f} s of training without compilation "
+        f"on {report['devices']} device(s)"
+    )
+
+
+def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
+    del argv
+    cli.quiet_logging(flags.FLAGS.verbose)
+    try:
+        report = run(config_flag.value, flags.FLAGS.workdir, shard_dir=flags.FLAGS.shards, max_files=flags.FLAGS.max_files)
+    except (cli.UsageError, shards.ShardError, ValueError) as e:
+        if flags.FLAGS.verbose:
+            raise
+        cli.usage_exit(str(e))
+    print(describe(report))
+    print(json.dumps(report))
+    sys.exit(0 if report["reached_target"] else 1)
+
+
+def define_flags() -> flags.FlagHolder:
+    flags.DEFINE_string("workdir", None, "Output folder (fresh: a finished speedrun is not rerun).", required=True)
+    flags.DEFINE_string("shards", "", "Folder for the stdlib shards of a run without data.train_files; default: under ~/.cache/spmdlab.")
+    flags.DEFINE_integer("max_files", 0, "Stdlib shards from only the first N Python files (0: all).")
+    cli.define_verbose_flag()
+    config = cli.define_config_flag("experiments/configs/speedrun.py")
+    flags.declare_key_flag("config")
+    return config
+
+
+if __name__ == "__main__":
+    config_holder = define_flags()
+    app.run(functools.partial(main, config_holder), flags_parser=cli.parse_flags)

@@ -1,0 +1,98 @@
+"""The speedrun options of `lm.config.ModelConfig`: their checks and their per-layer layout.
+
+modded-nanogpt's GPT-2 speedrun (github.com/KellerJordan/modded-nanogpt, track 1) trains a model with
+options this module names; `lm.speedrun_blocks` computes them. Layer ``l`` of ``n``:
+
+- value embeddings (``value_embeddings = k``): table ``l`` for ``l < k``, table ``l - (n - k)`` for
+  ``l >= n - k``, none in between (the record's "012 ... 012" pattern);
+- windows (``attention_window = W``, ``window_pattern``): ``W`` for an ``L``, ``W / 2`` for an ``S``;
+- U-net skips: blocks ``0 .. n/2 - 1`` are the encoder, the rest the decoder.
+
+Nothing here imports `lm.config`, which calls `problems` from its own checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MLP_ACTIVATIONS = ("swiglu", "relu2")
+
+
+def skipped_attention(cfg: Any) -> frozenset[int]:
+    """The blocks without attention (``model.skip_attention``, comma-separated layer indices)."""
+    return frozenset(int(x) for x in str(cfg.skip_attention).replace(" ", "").split(",") if x)
+
+
+def layer_dependent(cfg: Any) -> bool:
+    """Whether blocks differ by layer or read more than the previous block's output: such a stack runs
+    unrolled (`lm.speedrun_blocks.run_blocks`), never scanned."""
+    return bool(cfg.value_embeddings or cfg.unet_skips or cfg.x0_mixing or cfg.skip_attention or cfg.window_pattern)
+
+
+def layer_window(cfg: Any, layer: int) -> int:
+    """Attention window of block ``layer`` in tokens; 0: full causal attention."""
+    if not cfg.attention_window:
+        return 0
+    short = cfg.window_pattern and cfg.window_pattern[layer].upper() == "S"
+    return cfg.attention_window // 2 if short else cfg.attention_window
+
+
+def attended_keys(cfg: Any, seq_len: int) -> int:
+    """Keys per query summed over the blocks with attention, counting every key of a full causal
+    layer (``seq_len``) and at most ``window`` of a windowed one: FLOPs per token's attention factor."""
+    skipped = skipped_attention(cfg)
+    return sum(min(seq_len, layer_window(cfg, layer) or seq_len) for layer in range(cfg.n_layers) if layer not in skipped)
+
+
+def value_table(cfg: Any, layer: int) -> int | None:
+    """Which value-embedding table block ``layer`` mixes into its values, or None."""
+    k, n = cfg.value_embeddings, cfg.n_layers
+    if layer < k:
+        return layer
+    if layer >= n - k:
+        return layer - (n - k)
+    return None
+
+
+def problems(cfg: Any) -> list[str]:
+    """What is wrong with the speedrun options of ``cfg``, each with its fix."""
+    out = []
+    if cfg.mlp_activation not in MLP_ACTIVATIONS:
+        out.append(f"model.mlp_activation={cfg.mlp_activation!r} must be one of {', '.join(MLP_ACTIVATIONS)}")
+    if cfg.zero_init_head and cfg.tie_embeddings:
+        out.append("model.zero_init_head needs an untied head: set model.tie_embeddings=False")
+    if cfg.logit_softcap < 0 or cfg.attention_scale < 0:
+        out.append("model.logit_softcap and model.attention_scale must be >= 0 (0: off / head_dim ** -0.5)")
+    if cfg.embed_vocab_size and (cfg.tie_embeddings or not 0 < cfg.embed_vocab_size <= cfg.vocab_size):
+        out.append(
+            f"model.embed_vocab_size={cfg.embed_vocab_size} must be in (0, model.vocab_size={cfg.vocab_size}] with "
+            "model.tie_embeddings=False (a head padded wider than the embeddings)"
+        )
+    if cfg.value_embeddings and (cfg.value_embeddings < 0 or 2 * cfg.value_embeddings > cfg.n_layers):
+        out.append(f"model.value_embeddings={cfg.value_embeddings} must be in [0, model.n_layers / 2]")
+    if cfg.value_embeddings and cfg.n_kv_heads * cfg.head_dim != cfg.d_model:
+        out.append("model.value_embeddings needs model.n_kv_heads * model.head_dim == model.d_model (a table row is one token's values)")
+    if cfg.unet_skips and cfg.n_layers % 2:
+        out.append(f"model.unet_skips pairs encoder and decoder blocks: model.n_layers={cfg.n_layers} must be even")
+    skipped = skipped_attention(cfg)
+    if any(not 0 <= i < cfg.n_layers for i in skipped):
+        out.append(f"model.skip_attention={cfg.skip_attention!r} names layers outside [0, model.n_layers={cfg.n_layers})")
+    if cfg.attention_window < 0 or cfg.window_block < 1 or cfg.attention_window % (2 * cfg.window_block if cfg.window_pattern else cfg.window_block):
+        out.append(
+            f"model.attention_window={cfg.attention_window} must be >= 0 and a multiple of model.window_block={cfg.window_block} "
+            "(twice it with a window_pattern, whose short windows are half as long)"
+        )
+    if cfg.window_pattern and (len(cfg.window_pattern) != cfg.n_layers or set(cfg.window_pattern.upper()) - {"L", "S"}):
+        out.append(f"model.window_pattern={cfg.window_pattern!r} needs one letter L (long) or S (short) per layer")
+    if layer_dependent(cfg) and cfg.scan_layers:
+        out.append(
+            "model.value_embeddings, unet_skips, x0_mixing, skip_attention and window_pattern make blocks differ by layer or "
+            "read earlier blocks' outputs, which a scan over one block cannot; set model.scan_layers=False"
+        )
+    if (cfg.value_embeddings or cfg.attention_window or skipped or cfg.attention_scale) and cfg.attention_type != "gqa":
+        out.append("model.value_embeddings, attention_window, skip_attention and attention_scale apply to gqa attention only")
+    if skipped and cfg.track_attn_logits:
+        out.append("model.track_attn_logits needs attention in every block; clear model.skip_attention")
+    if cfg.mlp_activation != "swiglu" and cfg.n_experts:
+        out.append("model.mlp_activation applies to dense blocks; MoE experts are SwiGLU")
+    return out

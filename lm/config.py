@@ -12,7 +12,7 @@ from lm.data import tokenizer
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")  # see lm/attention.py
 CONTEXT_PARALLEL = ("all_gather", "ring", "ulysses")  # see lm/parallel/context_attention.py
-ATTENTION_TYPES = ("gqa", "mla")
+ATTENTION_TYPES = ("gqa", "mla", "lightning")  # lightning: lm/lightning.py
 ROPE_SCALINGS = ("none", "linear", "dynamic", "llama3", "yarn")  # see lm/rope.py
 MOE_MATMULS = ("auto", "ragged_dot", "gmm")  # see lm/moe.py  # grouped-query (lm/attention.py) or multi-head latent (lm/mla.py)
 
@@ -80,6 +80,9 @@ class ModelConfig:
     q_lora_rank: int = 0  # width of the compressed query latent; 0: full-rank query projection
     rope_head_dim: int = 16  # decoupled RoPE width of each query head and of the one shared RoPE key
     v_head_dim: int = 0  # value width per head; 0: head_dim
+    # Lightning attention (lm/lightning.py): attention_type="lightning" makes layers MiniMax-01's linear attention.
+    softmax_attention_every: int = 0  # k: every k-th layer (the last of each group) keeps softmax gqa; 0: lightning everywhere
+    lightning_block: int = 64  # tokens per block of the blocked lightning attention
 
     def __post_init__(self):
         object.__setattr__(self, "remat", remat_lib.canonical(self.remat))
@@ -121,8 +124,22 @@ class ModelConfig:
                 problems.append(f"model.rope_head_dim={self.rope_head_dim} must be even and >= 2 for mla")
             if self.qk_norm:
                 problems.append("model.qk_norm applies to gqa only (mla normalises its latents); set it to False")
+        if self.attention_type == "lightning" or self.softmax_attention_every:
+            problems += self._lightning_problems()
         if problems:
             raise ValueError("; ".join(problems))
+
+    def _lightning_problems(self) -> list[str]:
+        if self.attention_type != "lightning":
+            return [f"model.softmax_attention_every={self.softmax_attention_every} needs model.attention_type=lightning"]
+        problems = []
+        if self.softmax_attention_every < 0 or self.lightning_block < 1:
+            problems.append("model.softmax_attention_every must be >= 0 (0: lightning everywhere) and model.lightning_block >= 1")
+        if self.scan_layers:
+            problems.append("model.attention_type=lightning gives each layer its own decay rates, which a scan cannot; set model.scan_layers=False")
+        if self.track_attn_logits:
+            problems.append("model.track_attn_logits needs softmax logits, which lightning layers have none of; set it to False")
+        return problems
 
     def _rope_problems(self) -> list[str]:
         if self.rope_scaling not in ROPE_SCALINGS:

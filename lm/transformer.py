@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lm import kv_cache
+from lm import kv_cache, lightning
 from lm import remat as remat_lib
 from lm.attention import Attention
 from lm.config import ModelConfig
@@ -32,10 +32,13 @@ ACTIVATION = ("batch", "seq", "embed")
 class Block(nnx.Module):
     """One pre-norm block; its MLP is a routed MoE (`lm/moe.py`) when ``moe``."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False, layer: int = 0):
         dtype = cfg.compute_dtype
         self.attn_norm = RMSNorm(cfg.d_model, "embed", eps=cfg.norm_eps, dtype=dtype)
-        self.attn = MultiHeadLatentAttention(cfg, rngs=rngs) if cfg.attention_type == "mla" else Attention(cfg, rngs=rngs)
+        if lightning.is_lightning_layer(cfg, layer):
+            self.attn = lightning.LightningAttention(cfg, layer, rngs=rngs)
+        else:
+            self.attn = MultiHeadLatentAttention(cfg, rngs=rngs) if cfg.attention_type == "mla" else Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, "embed", eps=cfg.norm_eps, dtype=dtype)
         if moe:
             self.mlp = MoE(cfg, rngs=rngs)
@@ -140,7 +143,7 @@ class Transformer(nnx.Module):
 
             self.blocks = make_blocks(rngs)
         else:
-            self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=cfg.is_moe_layer(i)) for i in range(cfg.n_layers)])
+            self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=cfg.is_moe_layer(i), layer=i) for i in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, "embed", eps=cfg.norm_eps, dtype=dtype)
         if not cfg.tie_embeddings:
             self.lm_head = linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
@@ -222,6 +225,8 @@ class Transformer(nnx.Module):
                 transform_metadata={nnx.PARTITION_NAME: "layers"},
             )
             x, cache = scan(self.blocks, x, cache)
+        elif self.cfg.attention_type == "lightning":
+            x, cache = lightning.decode_blocks(self.cfg, self.blocks, x, cache, start)
         else:
             per_layer = []
             for i, block in enumerate(self.blocks):

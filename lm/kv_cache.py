@@ -43,7 +43,7 @@ def init(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
     """An empty cache (zeros in the compute dtype; a lightning state in float32) for ``batch`` sequences of up to ``max_len`` tokens."""
     if max_len > cfg.max_seq_len:
         raise ValueError(f"a cache of {max_len} positions exceeds model.max_seq_len={cfg.max_seq_len}; decode fewer tokens")
-    dtype = lambda name: jnp.float32 if name == "state" else cfg.compute_dtype  # noqa: E731
+    dtype = lambda name: jnp.float32 if name == "state" else cfg.compute_dtype
     return {name: jnp.zeros(shape, dtype(name)) for name, shape in shapes(cfg, batch, max_len).items()}
 
 

@@ -115,6 +115,15 @@ class LightningAttention(nnx.Module):
         return self._output(x, out), {"state": state}
 
 
+def attention_macs_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Multiply-adds per token of the attention products over the stack (no causal savings, as for softmax):
+    a lightning head ``2 d B`` (intra-block scores and values) ``+ 2 d^2`` (``q S`` and the state update),
+    a softmax head ``2 d T``."""
+    d, block = cfg.head_dim, min(cfg.lightning_block, seq_len)
+    per_layer = [2 * d * seq_len if is_softmax_layer(cfg, layer) else 2 * d * block + 2 * d * d for layer in range(cfg.n_layers)]
+    return cfg.n_heads * sum(per_layer)
+
+
 def layer_slots(cfg: ModelConfig) -> list[tuple[str, int]]:
     """Per layer, the cache entry it uses and its index there: ``("state", i)`` or ``("kv", i)``."""
     counts = {"state": 0, "kv": 0}

@@ -14,6 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from lm import lightning
 from lm import model as model_lib
 from lm.config import ModelConfig
 from lm.model import param_counts
@@ -177,4 +178,6 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """
     matmul_params = param_counts(cfg).active_matmul
     score_and_value = cfg.head_dim + (cfg.rope_head_dim if cfg.attention_type == "mla" else 0) + cfg.value_head_dim
+    if cfg.attention_type == "lightning":  # linear attention: O(d B + d^2) per token (lm/lightning.py)
+        return 6.0 * matmul_params + 6.0 * lightning.attention_macs_per_token(cfg, seq_len)
     return 6.0 * matmul_params + 6.0 * cfg.n_layers * cfg.n_heads * score_and_value * seq_len

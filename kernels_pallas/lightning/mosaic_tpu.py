@@ -85,7 +85,7 @@ def _call(kernel, blk: base.Blocked, slopes, per_block, whole, outs, *, block: i
     into blocks, ``whole`` ``(batch, heads, d, d_v)`` arrays (states) are read whole; ``outs`` likewise by shape."""
     batch, heads, t_pad, d = blk.q.shape
     n = t_pad // block
-    at = (lambda j: n - 1 - j) if reverse else (lambda j: j)  # noqa: E731
+    at = (lambda j: n - 1 - j) if reverse else (lambda j: j)
 
     def tile(width):
         return pl.BlockSpec((None, None, block, width), lambda b, h, j, *_: (b, h, at(j), 0))

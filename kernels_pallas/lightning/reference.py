@@ -54,7 +54,7 @@ def _head_backward(q, k, v, do, runs, r_prev, r_last, n_valid, slope, state, dst
 
     _, dq = jax.lax.scan(dq_step, state, xs)
     dstate0, (dk, dv) = jax.lax.scan(dkv_step, dstate, xs, reverse=True)
-    flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
+    flat = lambda x: x.reshape(-1, x.shape[-1])
     return flat(dq), flat(dk), flat(dv), dstate0
 
 

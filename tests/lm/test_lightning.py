@@ -14,6 +14,9 @@ from kernels_pallas.attention import api as attention_api
 from kernels_pallas.lightning import api as lightning_api
 from lm import config, kv_cache, lightning
 from lm import model as model_lib
+from sharding import mesh as mesh_lib
+from sharding import partition
+from sharding import rules as rules_lib
 
 SEP = 1
 CFG = config.ModelConfig(
@@ -103,3 +106,16 @@ def test_gradient_memory_grows_linearly_in_the_sequence_where_softmax_grows_quad
     ratio = {name: grad_memory(fn, 512) / grad_memory(fn, 64) for name, fn in (("lightning", linear), ("softmax", softmax))}
     assert ratio["lightning"] < 8 * 1.25, ratio  # T x 8
     assert ratio["softmax"] > 8 * 4, ratio  # T^2 x 64
+
+
+@pytest.mark.devices(8)
+def test_the_hybrid_shards_under_fsdp_and_tensor_parallelism(hybrid):
+    model_def, params, tokens, forward = hybrid
+    tokens = jnp.concatenate([tokens, tokens[:, ::-1]])  # 4 rows: one per data x fsdp shard
+    single = forward(params, tokens)
+    mesh, rules = mesh_lib.make_mesh("data:2,fsdp:2,tensor:2"), rules_lib.make_rules("tp")
+    shardings = partition.named_shardings(model_def.logical_specs, mesh, rules, model_def.abstract_params)
+    assert shardings["blocks"][0]["attn"]["qkv_proj"]["kernel"].spec == jax.P("fsdp", "tensor")
+    with jax.set_mesh(mesh), partition.use_rules(rules):
+        sharded = forward(jax.device_put(params, shardings), tokens)
+    np.testing.assert_allclose(sharded, single, atol=1e-4, rtol=1e-4)

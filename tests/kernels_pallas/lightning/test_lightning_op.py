@@ -2,7 +2,7 @@
 (`recurrent_reference`, NumPy), its explicit backward against autodiff, and the Pallas kernels against it.
 
 Shapes are small but cover the cases: a length that is not a multiple of the block (the padded last
-block must not decay the final state), two documents per row at different places (state resets), a
+block must not decay the final state), three documents, one boundary inside a block and one on a block edge (state resets), a
 non-zero initial state (decoding), and heads with different decays. On CPU the Triton kernel runs in
 Pallas interpret mode and the Mosaic kernel in TPU interpret mode (fresh buffers poisoned with NaN).
 """
@@ -15,7 +15,7 @@ import pytest
 from kernels_pallas.lightning import api, reference
 from tests.kernels_pallas.lightning import recurrent_reference
 
-BATCH, SEQ, HEADS, DIM, BLOCK = 2, 21, 2, 8, 8
+BATCH, SEQ, HEADS, DIM, BLOCK = 1, 21, 2, 8, 8
 SLOPES = np.array([0.08, 0.9], np.float32)
 
 
@@ -25,7 +25,7 @@ def operands():
     q, k, v = (rng.standard_normal((BATCH, SEQ, HEADS, DIM)).astype(np.float32) * 0.5 for _ in range(3))
     segment_ids = np.zeros((BATCH, SEQ), np.int32)
     segment_ids[0, 5:] = 1  # a boundary inside the first block
-    segment_ids[1, 16:] = 3  # one on a block edge
+    segment_ids[0, 16:] = 3  # one on a block edge
     state = rng.standard_normal((BATCH, HEADS, DIM, DIM)).astype(np.float32)
     return q, k, v, segment_ids, state
 

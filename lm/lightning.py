@@ -82,7 +82,7 @@ class LightningAttention(nnx.Module):
     def _attend(self, q, k, v, segment_ids, state):
         cfg = self.cfg
         slope = jnp.asarray(self.slopes, jnp.float32)
-        implementation = _implementation(cfg)
+        implementation = _implementation(cfg) if state is None else "auto"  # decoding: a few tokens, XLA
 
         def run(q, k, v, slope, *segments):
             return lightning_api.lightning_attention(
@@ -90,7 +90,7 @@ class LightningAttention(nnx.Module):
                 implementation=implementation,
             )
 
-        if implementation != "pallas" or state is not None:
+        if implementation != "pallas":
             return run(q, k, v, slope, *(() if segment_ids is None else (segment_ids,)))
         # A Pallas call is opaque to GSPMD: per shard, batch and heads may be split, the sequence not.
         args, specs = [q, k, v, slope], [_Q, _Q, _Q, ("heads",)]

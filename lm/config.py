@@ -13,7 +13,7 @@ from lm.data import tokenizer
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")  # see lm/attention.py
 CONTEXT_PARALLEL = ("all_gather", "ring", "ulysses")  # see lm/parallel/context_attention.py
-ATTENTION_TYPES = ("gqa", "mla")
+ATTENTION_TYPES = ("gqa", "mla", "lightning")  # lightning: lm/lightning.py
 ROPE_SCALINGS = ("none", "linear", "dynamic", "llama3", "yarn")  # see lm/rope.py
 MOE_MATMULS = ("auto", "ragged_dot", "gmm")  # see lm/moe.py  # grouped-query (lm/attention.py) or multi-head latent (lm/mla.py)
 
@@ -100,6 +100,9 @@ class ModelConfig:
     attention_window: int = 0  # sliding window in tokens; 0: full causal attention
     window_block: int = 1  # window granularity: query block i sees key blocks i - window / window_block < j <= i
     window_pattern: str = ""  # one letter per layer: L (attention_window) or S (half of it); empty: all L
+    # Lightning attention (lm/lightning.py): attention_type="lightning" makes layers MiniMax-01's linear attention.
+    softmax_attention_every: int = 0  # k: every k-th layer (the last of each group) keeps softmax gqa; 0: lightning everywhere
+    lightning_block: int = 64  # tokens per block of the blocked lightning attention
 
     def __post_init__(self):
         object.__setattr__(self, "remat", remat_lib.canonical(self.remat))
@@ -144,6 +147,8 @@ class ModelConfig:
         if self.parscale != 1:
             problems += self._parscale_problems()
         problems += speedrun_config.problems(self)
+        if self.attention_type == "lightning" or self.softmax_attention_every:
+            problems += self._lightning_problems()
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -160,6 +165,20 @@ class ModelConfig:
                 "model.parscale > 1 is not built with the speedrun's block options (value_embeddings, unet_skips, "
                 "x0_mixing, attention_window); set model.parscale=1 or turn them off"
             )
+        return problems
+
+    def _lightning_problems(self) -> list[str]:
+        if self.attention_type != "lightning":
+            return [f"model.softmax_attention_every={self.softmax_attention_every} needs model.attention_type=lightning"]
+        problems = []
+        if self.softmax_attention_every < 0 or self.lightning_block < 1:
+            problems.append("model.softmax_attention_every must be >= 0 (0: lightning everywhere) and model.lightning_block >= 1")
+        if self.scan_layers:
+            problems.append("model.attention_type=lightning gives each layer its own decay rates, which a scan cannot; set model.scan_layers=False")
+        if self.track_attn_logits:
+            problems.append("model.track_attn_logits needs softmax logits, which lightning layers have none of; set it to False")
+        if self.value_embeddings or self.attention_window:
+            problems.append("lightning layers take no value embeddings or attention window; set model.value_embeddings=0 and model.attention_window=0")
         return problems
 
     def _rope_problems(self) -> list[str]:

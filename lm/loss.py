@@ -14,6 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from lm import lightning
 from lm import model as model_lib
 from lm import speedrun_config
 from lm.config import ModelConfig
@@ -182,4 +183,6 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     matmul_params = counts.active_matmul + (cfg.parscale - 1) * counts.stream_matmul
     keys = seq_len + (cfg.parscale_prefix_tokens if cfg.parscale > 1 else 0)
     score_and_value = cfg.head_dim + (cfg.rope_head_dim if cfg.attention_type == "mla" else 0) + cfg.value_head_dim
+    if cfg.attention_type == "lightning":  # linear attention: O(d B + d^2) per token (lm/lightning.py)
+        return 6.0 * matmul_params + 6.0 * lightning.attention_macs_per_token(cfg, seq_len)
     return 6.0 * matmul_params + 6.0 * cfg.parscale * cfg.n_heads * score_and_value * speedrun_config.attended_keys(cfg, keys)

@@ -91,10 +91,14 @@ def init_params(model_def: ModelDef, seed: int, shardings: Params | None = None)
     Blocks are always initialised stacked, by one initialiser vmapped over depth, and unstacked for
     an unrolled model: the program stays small at any depth (an unrolled one compiles an initialiser
     per layer), and a seed gives the same values with and without ``scan_layers``. Blocks that
-    differ (dense and MoE, ``moe_every > 1`` or ``first_dense_layers``) cannot be stacked and are initialised one by one.
+    differ (dense and MoE, ``moe_every > 1`` or ``first_dense_layers``; lightning layers, whose decays depend on depth) cannot be stacked and are initialised one by one.
     """
     cfg = model_def.config
-    uniform = (cfg.n_experts == 0 or (cfg.moe_every == 1 and cfg.first_dense_layers == 0)) and not speedrun_config.layer_dependent(cfg)
+    uniform = (
+        cfg.attention_type != "lightning"
+        and (cfg.n_experts == 0 or (cfg.moe_every == 1 and cfg.first_dense_layers == 0))
+        and not speedrun_config.layer_dependent(cfg)
+    )
     stacked = dataclasses.replace(cfg, scan_layers=True) if uniform else cfg
 
     def init() -> Params:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lm import kv_cache, parscale, speedrun_blocks, speedrun_config
+from lm import kv_cache, lightning, parscale, speedrun_blocks, speedrun_config
 from lm import remat as remat_lib
 from lm.attention import Attention
 from lm.config import ModelConfig
@@ -43,6 +43,8 @@ class Block(nnx.Module):
         self.attn_norm = speedrun_blocks.norm(cfg, cfg.d_model, "embed")
         if layer in speedrun_config.skipped_attention(cfg):
             self.attn = None
+        elif lightning.is_lightning_layer(cfg, layer):
+            self.attn = lightning.LightningAttention(cfg, layer, rngs=rngs)
         elif cfg.attention_type == "mla":
             self.attn = MultiHeadLatentAttention(cfg, rngs=rngs)
         else:
@@ -268,6 +270,8 @@ class Transformer(nnx.Module):
                 transform_metadata={nnx.PARTITION_NAME: "layers"},
             )
             x, cache = scan(self.blocks, x, cache)
+        elif self.cfg.attention_type == "lightning":
+            x, cache = lightning.decode_blocks(self.cfg, self.blocks, x, cache, start)
         else:
             per_layer = []
             for i, block in enumerate(self.blocks):

@@ -187,9 +187,8 @@ def _detect(cluster: str, environ: Mapping[str, str]) -> str:
     if cluster:
         return cluster
     for name, variables in _JAX_DETECTORS.items():
-        if _present(variables, environ) and (
-            name != "k8s" or importlib.util.find_spec("kubernetes")
-        ):  # as JAX checks
+        usable = name != "k8s" or importlib.util.find_spec("kubernetes")  # as JAX's own check
+        if usable and _present(variables, environ):
             return name
     for name, variables in (("jobset", _JOBSET), ("skypilot", _SKYPILOT)):
         if _present(variables, environ):
@@ -261,11 +260,7 @@ def resolve(
         "skypilot": lambda: _skypilot(environ),
     }.get(source, dict)()
     values = {k: v if v is not None else detected.get(k) for k, v in explicit.items()}
-    if ids is None and source not in (
-        "auto",
-        "gketpu",
-        "gcetpu",
-    ):  # JAX never restricts TPU devices
+    if ids is None and source not in ("auto", "gketpu", "gcetpu"):  # JAX never restricts TPU devices
         ids = local_device_ids(source, environ)
     if source in _OURS:
         if None in values.values():
@@ -274,9 +269,7 @@ def resolve(
             )
         method = "deactivate"
     else:
-        method = (
-            None if source in ("auto", "k8s") else source
-        )  # JAX's Kubernetes detector has no name
+        method = None if source in ("auto", "k8s") else source  # JAX's Kubernetes detector has no name
     return Start(
         source,
         values["coordinator_address"],

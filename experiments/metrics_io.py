@@ -13,10 +13,10 @@ import numpy as np
 from etils import epath
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-from tensorboardX import SummaryWriter
+import matplotlib.pyplot as plt  # noqa: E402
+from tensorboardX import SummaryWriter  # noqa: E402
 
-from experiments import storage
+from experiments import storage  # noqa: E402
 
 storage.register_tensorboard_schemes()
 

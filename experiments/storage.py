@@ -2,7 +2,7 @@
 
 Everything a run writes into its workdir goes through the `epath.Path` that `workdir` returns: the
 config, metrics, summary and plots (`etils.epath`'s fsspec backend: ``pip install gcsfs`` for
-``gs://``, ``s3fs`` for ``s3://``), TensorBoard events (`tensorboard_writer_factory`) and orbax
+``gs://``, ``s3fs`` for ``s3://``), TensorBoard events (`register_tensorboard_schemes`) and orbax
 checkpoints (orbax takes the same path; its arrays go through tensorstore's own GCS driver). Object
 stores have no append: a file that grows (``metrics.jsonl``, an events file) is rewritten whole.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import os
-from pathlib import Path
 
 from etils import epath
 
@@ -68,8 +67,3 @@ def register_tensorboard_schemes() -> None:
 
     for scheme in REMOTE_SCHEMES:
         record_writer.register_writer_factory(scheme, _ObjectRecordWriterFactory())
-
-
-def local(path: epath.Path) -> Path | None:
-    """``path`` as a `pathlib.Path` when it is on a local disk, else None (for tools that need a local folder)."""
-    return None if is_remote(path) else Path(os.fspath(path))

@@ -23,14 +23,7 @@ from etils import epath
 
 from experiments import checkpointing, hardware, metrics_io, profiling, restore, storage, train_lib
 from experiments.cli import UsageError
-from experiments.run_spec import (
-    RunSpec,
-    balancing,
-    build_run,
-    data_config,
-    resolve,
-    run_meta,
-)
+from experiments.run_spec import RunSpec, balancing, build_run, data_config, resolve, run_meta
 from lm import hf
 from lm.data import batches as batches_lib
 from lm.data import input_pipeline

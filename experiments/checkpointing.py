@@ -16,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
+
+from experiments import storage
 
 T = TypeVar("T")
 
@@ -38,17 +40,20 @@ class CheckpointUnreadable(CheckpointError):
     """A saved step is corrupt, truncated or incomplete."""
 
 
-def manager(workdir: str | Path, *, keep: int | None, every: int) -> ocp.CheckpointManager:
-    """The run's orbax manager of `workdir/checkpoints` (``keep`` None: every step is kept)."""
+def manager(workdir: str | epath.PathLike, *, keep: int | None, every: int) -> ocp.CheckpointManager:
+    """The run's orbax manager of `workdir/checkpoints`, local or ``gs://`` (``keep`` None: every step is kept).
+
+    A save is written to a temporary folder and renamed to its step when every process has written
+    (orbax's atomic finalize; on GCS, a commit marker file): a save cut short is never a step."""
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, save_interval_steps=max(every, 1), enable_async_checkpointing=True, create=True
     )
-    return ocp.CheckpointManager(Path(workdir).absolute() / "checkpoints", options=options)
+    return ocp.CheckpointManager(storage.workdir(workdir) / "checkpoints", options=options)
 
 
-def latest_step(workdir: str | Path) -> int | None:
+def latest_step(workdir: str | epath.PathLike) -> int | None:
     """The newest committed checkpoint step in ``workdir`` (None: none), creating nothing."""
-    folder = Path(workdir).absolute() / "checkpoints"
+    folder = storage.workdir(workdir) / "checkpoints"
     if not folder.is_dir():
         return None
     steps = [int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit()]
@@ -129,7 +134,7 @@ def _names(path: tuple) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def _shape_differences(state_dir: Path, target: Any) -> list[str]:
+def _shape_differences(state_dir: epath.Path, target: Any) -> list[str]:
     saved = ocp.StandardCheckpointHandler().metadata(state_dir)
     shapes = {_names(path): tuple(leaf.shape) for path, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]}
     out = []

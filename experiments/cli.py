@@ -1,5 +1,6 @@
 """What every entry point's command line shares: one-line usage errors (exit code 2), absl flag
-parsing, the ``--config`` flag with ``--config.<key>`` overrides, and quiet library logging."""
+parsing, the ``--config`` flag with ``--config.<key>`` overrides, quiet library logging, and the
+multi-process start-up flags (`sharding.multihost`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import NoReturn
 
 from absl import flags, logging
 from ml_collections import config_flags
+
+from sharding import multihost
 
 DEFAULT_CONFIG = str(Path(__file__).parent / "configs" / "default.py")
 # Reads a run's config.json (``--config=runs/x/config.json`` is short for ``--config=<this>:runs/x/config.json``).
@@ -82,3 +85,34 @@ def quiet_logging(verbose: bool = False) -> None:
     logging.set_verbosity(logging.WARNING)
     for name in _LIBRARY_LOGGERS:
         std_logging.getLogger(name).setLevel(std_logging.WARNING)
+
+
+def define_cluster_flags() -> None:
+    """How a process joins a multi-process job; every one is optional (`sharding.multihost` detects the rest)."""
+    flags.DEFINE_string("coordinator_address", None, "Multi-process: host:port of process 0 (else detected).")
+    flags.DEFINE_alias("coordinator", "coordinator_address")
+    flags.DEFINE_integer("num_processes", None, "Multi-process: number of processes (else detected).")
+    flags.DEFINE_integer("process_id", None, "Multi-process: rank of this process (else detected).")
+    flags.DEFINE_list("local_device_ids", None, "GPUs this process drives, e.g. 0,1,2,3 (else CUDA_VISIBLE_DEVICES split over the node's processes).")
+    flags.DEFINE_enum(
+        "cluster", "", ["", *multihost.CLUSTERS],
+        "Where the job's shape comes from: empty detects (Slurm, Open MPI, Kubernetes, GKE TPU, JobSet, SkyPilot); "
+        "auto lets JAX detect (TPU VMs); none forces one process.",
+    )  # fmt: skip
+    flags.DEFINE_integer("initialization_timeout", None, "Seconds to wait for all processes to connect (JAX's default: 300).")
+    flags.DEFINE_integer("heartbeat_timeout", None, "Seconds without a heartbeat before a process counts as lost (JAX's default: 100).")
+
+
+def start_processes() -> multihost.Start:
+    """Starts `jax.distributed` as the cluster flags and the environment say and logs how, once per process;
+    a bad combination exits with code 2."""
+    f = flags.FLAGS
+    try:
+        ids = [int(i) for i in f.local_device_ids] if f.local_device_ids else None
+        start = multihost.resolve(f.coordinator_address, f.num_processes, f.process_id, ids, cluster=f.cluster)
+        multihost.initialize(start, initialization_timeout=f.initialization_timeout, heartbeat_timeout=f.heartbeat_timeout)
+    except ValueError as e:
+        usage_exit(str(e))
+    if start.started:
+        print(start.describe(), file=sys.stderr, flush=True)
+    return start

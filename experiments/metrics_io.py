@@ -6,31 +6,38 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import matplotlib
 import numpy as np
+from etils import epath
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tensorboardX import SummaryWriter  # noqa: E402
+
+from experiments import storage  # noqa: E402
+
+storage.register_tensorboard_schemes()
 
 
 class MetricsWriter:
     """Appends one JSON object per logged step and mirrors scalars to TensorBoard.
 
     On resume, records past the restored step are dropped first (they were logged after the last
-    checkpoint and are about to be logged again), so ``metrics.jsonl`` reads as one clean run.
+    checkpoint and are about to be logged again), so ``metrics.jsonl`` reads as one clean run. In
+    object storage (no append) the file is rewritten whole on every record.
     """
 
     def __init__(
-        self, workdir: str | Path, *, resume_step: int = 0, enabled: bool = True, config: Mapping | None = None, wandb: Mapping | None = None
+        self, workdir: str | epath.PathLike, *, resume_step: int = 0, enabled: bool = True, config: Mapping | None = None, wandb: Mapping | None = None
     ):
         """``config``: the run's resolved config (a nested mapping), recorded as TensorBoard hparams with the
         summary (`write_summary`) and as the Weights & Biases run's config. ``wandb``: the config's
         ``wandb`` block; a non-empty ``project`` mirrors every record to a Weights & Biases run in ``workdir``."""
-        self.path = Path(workdir) / "metrics.jsonl"
+        workdir = storage.workdir(workdir)
+        self.path = workdir / "metrics.jsonl"
+        self._text = "" if storage.is_remote(workdir) else None  # the whole file, where it is rewritten
         self.enabled = enabled
         self.hparams = flat_hparams(config or {})
         self._wandb = None
@@ -39,15 +46,21 @@ class MetricsWriter:
         if self.path.exists():
             kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
-        self._tb = SummaryWriter(str(Path(workdir) / "tensorboard"))
+            self._text = None if self._text is None else self.path.read_text()
+        self._tb = SummaryWriter(str(workdir / "tensorboard"))
         if wandb and wandb.get("project"):
-            self._wandb = start_wandb(Path(workdir), wandb, self.hparams)
+            self._wandb = start_wandb(workdir, wandb, self.hparams)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"
+        if self._text is None:
+            with self.path.open("a") as f:
+                f.write(line)
+        else:
+            self._text += line
+            self.path.write_text(self._text)
         scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, int | float)}
         for key, value in scalars.items():
             self._tb.add_scalar(key, value, record["step"])
@@ -81,19 +94,20 @@ def flat_hparams(config: Mapping, prefix: str = "") -> dict[str, bool | int | fl
     return out
 
 
-def start_wandb(workdir: Path, settings: Mapping, hparams: Mapping) -> Any:
-    """A Weights & Biases run in ``workdir`` (resumed under the same id), or an `ImportError` naming the extra."""
+def start_wandb(workdir: epath.Path, settings: Mapping, hparams: Mapping) -> Any:
+    """A Weights & Biases run in ``workdir`` (its files in wandb's default folder when ``workdir`` is in object
+    storage; resumed under the same id), or an `ImportError` naming the extra."""
     try:
         import wandb
     except ImportError as e:
         raise ImportError("--config.wandb.project needs Weights & Biases: pip install -e '.[wandb]'") from e
     return wandb.init(
-        project=settings["project"], mode=settings.get("mode") or "online", dir=str(workdir), config=dict(hparams),
+        project=settings["project"], mode=settings.get("mode") or "online", dir=None if storage.is_remote(workdir) else str(workdir), config=dict(hparams),
         name=workdir.name, id=_wandb_id(workdir), resume="allow",
     )  # fmt: skip
 
 
-def _wandb_id(workdir: Path) -> str:
+def _wandb_id(workdir: epath.Path) -> str:
     """One Weights & Biases run id per workdir (kept in it), so a resumed run continues the same W&B run."""
     path = workdir / "wandb_id"
     if not path.is_file():
@@ -101,14 +115,15 @@ def _wandb_id(workdir: Path) -> str:
     return path.read_text().strip()
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
+def read_metrics(path: str | epath.PathLike) -> list[dict]:
+    return [json.loads(line) for line in epath.Path(path).read_text().splitlines() if line]
 
 
-def plot_losses(metrics_path: str | Path, out_path: str | Path, title: str = "") -> None:
+def plot_losses(metrics_path: str | epath.PathLike, out_path: str | epath.PathLike, title: str = "") -> None:
     """`loss_figure` of ``metrics.jsonl`` saved as a PNG (default title: the workdir's name)."""
-    fig = loss_figure(read_metrics(metrics_path), title or Path(metrics_path).parent.name)
-    fig.savefig(out_path)
+    fig = loss_figure(read_metrics(metrics_path), title or epath.Path(metrics_path).parent.name)
+    with epath.Path(out_path).open("wb") as f:
+        fig.savefig(f, format="png")
     plt.close(fig)
 
 

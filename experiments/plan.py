@@ -10,6 +10,14 @@ as many fake CPU devices as the mesh needs, so a laptop can plan a pod slice; XL
 assignment then stands in for the accelerator's, which fuses and lays out differently (treat the
 activation figure as an estimate). Exit code 0 when it fits, 1 when it does not, 2 for bad input.
 
+For a cluster, ``--hosts=16 --devices_per_host=8`` plans the mesh over 128 devices and adds each
+host's share (its devices' memory) and the collective bytes of one step, counted from the compiled
+HLO (`experiments.hlo_bytes`): the payload each device moves and the bytes it sends under ring
+algorithms; a host sends at most its devices' sum (collectives within a host stay on NVLink / ICI).
+
+    python -m experiments.plan --config.model.preset=llama-1b --config.mesh=data:16,fsdp:8 --hosts=16 \
+        --devices_per_host=8 --hbm_gb=80 --config.model.dtype=bfloat16 --config.model.remat=full
+
 With a ``context`` mesh axis (long sequences, `lm.parallel.context_attention`) the report adds the context
 shards, the mode, each device's share of a sequence and the K/V one layer holds in flight.
 """
@@ -25,12 +33,11 @@ import jax
 import ml_collections
 from absl import app, flags
 
-from experiments import cli, run_spec, train_lib
+from experiments import cli, hlo_bytes, run_spec, train_lib
 from lm import model as model_lib
 from lm.parallel import context_attention
-from sharding import axes
+from sharding import axes, partition
 from sharding import mesh as mesh_lib
-from sharding import partition
 
 GiB = 2**30
 
@@ -57,11 +64,12 @@ def _context(config: ml_collections.ConfigDict, spec: run_spec.RunSpec) -> dict 
     }
 
 
-def plan(config: ml_collections.ConfigDict, hbm_bytes: float, *, compile_step: bool = True) -> dict:
+def plan(config: ml_collections.ConfigDict, hbm_bytes: float, *, compile_step: bool = True, devices_per_host: int | None = None) -> dict:
     """Per-device memory of one training step of ``config``; see the module docstring.
 
     With ``compile_step=False`` only the state is counted: ``peak_bytes`` is then parameters +
-    gradients + optimizer state, a lower bound, and the compiled and activation fields are absent.
+    gradients + optimizer state, a lower bound, and the compiled, activation and collective fields are
+    absent. With ``devices_per_host``, ``per_host`` holds a host's share (its devices' sum).
     """
     spec = run_spec.build_run(config)
     shardings = spec.shardings
@@ -91,7 +99,7 @@ def plan(config: ml_collections.ConfigDict, hbm_bytes: float, *, compile_step: b
     if not compile_step:
         report["peak_bytes"] = report["params_bytes"] + report["gradients_bytes"] + report["optimizer_state_bytes"]
         report["fits"] = report["peak_bytes"] <= hbm_bytes
-        return report
+        return _per_host(report, devices_per_host)
     memory = compiled.memory_analysis()
     report |= {
         "compiled_arguments_bytes": int(memory.argument_size_in_bytes),
@@ -108,6 +116,23 @@ def plan(config: ml_collections.ConfigDict, hbm_bytes: float, *, compile_step: b
         - report["compiled_aliased_bytes"]
     )
     report["fits"] = report["peak_bytes"] <= hbm_bytes
+    found = hlo_bytes.collectives(compiled.as_text(), spec.mesh.size)
+    summary = hlo_bytes.summarize(found, 1, config.batch_size * config.data.seq_len)
+    report["collectives"] = {"payload_bytes_per_step": summary["payload"]["per_step"], "ring_bytes_per_step": summary["ring"]["per_step"], "ops": summary["ops"]}
+    return _per_host(report, devices_per_host)
+
+
+def _per_host(report: dict, devices_per_host: int | None) -> dict:
+    """``report`` with a host's share of memory and of bytes sent (its ``devices_per_host`` devices' sum)."""
+    if devices_per_host is None:
+        return report
+    if report["devices"] % devices_per_host:
+        raise cli.UsageError(f"the mesh's {report['devices']} devices do not fill hosts of --devices_per_host={devices_per_host}")
+    report["hosts"], report["devices_per_host"] = report["devices"] // devices_per_host, devices_per_host
+    per_host = {"peak_bytes": report["peak_bytes"] * devices_per_host, "hbm_bytes": report["hbm_bytes"] * devices_per_host}
+    if "collectives" in report:
+        per_host["ring_bytes_per_step"] = report["collectives"]["ring_bytes_per_step"] * devices_per_host
+    report["per_host"] = per_host
     return report
 
 
@@ -140,6 +165,19 @@ def format_report(report: dict) -> str:
     ]
     if context:
         lines.insert(1, f"  context parallelism: {context['tokens_per_device']:,} tokens per device per micro-batch")
+    collectives = report.get("collectives")
+    if collectives:
+        lines.append(
+            f"  collectives per step per device: {collectives['payload_bytes_per_step'] / GiB:.3f} GiB moved, "
+            f"{collectives['ring_bytes_per_step'] / GiB:.3f} GiB sent (ring algorithms); ops {collectives['ops']}"
+        )
+    if "per_host" in report:
+        host = report["per_host"]
+        sent = f", at most {host['ring_bytes_per_step'] / GiB:.3f} GiB sent per step" if "ring_bytes_per_step" in host else ""
+        lines.append(
+            f"  per host ({report['hosts']} hosts x {report['devices_per_host']} devices): {host['peak_bytes'] / GiB:.3f} GiB "
+            f"of {host['hbm_bytes'] / GiB:.3f} GiB device memory{sent}"
+        )
     if report["fits"]:
         lines.append(f"FITS: the step needs {report['peak_bytes'] / report['hbm_bytes']:.0%} of device memory.")
     else:
@@ -161,15 +199,21 @@ def main(config_flag, argv) -> None:
     del argv
     cli.quiet_logging(flags.FLAGS.verbose)
     config = config_flag.value
+    hosts, per_host = flags.FLAGS.hosts, flags.FLAGS.devices_per_host
+    if (hosts is None) != (per_host is None):
+        cli.usage_exit("--hosts and --devices_per_host go together (e.g. --hosts=16 --devices_per_host=8)")
     if not flags.FLAGS.native:
         try:
             needed = _fake_devices_for(config.mesh)
         except ValueError as e:
             cli.usage_exit(str(e))
+        cluster = hosts * per_host if hosts else None
+        if needed and cluster and needed != cluster:
+            cli.usage_exit(f"--config.mesh={config.mesh} has {needed} devices, the cluster {hosts} x {per_host} = {cluster}")
         jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", needed or flags.FLAGS.num_devices)
+        jax.config.update("jax_num_cpu_devices", needed or cluster or flags.FLAGS.num_devices)
     try:
-        report = plan(config, flags.FLAGS.hbm_gb * GiB, compile_step=not flags.FLAGS.state_only)
+        report = plan(config, flags.FLAGS.hbm_gb * GiB, compile_step=not flags.FLAGS.state_only, devices_per_host=per_host)
     except cli.UsageError as e:
         cli.usage_exit(str(e))
     print(format_report(report))
@@ -185,6 +229,8 @@ if __name__ == "__main__":
     flags.DEFINE_float("hbm_gb", 16.0, "Memory per device, GiB.")
     flags.DEFINE_bool("state_only", False, "Count parameters, gradients and optimizer state only; do not compile the step.")
     flags.DEFINE_bool("native", False, "Compile for this machine's devices instead of fake CPU devices.")
-    flags.DEFINE_integer("num_devices", 8, "Fake devices when the mesh spec has a -1.")
+    flags.DEFINE_integer("num_devices", 8, "Fake devices when the mesh spec has a -1 (and no --hosts).")
+    flags.DEFINE_integer("hosts", None, "Plan for a cluster of this many hosts (with --devices_per_host).")
+    flags.DEFINE_integer("devices_per_host", None, "Devices (GPUs, TPU chips) per host of the cluster.")
     flags.DEFINE_string("json_out", None, "Also write the report as JSON here.")
     app.run(functools.partial(main, config_holder), flags_parser=cli.parse_flags)

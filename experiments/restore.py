@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import ml_collections
 
-from experiments import checkpointing, cli, run_spec, train_lib
+from experiments import checkpointing, cli, run_spec, storage, train_lib
 from lm import model as model_lib
 from lm.data import input_pipeline, tokenizer
 from sharding import partition
@@ -33,7 +33,7 @@ def load_params(workdir: str | Path, step: int | None = None) -> tuple[model_lib
 def restore_run(workdir: str | Path, step: int | None = None, *, mesh: str = "", devices: int = 1):
     """``(run_spec.RunSpec, params, step)``: the run in ``workdir`` rebuilt on ``mesh`` over ``devices``
     (0: all), its params restored from checkpoint ``step`` (default: the newest) into the run's shardings."""
-    workdir = Path(workdir)
+    workdir = storage.workdir(workdir)
     config = run_config(workdir)
     config.mesh, config.devices = mesh, devices  # checkpoints restore onto any mesh
     spec = run_spec.build_run(config)
@@ -75,7 +75,7 @@ def load_tokenizer(workdir: str | Path, spec: str | None = None) -> tokenizer.To
 
 def run_config(workdir: str | Path) -> ml_collections.ConfigDict:
     """The resolved config the run in ``workdir`` wrote (its ``config.json``)."""
-    path = Path(workdir) / "config.json"
+    path = storage.workdir(workdir) / "config.json"
     if not path.is_file():
         raise cli.UsageError(f"{path} does not exist; pass the --workdir of a training run")
     try:
@@ -87,10 +87,10 @@ def run_config(workdir: str | Path) -> ml_collections.ConfigDict:
 def run_manifest(workdir: str | Path) -> dict | None:
     """The training shards' manifest of the run in ``workdir`` (None for the text corpus or shards without one):
     the run's copy (its ``tokenizer`` then the workdir's copy of the tokenizer), else the shards' own."""
-    path = Path(workdir) / DATA_MANIFEST
+    path = storage.workdir(workdir) / DATA_MANIFEST
     if not path.is_file():
         return input_pipeline.train_manifest(run_spec.data_config(run_config(workdir)))
     manifest = json.loads(path.read_text())
     if manifest.get("tokenizer_copy"):
-        manifest["tokenizer"] = str((Path(workdir) / manifest["tokenizer_copy"]).absolute())
+        manifest["tokenizer"] = str(storage.workdir(workdir) / manifest["tokenizer_copy"])
     return manifest

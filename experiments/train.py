@@ -24,19 +24,13 @@ from absl import app, flags
 
 from experiments import cli, host_memory, trainer
 from experiments.configs import help as config_help
-from sharding import multihost
 
 
 def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     del argv  # checked by cli.parse_flags
     host_memory.keep_freed_memory()  # before JAX starts its backend
     cli.quiet_logging(flags.FLAGS.verbose)
-    try:
-        multihost.initialize(
-            flags.FLAGS.coordinator_address, flags.FLAGS.num_processes, flags.FLAGS.process_id, auto=flags.FLAGS.distributed_auto
-        )
-    except ValueError as e:
-        cli.usage_exit(str(e))
+    cli.start_processes()
     config = config_flag.value
     if flags.FLAGS.list_config:
         print(config_help.listing(config))
@@ -61,7 +55,7 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
         return
     keys = (
         "steps", "final_train_loss", "final_val_loss", "final_val_bits_per_byte", "tokens_per_second",
-        "mfu", "mfu_peak_source", "mfu_measured_matmul",
+        "mfu", "mfu_peak_source", "mfu_measured_matmul", "mesh",
     )  # fmt: skip
     print(json.dumps({k: summary[k] for k in keys}))
     print(f"workdir: {workdir}")
@@ -71,15 +65,13 @@ def define_flags() -> flags.FlagHolder:
     """The command-line flags; config overrides of unknown keys exit with code 2."""
     flags.DEFINE_string("workdir", None, "Output folder; default: a fresh folder under ./runs/.")
     cli.define_verbose_flag()
-    flags.DEFINE_string("coordinator_address", None, "Multi-process: host:port of process 0.")
-    flags.DEFINE_integer("num_processes", None, "Multi-process: number of processes.")
-    flags.DEFINE_integer("process_id", None, "Multi-process: rank of this process.")
+    cli.define_cluster_flags()
     flags.DEFINE_integer("stop_after", None, "Stop as if preempted after this step (checkpoint, exit 143).")
     flags.DEFINE_integer("restore_step", None, "Resume from this checkpoint step, not the newest; newer ones are deleted.")
-    flags.DEFINE_bool("distributed_auto", False, "Multi-process with values detected by JAX (TPU VM, SLURM).")
     flags.DEFINE_bool("list_config", False, "Print every --config.<key> with its value and a line of help, then exit.")
     config = cli.define_config_flag(cli.DEFAULT_CONFIG)
-    for name in ("config", "verbose"):  # defined in experiments.cli; listed by --help as this script's own
+    cluster_flags = ("coordinator_address", "num_processes", "process_id", "local_device_ids", "cluster", "initialization_timeout", "heartbeat_timeout")
+    for name in ("config", "verbose", *cluster_flags):  # defined in experiments.cli; listed by --help as this script's own
         flags.declare_key_flag(name)
     return config
 

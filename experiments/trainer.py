@@ -10,7 +10,6 @@ import collections
 import dataclasses
 import importlib.util
 import json
-import shutil
 import signal
 import sys
 import time
@@ -20,8 +19,9 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from etils import epath
 
-from experiments import checkpointing, hardware, metrics_io, profiling, restore, train_lib
+from experiments import checkpointing, hardware, metrics_io, profiling, restore, storage, train_lib
 from experiments.cli import UsageError
 from experiments.run_spec import RunSpec, balancing, build_run, data_config, resolve, run_meta, upgrade_meta
 from lm import hf
@@ -125,14 +125,18 @@ def run(
 
     Args:
       config: see ``experiments/configs/default.py``.
-      workdir: output folder; its checkpoints, if any, are resumed.
+      workdir: output folder, local or ``gs://`` (`experiments.storage`); its checkpoints, if any, are resumed.
       interrupt_at: simulate a preemption after this many steps (the SIGTERM path: save, stop).
       restore_step: resume from this saved step instead of the newest (newer ones are deleted).
 
     Returns:
       The summary dict also written to ``summary.json``; ``{"interrupted": True, ...}`` when stopped.
     """
-    workdir = Path(workdir)
+    workdir = storage.workdir(workdir)
+    try:
+        storage.check_checkpoints(workdir)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
     spec = build_run(config)
     try:
         config = resolve(config, spec.cfg)
@@ -204,7 +208,7 @@ def run(
     return summary
 
 
-def _check_finished(workdir: Path, step: int, meta: dict) -> None:
+def _check_finished(workdir: epath.Path, step: int, meta: dict) -> None:
     """A finished run's checkpoint is this run's (the same model, optimizer and replicas), else a usage error."""
     mgr = checkpointing.manager(workdir, keep=None, every=1)  # keeps every step: opening it deletes nothing
     try:
@@ -215,7 +219,7 @@ def _check_finished(workdir: Path, step: int, meta: dict) -> None:
         mgr.close()
 
 
-def _finished(workdir: Path, step: int, steps: int) -> dict:
+def _finished(workdir: epath.Path, step: int, steps: int) -> dict:
     """The summary of a run whose checkpoint already reached ``steps``; nothing in ``workdir`` is touched."""
     print(
         f"{workdir} already finished: its checkpoint is at step {step} >= steps={steps}; its files are kept as they are "
@@ -227,7 +231,7 @@ def _finished(workdir: Path, step: int, steps: int) -> dict:
     return summary | {"finished": True}
 
 
-def _copy_data_files(data: input_pipeline.DataConfig, workdir: Path) -> None:
+def _copy_data_files(data: input_pipeline.DataConfig, workdir: epath.Path) -> None:
     """The training shards' manifest and its tokenizer file, copied into ``workdir`` (nothing for the text corpus)."""
     manifest = input_pipeline.train_manifest(data)
     if manifest is None:
@@ -236,7 +240,7 @@ def _copy_data_files(data: input_pipeline.DataConfig, workdir: Path) -> None:
     source = source / "tokenizer.json" if source.is_dir() else source
     if source.is_file() and manifest.get("tokenizer") != "bytes":
         target = workdir / restore.TOKENIZER_NAMES.get(source.suffix, source.name)
-        shutil.copyfile(source, target)
+        target.write_bytes(source.read_bytes())
         manifest = manifest | {"tokenizer_copy": target.name}
     (workdir / restore.DATA_MANIFEST).write_text(json.dumps(manifest, indent=1))
 
@@ -249,7 +253,7 @@ def _loop(
     start: int,
     *,
     batches: tuple[batches_lib.PackedBatches, input_pipeline.ValidationSet],
-    workdir: Path,
+    workdir: epath.Path,
     checkpoints: _Checkpoints,
     stop: _Stop,
 ) -> dict:
@@ -334,7 +338,7 @@ def _loop(
         writer.close()
 
 
-def _summarize(settings: LoopSettings, spec: RunSpec, workdir: Path, step_times, last, val_loss, start) -> dict:
+def _summarize(settings: LoopSettings, spec: RunSpec, workdir: epath.Path, step_times, last, val_loss, start) -> dict:
     timed = step_times[1:] or step_times  # the first step of a process includes compilation
     tokens_per_second = settings.tokens_per_step / float(np.median(timed)) if timed else 0.0
     fpt = flops_per_token(spec.cfg, settings.seq_len)

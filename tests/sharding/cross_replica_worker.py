@@ -47,7 +47,7 @@ def config_for(name: str):
 def main(argv: list[str]) -> None:
     preempt = "--preempt" in argv
     workdir, address, count, rank = [a for a in argv if a != "--preempt"]
-    multihost.initialize(address, int(count), int(rank))
+    multihost.initialize(multihost.resolve(address, int(count), int(rank)))
     jax.config.update("jax_disable_most_optimizations", True)
     from experiments import trainer  # after jax.distributed starts
 

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from kernels_pallas.attention import api as attention_api
-from lm import kv_cache, remat, rope
+from lm import fp8, kv_cache, remat, rope
 from lm.config import ModelConfig
 from lm.layers import RMSNorm, linear, split_heads
 from lm.parallel import context_attention
@@ -104,12 +104,11 @@ class Attention(nnx.Module):
         dtype = cfg.compute_dtype
         out_scale = (2 * cfg.n_layers) ** -0.5
         self.cfg = cfg
-        self.q_proj = linear(cfg.d_model, cfg.n_heads * cfg.head_dim, ("embed", "heads"), dtype=dtype, rngs=rngs)
-        self.k_proj = linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, ("embed", "kv_heads"), dtype=dtype, rngs=rngs)
-        self.v_proj = linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, ("embed", "kv_heads"), dtype=dtype, rngs=rngs)
-        self.o_proj = linear(
-            cfg.n_heads * cfg.head_dim, cfg.d_model, ("heads", "embed"), dtype=dtype, rngs=rngs, scale=out_scale
-        )
+        kw = dict(dtype=dtype, rngs=rngs, fp8_recipe=fp8.recipe(cfg))
+        self.q_proj = linear(cfg.d_model, cfg.n_heads * cfg.head_dim, ("embed", "heads"), **kw)
+        self.k_proj = linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, ("embed", "kv_heads"), **kw)
+        self.v_proj = linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, ("embed", "kv_heads"), **kw)
+        self.o_proj = linear(cfg.n_heads * cfg.head_dim, cfg.d_model, ("heads", "embed"), scale=out_scale, **kw)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, "head_dim", eps=cfg.norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(cfg.head_dim, "head_dim", eps=cfg.norm_eps, dtype=dtype)

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from lm import fp8 as fp8_lib
 from lm import remat as remat_lib
 from lm.data import tokenizer
 
@@ -80,6 +81,12 @@ class ModelConfig:
     q_lora_rank: int = 0  # width of the compressed query latent; 0: full-rank query projection
     rope_head_dim: int = 16  # decoupled RoPE width of each query head and of the one shared RoPE key
     v_head_dim: int = 0  # value width per head; 0: head_dim
+    # FP8 matrix products (lm/fp8.py) in the attention projections and dense MLPs: e4m3 inputs and weights,
+    # gradients in e4m3 (e4m3) or e5m2 (hybrid); per-tensor scales from an amax history or the tensor itself.
+    fp8: str = "none"  # none | e4m3 | hybrid
+    fp8_scaling: str = "delayed"  # delayed (Transformer Engine, MaxText) | current (torchtitan)
+    fp8_amax_history: int = 1024  # delayed scaling's window of past amaxes, in steps
+    fp8_head: bool = False  # the untied LM head in FP8 too (needs tie_embeddings=False, loss_chunk=none)
 
     def __post_init__(self):
         object.__setattr__(self, "remat", remat_lib.canonical(self.remat))
@@ -121,6 +128,7 @@ class ModelConfig:
                 problems.append(f"model.rope_head_dim={self.rope_head_dim} must be even and >= 2 for mla")
             if self.qk_norm:
                 problems.append("model.qk_norm applies to gqa only (mla normalises its latents); set it to False")
+        problems += fp8_lib.problems(self)
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lm import kv_cache
+from lm import fp8, kv_cache
 from lm import remat as remat_lib
 from lm.attention import Attention
 from lm.config import ModelConfig
@@ -40,7 +40,9 @@ class Block(nnx.Module):
         if moe:
             self.mlp = MoE(cfg, rngs=rngs)
         else:
-            self.mlp = SwiGLU(cfg.d_model, cfg.mlp_dim, out_scale=(2 * cfg.n_layers) ** -0.5, dtype=dtype, rngs=rngs)
+            self.mlp = SwiGLU(
+                cfg.d_model, cfg.mlp_dim, out_scale=(2 * cfg.n_layers) ** -0.5, dtype=dtype, rngs=rngs, fp8_recipe=fp8.recipe(cfg)
+            )
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, order: np.ndarray | None = None):
         """``x -> (x', (attention max logits or None, MoE statistics or None))``; tokens attend within their segment.
@@ -143,7 +145,9 @@ class Transformer(nnx.Module):
             self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=cfg.is_moe_layer(i)) for i in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, "embed", eps=cfg.norm_eps, dtype=dtype)
         if not cfg.tie_embeddings:
-            self.lm_head = linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
+            self.lm_head = linear(
+                cfg.d_model, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs, fp8_recipe=fp8.recipe(cfg, head=True)
+            )
 
     def __call__(self, tokens: jax.Array, *, return_aux: bool = False, model_layout: bool = False):
         """Logits ``(batch, seq, vocab)`` for ``tokens`` ``(batch, seq)``.

@@ -18,10 +18,8 @@ import ml_collections
 from experiments import train_lib
 from experiments.cli import UsageError
 from lm import config as model_config_lib
-from lm import fp8
-from lm import hf
+from lm import fp8, hf, moe
 from lm import model as model_lib
-from lm import moe
 from lm.data import input_pipeline
 from lm.data import tokenizer as tokenizer_lib
 from lm.parallel import check as parallel

@@ -104,7 +104,7 @@ class Attention(nnx.Module):
         dtype = cfg.compute_dtype
         out_scale = (2 * cfg.n_layers) ** -0.5
         self.cfg = cfg
-        kw = dict(dtype=dtype, rngs=rngs, fp8_recipe=fp8.recipe(cfg))
+        kw = {"dtype": dtype, "rngs": rngs, "fp8_recipe": fp8.recipe(cfg)}
         self.q_proj = linear(cfg.d_model, cfg.n_heads * cfg.head_dim, ("embed", "heads"), **kw)
         self.k_proj = linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, ("embed", "kv_heads"), **kw)
         self.v_proj = linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, ("embed", "kv_heads"), **kw)

@@ -117,7 +117,7 @@ class SwiGLU(nnx.Module):
     def __init__(
         self, d_model: int, hidden: int, *, out_scale: float, dtype: jnp.dtype, rngs: nnx.Rngs, fp8_recipe: fp8.Recipe | None = None
     ):
-        kw = dict(dtype=dtype, rngs=rngs, fp8_recipe=fp8_recipe)
+        kw = {"dtype": dtype, "rngs": rngs, "fp8_recipe": fp8_recipe}
         self.gate_proj = linear(d_model, hidden, ("embed", "mlp"), **kw)
         self.up_proj = linear(d_model, hidden, ("embed", "mlp"), **kw)
         self.down_proj = linear(hidden, d_model, ("mlp", "embed"), scale=out_scale, **kw)

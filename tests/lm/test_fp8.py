@@ -17,11 +17,9 @@ from lm import config as config_lib
 from lm import fp8
 from lm import model as model_lib
 from lm.loss import next_token_loss
-from sharding import mesh as mesh_lib
-from sharding import rules as rules_lib
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
-MICRO = dict(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=16, mlp_dim=64, max_seq_len=32, attention="xla")
+MICRO = {"vocab_size": 64, "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2, "head_dim": 16, "mlp_dim": 64, "max_seq_len": 32, "attention": "xla"}
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
@@ -92,7 +90,7 @@ def test_products_equal_the_upcast_reference_exactly(delayed, grad_fmt):
 
 def test_scaling_state_combines_by_maximum_and_is_kept_from_the_optimizer():
     """`accumulate` sums gradients and takes the maximum of new scaling state; `exclude_scaling` hides it from ``tx``."""
-    grads = lambda k, h: {"a": {"kernel": jnp.full((2,), k), "dot_general": {"input_amax_history": jnp.array(h)}}}  # noqa: E731
+    grads = lambda k, h: {"a": {"kernel": jnp.full((2,), k), "dot_general": {"input_amax_history": jnp.array(h)}}}
     total = fp8.accumulate(grads(1.0, [3.0, 1.0]), grads(2.0, [2.0, 5.0]))
     assert total["a"]["kernel"].tolist() == [3.0, 3.0] and total["a"]["dot_general"]["input_amax_history"].tolist() == [3.0, 5.0]
     assert fp8.mean(total, 0.5)["a"]["dot_general"]["input_amax_history"].tolist() == [3.0, 5.0]
@@ -155,7 +153,7 @@ def test_train_step_writes_the_scaling_state_and_trains_like_the_unquantised_mod
     spec, _, states, losses = one_device
     base_def = model_lib.define(dataclasses.replace(spec.cfg, fp8="none"))
     assert jax.tree.structure(states[0]["opt_state"]) == jax.tree.structure(jax.eval_shape(spec.tx.init, base_def.abstract_params))
-    mlp = lambda s: s["params"]["blocks"]["mlp"]["up_proj"]  # noqa: E731  (stacked over the one layer)
+    mlp = lambda s: s["params"]["blocks"]["mlp"]["up_proj"]  # stacked over the one layer
     scaling = mlp(states[1])["dot_general"]
     assert float(scaling["kernel_amax_history"][0, 0]) == np.abs(np.asarray(mlp(states[0])["kernel"])).max()  # step 0's weight
     for name in ("input", "kernel", "output_grad"):

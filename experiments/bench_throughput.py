@@ -7,6 +7,9 @@ r"""Training-step throughput (tokens/s) and model FLOPs utilisation for presets 
     # any other training key applies to every case, e.g. the layer loop and the remat policy:
     python -m experiments.bench_throughput --presets=gpt2-124m --batch_shapes=16x1024 --dtypes=bfloat16 \
         --config.model.scan_layers=false --config.model.remat=dots_and_attention
+    # FP8 matrix products (lm/fp8.py) against the same step in bf16, as experiments/gpu_check.sh runs them:
+    python -m experiments.bench_throughput --presets=gpt2-124m,llama-1b --batch_shapes=8x1024 --dtypes=bfloat16 \
+        --config.model.fp8=hybrid
 
 Each case is the real training step of `experiments.train` (forward, backward, optimizer update,
 non-finite check), jitted with the run's shardings, on random tokens (no input pipeline). The first

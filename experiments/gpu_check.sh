@@ -13,7 +13,7 @@
 # environment, then the tests in the background while the README main job runs, then one step at a
 # time by priority: the gpt2-124m step with cuDNN and with Pallas attention, its PyTorch twin
 # (bench_cpu_peer on CUDA: bf16 autocast, torch.compile), the attention / gmm / quantized-update
-# kernels, whole optimizer steps, llama-1b, moe-small. A step starts only if its expected time fits
+# kernels, whole optimizer steps, llama-1b, gpt2-124m and llama-1b in FP8, moe-small. A step starts only if its expected time fits
 # in what is left of BUDGET_S (default 450 s) and runs under `timeout` at the smaller of its limit
 # and what is left; skipped steps are listed in results.jsonl. Measured on the H200 (../shared/gpu):
 # kernel tests 44 s with 6 workers, main job 37 s, 16 s a throughput row, 50 s the twin, 27 s + 39 s
@@ -91,6 +91,8 @@ step kernels 70 110 "$WORK/kernels.json" python3 -m experiments.bench_kernels --
 step optimizers 90 150 "$WORK/optimizers.json" python3 -m experiments.bench_optimizer_step --optimizers="$OPTIMIZERS" \
   --trees="$OPTIMIZER_TREE" --train_batch="$BATCH" --train_dtype="$DTYPE" --repeats="$REPEATS" --out="$WORK/optimizers.json"
 throughput step_"$LLAMA" 40 75 "$LLAMA" "$LLAMA_BATCH" --config.model.attention=auto
+throughput step_"$PRESET"_fp8 35 75 "$PRESET" "$BATCH" --config.model.attention=auto --config.model.fp8=hybrid
+throughput step_"$LLAMA"_fp8 40 75 "$LLAMA" "$LLAMA_BATCH" --config.model.attention=auto --config.model.fp8=hybrid
 throughput step_"$MOE" 30 60 "$MOE" "$BATCH" --config.model.attention=auto
 
 # The tests beside the main job: both share the GPU, so neither takes its memory up front.

@@ -18,9 +18,8 @@ import ml_collections
 from experiments import train_lib
 from experiments.cli import UsageError
 from lm import config as model_config_lib
-from lm import hf
+from lm import fp8, hf, moe
 from lm import model as model_lib
-from lm import moe
 from lm.data import input_pipeline
 from lm.data import tokenizer as tokenizer_lib
 from lm.parallel import check as parallel
@@ -200,11 +199,13 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
         model_def = model_lib.define(cfg)
         # The fused quantized-state kernel runs per shard of these specs (optim.quantize_state).
         param_shardings = partition.named_shardings(model_def.logical_specs, mesh, rules, model_def.abstract_params)
-        param_specs = jax.tree.map(lambda s: s.spec, param_shardings)
+        param_specs = fp8.split(jax.tree.map(lambda s: s.spec, param_shardings))[0]  # the optimizer never sees FP8 scaling state
         optimizer = build.make_spec(config.optimizer, config.steps, replica_axis=replica_axis, param_specs=param_specs)
         tx = build.transform(optimizer, config.optimizer, replica_axis=replica_axis, param_specs=param_specs)
+        if fp8.has_state(cfg):
+            tx = fp8.exclude_scaling(tx)
         shardings = train_lib.make_shardings(model_def, tx, mesh, rules, replica_axis)
-        optimizer.check_layout(model_def.abstract_params, shardings.params, replica_axis)
+        optimizer.check_layout(*(fp8.split(t)[0] for t in (model_def.abstract_params, shardings.params)), replica_axis)
     except (ValueError, KeyError) as e:
         raise UsageError(_message(e)) from e
     return RunSpec(cfg, model_def, tx, mesh, rules, shardings)

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lm import fp8
 from lm import model as model_lib
 from lm import moe as moe_lib
 from lm.loss import cross_entropy, next_token_loss
@@ -210,7 +211,8 @@ def make_train_step(
             (loss, (metrics, aux)), grads = grad_fn(params, partition.constrain(tokens, ("batch", None)), counts)
             if counts is not None:  # the global balancing scope sees the step's earlier micro-batches
                 counts = counts + aux["moe_counts"]
-            return (jax.tree.map(jnp.add, totals, (loss, metrics, grads)), counts), aux
+            loss_sum, metrics_sum, grads_sum = totals  # FP8 scaling state: the micro-batches' maximum (lm/fp8.py)
+            return ((loss_sum + loss, jax.tree.map(jnp.add, metrics_sum, metrics), fp8.accumulate(grads_sum, grads)), counts), aux
 
         (_, (metric_shapes, aux_shapes)), _ = jax.eval_shape(grad_fn, params, micro[0])
         zeros = jax.tree.map(jnp.zeros_like, (jnp.float32(0), metric_shapes, params))
@@ -218,7 +220,7 @@ def make_train_step(
         ((loss, metrics, grads), _), aux = jax.lax.scan(body, (zeros, counts), micro)
         scale = 1.0 / grad_accum_steps
         aux = {k: (OPTIMIZER_AUX | _MOE_AUX)[k](v, axis=0) for k, v in aux.items()}
-        return (loss * scale, (jax.tree.map(lambda m: m * scale, metrics), aux)), jax.tree.map(lambda g: g * scale, grads)
+        return (loss * scale, (jax.tree.map(lambda m: m * scale, metrics), aux)), fp8.mean(grads, scale)
 
     # Reductions over replicas; identities when GSPMD already sees the whole batch.
     if replica_axis:
@@ -235,6 +237,7 @@ def make_train_step(
         aux = {k: maximum(v) if k in OPTIMIZER_AUX else v for k, v in aux.items()}
         updates, new_opt_state = tx.update(grads, opt_state, params, **{k: aux[k] for k in OPTIMIZER_AUX if k in aux})
         new_params = optax.apply_updates(params, updates)
+        new_params = fp8.overwrite(new_params, grads, maximum)  # delayed FP8 scaling's new state is its gradient (lm/fp8.py)
         if "moe_counts" in aux:
             new_params = moe_lib.update_router_bias(new_params, params, aux["moe_counts"], balancing.bias_rate)
             metrics = {**metrics, **moe_lib.load_metrics(aux["moe_counts"], aux["moe_dropped"])}
@@ -251,7 +254,7 @@ def make_train_step(
         metrics = {
             "loss": loss,
             **metrics,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": optax.tree.norm(fp8.split(grads)[0]),
             "update_norm": optax.tree.norm(updates),
         }
         metrics = {k: mean(v) for k, v in metrics.items()}

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from kernels_pallas.attention import api as attention_api
-from lm import kv_cache, parscale, remat, rope, speedrun_blocks, speedrun_config
+from lm import fp8, kv_cache, parscale, remat, rope, speedrun_blocks, speedrun_config
 from lm.config import ModelConfig
 from lm.layers import linear, split_heads
 from lm.parallel import context_attention
@@ -109,12 +109,11 @@ class Attention(nnx.Module):
         dtype = cfg.compute_dtype
         out_scale = (2 * cfg.n_layers) ** -0.5
         self.cfg = cfg
-        self.q_proj = linear(cfg.d_model, cfg.n_heads * cfg.head_dim, ("embed", "heads"), dtype=dtype, rngs=rngs)
-        self.k_proj = linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, ("embed", "kv_heads"), dtype=dtype, rngs=rngs)
-        self.v_proj = linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, ("embed", "kv_heads"), dtype=dtype, rngs=rngs)
-        self.o_proj = linear(
-            cfg.n_heads * cfg.head_dim, cfg.d_model, ("heads", "embed"), dtype=dtype, rngs=rngs, scale=out_scale
-        )
+        kw = {"dtype": dtype, "rngs": rngs, "fp8_recipe": fp8.recipe(cfg)}
+        self.q_proj = linear(cfg.d_model, cfg.n_heads * cfg.head_dim, ("embed", "heads"), **kw)
+        self.k_proj = linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, ("embed", "kv_heads"), **kw)
+        self.v_proj = linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, ("embed", "kv_heads"), **kw)
+        self.o_proj = linear(cfg.n_heads * cfg.head_dim, cfg.d_model, ("heads", "embed"), scale=out_scale, **kw)
         if cfg.qk_norm:
             self.q_norm = speedrun_blocks.norm(cfg, cfg.head_dim, "head_dim")
             self.k_norm = speedrun_blocks.norm(cfg, cfg.head_dim, "head_dim")

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from lm import fp8 as fp8_lib
 from lm import remat as remat_lib
 from lm import speedrun_config
 from lm.data import tokenizer
@@ -103,6 +104,12 @@ class ModelConfig:
     # Lightning attention (lm/lightning.py): attention_type="lightning" makes layers MiniMax-01's linear attention.
     softmax_attention_every: int = 0  # k: every k-th layer (the last of each group) keeps softmax gqa; 0: lightning everywhere
     lightning_block: int = 64  # tokens per block of the blocked lightning attention
+    # FP8 matrix products (lm/fp8.py) in the attention projections and dense MLPs: e4m3 inputs and weights,
+    # gradients in e4m3 (e4m3) or e5m2 (hybrid); per-tensor scales from an amax history or the tensor itself.
+    fp8: str = "none"  # none | e4m3 | hybrid
+    fp8_scaling: str = "delayed"  # delayed (Transformer Engine, MaxText) | current (torchtitan)
+    fp8_amax_history: int = 1024  # delayed scaling's window of past amaxes, in steps
+    fp8_head: bool = False  # the untied LM head in FP8 too (needs tie_embeddings=False, loss_chunk=none)
 
     def __post_init__(self):
         object.__setattr__(self, "remat", remat_lib.canonical(self.remat))
@@ -149,6 +156,7 @@ class ModelConfig:
         problems += speedrun_config.problems(self)
         if self.attention_type == "lightning" or self.softmax_attention_every:
             problems += self._lightning_problems()
+        problems += fp8_lib.problems(self)
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lm import fp8
 from sharding.partition import constrain
 
 
@@ -20,8 +21,10 @@ def linear(
     dtype: jnp.dtype,
     rngs: nnx.Rngs,
     scale: float = 1.0,
+    fp8_recipe: fp8.Recipe | None = None,
 ) -> nnx.Linear:
-    """Bias-free Linear, kernel ``(fan_in, fan_out)`` with logical ``names``, std ``scale / sqrt(fan_in)``."""
+    """Bias-free Linear, kernel ``(fan_in, fan_out)`` with logical ``names``, std ``scale / sqrt(fan_in)``;
+    its product in FP8 with ``fp8_recipe`` (`lm.fp8`)."""
     init = nnx.initializers.variance_scaling(scale**2, "fan_in", "truncated_normal")
     return nnx.Linear(
         fan_in,
@@ -30,7 +33,7 @@ def linear(
         dtype=dtype,
         param_dtype=jnp.float32,
         kernel_init=nnx.with_partitioning(init, names),
-        dot_general=project,
+        dot_general=project if fp8_recipe is None else fp8.Fp8DotGeneral(fp8_recipe),
         rngs=rngs,
     )
 
@@ -111,10 +114,13 @@ def rotary_embedding(
 class SwiGLU(nnx.Module):
     """``down(silu(gate(x)) * up(x))`` (Shazeer, arXiv:2002.05202)."""
 
-    def __init__(self, d_model: int, hidden: int, *, out_scale: float, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.gate_proj = linear(d_model, hidden, ("embed", "mlp"), dtype=dtype, rngs=rngs)
-        self.up_proj = linear(d_model, hidden, ("embed", "mlp"), dtype=dtype, rngs=rngs)
-        self.down_proj = linear(hidden, d_model, ("mlp", "embed"), dtype=dtype, rngs=rngs, scale=out_scale)
+    def __init__(
+        self, d_model: int, hidden: int, *, out_scale: float, dtype: jnp.dtype, rngs: nnx.Rngs, fp8_recipe: fp8.Recipe | None = None
+    ):
+        kw = {"dtype": dtype, "rngs": rngs, "fp8_recipe": fp8_recipe}
+        self.gate_proj = linear(d_model, hidden, ("embed", "mlp"), **kw)
+        self.up_proj = linear(d_model, hidden, ("embed", "mlp"), **kw)
+        self.down_proj = linear(hidden, d_model, ("mlp", "embed"), scale=out_scale, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         hidden = swiglu_gate(self.gate_proj(x), self.up_proj(x))

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import jax
 from flax import nnx
 
-from lm import speedrun_config, transformer
+from lm import fp8, speedrun_config, transformer
 from lm.config import ModelConfig
 from lm.transformer import Transformer
 
@@ -66,8 +66,9 @@ def count_params(model_def: ModelDef) -> ParamCounts:
     """`param_counts` of a model already defined (tracing a deep unrolled model takes seconds)."""
     cfg = model_def.config
     total = active = matmul = stream = 0
-    specs = jax.tree.leaves(model_def.logical_specs, is_leaf=lambda x: isinstance(x, jax.P))
-    for spec, (path, leaf) in zip(specs, jax.tree_util.tree_leaves_with_path(model_def.abstract_params), strict=True):
+    specs = jax.tree.leaves(fp8.split(model_def.logical_specs)[0], is_leaf=lambda x: isinstance(x, jax.P))  # FP8 scaling state is no parameter
+    params = jax.tree_util.tree_leaves_with_path(fp8.split(model_def.abstract_params)[0])
+    for spec, (path, leaf) in zip(specs, params, strict=True):
         names = tuple(n for n in spec if n != "layers")
         size = math.prod(leaf.shape)
         used = size * cfg.experts_per_token // cfg.n_experts if {"experts", "mlp"} <= set(names) else size

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lm import speedrun_config
+from lm import fp8, speedrun_config
 from lm.layers import RMSNorm, linear, rms_norm
 from sharding.partition import constrain
 
@@ -61,9 +61,11 @@ def relu_squared(x: jax.Array) -> jax.Array:
 class ReluSquaredMLP(nnx.Module):
     """``down(relu(up(x))^2)``."""
 
-    def __init__(self, d_model: int, hidden: int, *, out_scale: float, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.up_proj = linear(d_model, hidden, ("embed", "mlp"), dtype=dtype, rngs=rngs)
-        self.down_proj = linear(hidden, d_model, ("mlp", "embed"), dtype=dtype, rngs=rngs, scale=out_scale)
+    def __init__(
+        self, d_model: int, hidden: int, *, out_scale: float, dtype: jnp.dtype, rngs: nnx.Rngs, fp8_recipe: fp8.Recipe | None = None
+    ):
+        self.up_proj = linear(d_model, hidden, ("embed", "mlp"), dtype=dtype, rngs=rngs, fp8_recipe=fp8_recipe)
+        self.down_proj = linear(hidden, d_model, ("mlp", "embed"), dtype=dtype, rngs=rngs, scale=out_scale, fp8_recipe=fp8_recipe)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(constrain(relu_squared(self.up_proj(x)), ("batch", "seq", "mlp")))

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lm import kv_cache, lightning, parscale, speedrun_blocks, speedrun_config
+from lm import fp8, kv_cache, lightning, parscale, speedrun_blocks, speedrun_config
 from lm import remat as remat_lib
 from lm.attention import Attention
 from lm.config import ModelConfig
@@ -53,9 +53,13 @@ class Block(nnx.Module):
         if moe:
             self.mlp = MoE(cfg, rngs=rngs)
         elif cfg.mlp_activation == "relu2":
-            self.mlp = speedrun_blocks.ReluSquaredMLP(cfg.d_model, cfg.mlp_dim, out_scale=(2 * cfg.n_layers) ** -0.5, dtype=dtype, rngs=rngs)
+            self.mlp = speedrun_blocks.ReluSquaredMLP(
+                cfg.d_model, cfg.mlp_dim, out_scale=(2 * cfg.n_layers) ** -0.5, dtype=dtype, rngs=rngs, fp8_recipe=fp8.recipe(cfg)
+            )
         else:
-            self.mlp = SwiGLU(cfg.d_model, cfg.mlp_dim, out_scale=(2 * cfg.n_layers) ** -0.5, dtype=dtype, rngs=rngs)
+            self.mlp = SwiGLU(
+                cfg.d_model, cfg.mlp_dim, out_scale=(2 * cfg.n_layers) ** -0.5, dtype=dtype, rngs=rngs, fp8_recipe=fp8.recipe(cfg)
+            )
 
     def __call__(
         self, x: jax.Array, segment_ids: jax.Array | None = None, order: np.ndarray | None = None,
@@ -169,7 +173,9 @@ class Transformer(nnx.Module):
         if cfg.zero_init_head:
             self.lm_head = speedrun_blocks.zero_head(cfg, rngs)
         elif not cfg.tie_embeddings:
-            self.lm_head = linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
+            self.lm_head = linear(
+                cfg.d_model, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs, fp8_recipe=fp8.recipe(cfg, head=True)
+            )
         if cfg.parscale > 1:
             self.aggregate = parscale.Aggregator(cfg, rngs=rngs)
         if cfg.x0_mixing:

@@ -14,7 +14,7 @@ WHEELS_LINE = (
     "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl "
     "&& export PYTHONPATH=/tmp/site:$PWD || exit;"
 )
-PRIORITY = ["step_gpt2-124m_auto", "step_gpt2-124m_pallas", "torch_twin", "kernels", "optimizers", "step_llama-1b", "step_moe-small"]
+PRIORITY = ["step_gpt2-124m_auto", "step_gpt2-124m_pallas", "torch_twin", "kernels", "optimizers", "step_llama-1b", "step_gpt2-124m_fp8", "step_llama-1b_fp8", "step_moe-small"]
 # Records each call; runs `python3 -c` (results.jsonl lines) with the real Python; sleeps as long as
 # $SLEEP_<module> says; fails the pallas row; writes the JSON a benchmark was asked for.
 FAKE_PYTHON = f"""#!/bin/bash

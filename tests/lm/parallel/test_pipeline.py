@@ -21,7 +21,7 @@ from experiments import checkpointing, run_spec, train_lib
 from experiments.cli import UsageError
 from experiments.configs import default
 from lm import model as model_lib
-from lm.loss import cross_entropy
+from lm.loss import cross_entropy, next_token_loss
 from lm.parallel import pipeline, pipeline_1f1b, pipeline_schedule
 from optim import registry
 from sharding import partition
@@ -47,6 +47,12 @@ CASES = {
         {"mesh": "stage:2,fsdp:2,tensor:2", "rules": "tp", "model.pipeline_schedule": "zb_h1", "model.pipeline_microbatches": 4},
         (),
     ),
+}
+# Vocabulary parallelism (lm/parallel/vocab_parallel.py): embedding and head split over `stage`, every schedule.
+_VOCAB = {"mesh": "stage:4,data:2", "model.pipeline_microbatches": 4, "model.pipeline_vocab_parallel": True}
+CASES |= {
+    f"vocab-{schedule}-stage4-data2": ({**_VOCAB, "model.pipeline_schedule": schedule, "model.pipeline_repeats": 2 if schedule == "circular" else 1}, ())
+    for schedule in pipeline.SCHEDULES
 }
 OPTIMIZERS = ("adamw", "muon")
 
@@ -85,7 +91,7 @@ def _run(case):
     shardings = spec.shardings
 
     def loss_fn(params, tokens):
-        return cross_entropy(model_lib.apply(spec.model_def, params, tokens[:, :-1]), tokens[:, 1:])[0]
+        return next_token_loss(spec.model_def, params, tokens)[0]
 
     def loss_and_grads(params, tokens):
         if pipeline_1f1b.active(spec.cfg):

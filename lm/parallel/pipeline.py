@@ -29,7 +29,10 @@ The schedule is model configuration: ``model.pipeline_schedule`` (``S`` is the m
 
 This module is the forward loop (``gpipe``, ``circular``) that ``jax.grad`` differentiates; the
 ``1f1b`` and ``zb_h1`` schedules, which compute the gradients themselves from a tick table
-(`lm.parallel.pipeline_schedule`), are `lm.parallel.pipeline_1f1b`.
+(`lm.parallel.pipeline_schedule`), are `lm.parallel.pipeline_1f1b`. Under ``gpipe`` with
+``model.pipeline_skip_rate > 0`` the loop is `run_paths`: SkipPipe's per-microbatch paths through the
+stages (`lm.parallel.skip_schedule`). ``model.pipeline_vocab_parallel`` splits the embedding and head
+over ``stage`` instead of replicating them (`lm.parallel.vocab_parallel`).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from experiments.configs import default
 from lm import config as config_lib
 from lm import model as model_lib
 from lm.loss import cross_entropy, next_token_loss
-from lm.parallel import pipeline, pipeline_1f1b, pipeline_schedule, skip_schedule
+from lm.parallel import pipeline, pipeline_1f1b, pipeline_schedule, skip_schedule, vocab_parallel
 from lm.transformer import scan_blocks
 from optim import registry
 from sharding import partition
@@ -299,6 +299,26 @@ def test_vocab_parallel_splits_the_vocabulary_layers_over_stage():
     assert table(split).spec[0] == "stage" and table(split).shard_shape(shape) == (shape[0] // 4, shape[1])
     state = jax.tree.leaves(split.shardings.state["opt_state"], is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding))
     assert sum(s.spec[:1] == ("stage",) and s.shard_shape(shape) == (shape[0] // 4, shape[1]) for s in state if len(s.spec) == 2) >= 2
+
+
+
+@pytest.mark.parametrize("vocab_first", [True, False])
+def test_vocab_parallel_cross_entropy_equals_the_whole_softmax(vocab_first):
+    """The S and T passes over four vocabulary slices give `cross_entropy`'s loss, metrics and gradients (z-loss on),
+    tied ``(V, d)`` and untied ``(d, V)`` heads; logits spread so that every slice's max differs."""
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.normal(size=(4, 8, 16)), jnp.float32)
+    head = jnp.asarray(rng.normal(size=(64, 16)) * np.linspace(0.1, 3, 64)[:, None], jnp.float32)
+    head = head if vocab_first else head.T
+    targets = jnp.asarray(rng.integers(0, 64, (4, 8)), jnp.int32)
+    logits = lambda h, w: jnp.einsum("bsd,vd->bsv" if vocab_first else "bsd,dv->bsv", h, w)  # noqa: E731
+    whole = lambda h, w: cross_entropy(logits(h, w), targets, z_loss=1e-2)  # noqa: E731
+    split = lambda h, w: vocab_parallel.cross_entropy(h, w, targets, z_loss=1e-2, vocab_first=vocab_first)  # noqa: E731
+    spec = run_spec.build_run(_config({"mesh": "stage:4,data:2"}))
+    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
+        got = jax.jit(jax.value_and_grad(split, argnums=(0, 1), has_aux=True))(h, head)
+    want = jax.value_and_grad(whole, argnums=(0, 1), has_aux=True)(h, head)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), got, want)
 
 
 @pytest.mark.parametrize("stages", [4, 8])

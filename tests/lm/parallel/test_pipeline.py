@@ -28,7 +28,13 @@ from experiments.configs import default
 from lm import config as config_lib
 from lm import model as model_lib
 from lm.loss import cross_entropy, next_token_loss
-from lm.parallel import pipeline, pipeline_1f1b, pipeline_schedule, skip_schedule, vocab_parallel
+from lm.parallel import (
+    pipeline,
+    pipeline_1f1b,
+    pipeline_schedule,
+    skip_schedule,
+    vocab_parallel,
+)
 from lm.transformer import scan_blocks
 from optim import registry
 from sharding import partition

@@ -30,7 +30,11 @@ step, so a tick lasts as long as the slowest op any stage runs on it; the tables
 Embedding stays outside (GSPMD over the other axes; its gradient from stage 0's input gradients by
 the embedding's own `jax.vjp`); norm, head and loss run on the last stage (their parameters are
 replicated over ``stage``, their gradients summed over it). The stored ``[L, ...]`` layout of the
-block parameters is the one every mesh uses (`lm.parallel.pipeline`).
+block parameters is the one every mesh uses (`lm.parallel.pipeline`). Under
+``model.pipeline_vocab_parallel`` the head's weight enters split over ``stage`` and, on each tick on
+which the last stage finishes a forward, every stage runs the head's S and T passes on its slice
+(`lm.parallel.vocab_parallel`): the last stage's output is broadcast, the final norm and its gradient
+run on every stage (counted on the last), and the last stage keeps the output gradient as before.
 """
 
 from __future__ import annotations

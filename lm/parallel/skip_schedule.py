@@ -8,7 +8,8 @@ the granularity of a stage), and the groups in between may run in another order.
 draws paths under its convergence guidelines, which `paths` follows: with skip rate ``k`` every
 microbatch skips ``round(k S)`` stages, never the first or the last, and never two consecutive ones
 (a skipped run of stages would remove a contiguous slab of the network); the skipped set is drawn
-uniformly among those allowed. Reordering (a microbatch visiting stage ``b`` before ``a < b``) is a path
+uniformly among those allowed, once per run (seed 0: a microbatch slot keeps its path every step, the
+batch rows in it change). Reordering (a microbatch visiting stage ``b`` before ``a < b``) is a path
 like any other to the tables and the executor; `paths` draws skips only (in order), as the issue's
 ``model.pipeline_skip_rate`` asks; the heterogeneous-network placement of the paper is not modelled.
 

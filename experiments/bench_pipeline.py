@@ -12,7 +12,16 @@ On ``--devices`` fake CPU devices (default 8), for the `tiny` model with ``n_lay
   HLO counting: payload per execution and executions per step), next to one microbatch's activations
   and the schedule's tick count;
 - **exactness**: ``--steps`` steps of AdamW and Muon on ``stage:4,data:2`` and
-  ``stage:2,fsdp:2,tensor:2`` against one device, the largest relative loss difference.
+  ``stage:2,fsdp:2,tensor:2`` against one device, the largest relative loss difference;
+- **vocab**: vocabulary parallelism (`lm.parallel.vocab_parallel`) off and on, every schedule on
+  ``stage:4,data:2`` at ``--vocab_size``: parameter bytes per device (from the shardings), the compiled
+  step's arguments and temporaries per device, and the LM head's FLOPs per step on each stage;
+- **skip**: SkipPipe's tick tables (`lm.parallel.skip_schedule`) at every allowed skip rate: ticks,
+  bubble, throughput (microbatches per tick) and layer-group runs, for 4 and 8 stages.
+
+``--sections`` picks among bubbles, memory, exactness, vocab, skip (default: all), e.g.
+
+    python -m experiments.bench_pipeline --sections=vocab,skip --json_out=/tmp/pipeline_vocab_skip.json
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from absl import app, flags
 
 from experiments import hlo_bytes, run_spec, train_lib
 from experiments.configs import default
-from lm.parallel import pipeline, pipeline_schedule
+from lm.parallel import pipeline, pipeline_schedule, skip_schedule
 from sharding import partition
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "zb_h1")
@@ -44,6 +53,8 @@ def define_flags() -> None:
     flags.DEFINE_list("microbatches", ["4", "8", "16"], "Microbatch counts of the memory table (stage:4).")
     flags.DEFINE_integer("seq_len", 32, "Sequence length.")
     flags.DEFINE_string("json_out", None, "Also write the results as JSON here.")
+    flags.DEFINE_integer("vocab_size", 8192, "Vocabulary of the vocab section's model.")
+    flags.DEFINE_list("sections", ["bubbles", "memory", "exactness", "vocab", "skip"], "Which tables to measure.")
 
 
 def _config(mesh: str, rules: str, schedule: str, microbatches: int, *, batch: int, optimizer: str = "adamw") -> ml_collections.ConfigDict:
@@ -157,19 +168,76 @@ def exactness() -> list[dict]:
     return rows
 
 
+def _bytes_per_device(shardings, abstract) -> int:
+    """Bytes of one device's shards of the arrays ``abstract`` placed by ``shardings`` (the same on every device)."""
+    leaves = zip(jax.tree.leaves(shardings), jax.tree.leaves(abstract), strict=True)
+    return sum(int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize for s, a in leaves)
+
+
+def vocab_balance() -> list[dict]:
+    """Vocabulary layers replicated over ``stage`` (off) and split over it (on), every schedule on stage:4,data:2.
+
+    Head FLOPs per step, forward and backward (``6 N V d`` for ``N`` tokens), per stage: off, GPipe and circular
+    compute the head after the loop on every stage (GSPMD, replicated over ``stage``), 1F1B and ZB-H1 on the last
+    stage only; on, every stage computes its ``V / S`` slice.
+    """
+    rows, m, stages = [], 4, 4
+    for schedule in SCHEDULES:
+        for on in (False, True):
+            config = _config("stage:4,data:2", "fsdp", schedule, m, batch=2 * m)
+            config.model.vocab_size, config.model.pipeline_vocab_parallel = _FLAGS.vocab_size, on
+            spec, compiled = _compiled_step(config)
+            memory, cfg = compiled.memory_analysis(), spec.cfg
+            head = 6 * config.batch_size * config.data.seq_len * cfg.vocab_size * cfg.d_model // 2  # per data replica
+            if on:
+                per_stage = [head // stages] * stages
+            elif schedule in pipeline_schedule.SCHEDULES:  # the last stage's head and loss
+                per_stage = [0] * (stages - 1) + [head]
+            else:  # after the forward loop, replicated over `stage`
+                per_stage = [head] * stages
+            table = spec.shardings.params["embed"]["embedding"]
+            rows.append({
+                "schedule": schedule, "vocab_parallel": on, "vocab_size": cfg.vocab_size,
+                "param_bytes_per_device": _bytes_per_device(spec.shardings.params, spec.model_def.abstract_params),
+                "table_bytes_per_device": int(np.prod(table.shard_shape((cfg.vocab_size, cfg.d_model)))) * 4,
+                "argument_bytes": int(memory.argument_size_in_bytes), "temp_bytes": int(memory.temp_size_in_bytes),
+                "head_flops_per_stage": per_stage,
+            })  # fmt: skip
+            print(f"compiled {schedule} vocab_parallel={on}: temp {rows[-1]['temp_bytes'] / 2**20:.2f} MiB", flush=True)
+    return rows
+
+
+def skip_tables() -> list[dict]:
+    """SkipPipe's tick tables at every skip rate the constraints allow (`skip_schedule.paths`, seed 0)."""
+    rows = []
+    for stages in (4, 8):
+        for m in (8, 16):
+            for n in range(skip_schedule.max_skips(stages) + 1):
+                items, sources = skip_schedule.tick_table(skip_schedule.paths(stages, m, n / stages), stages)
+                rows.append({
+                    "stages": stages, "microbatches": m, "skip_rate": n / stages, "ticks": int(items.shape[0]),
+                    "bubble": skip_schedule.bubble_fraction(items), "throughput": skip_schedule.throughput(items),
+                    "group_runs": int((items >= 0).sum()), "hop_distances": list(skip_schedule.offsets(sources)),
+                })  # fmt: skip
+    return rows
+
+
 def main(argv) -> None:
     del argv
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", _FLAGS.devices)
     start = time.time()
-    results = {"bubbles": bubbles(), "memory": memory_and_bytes()}
-    print("\nschedule   S  M  ticks  bubble(table)  formula               1F1B's")
-    for row in results["bubbles"]:
-        print(
-            f"{row['schedule']:9} {row['stages']:2} {row['microbatches']:3} {row['ticks']:5}   {row['bubble']:.3f}          "
-            f"{row['formula']:.3f} {row['formula_text']:15} {row['one_f_one_b_formula']:.3f}"
-        )
-    print("\nschedule   M  ticks  temp MiB/device  permute execs  permute bytes/step  payloads  one microbatch bytes")
+    sections = set(_FLAGS.sections)
+    results = {"bubbles": bubbles(), "memory": memory_and_bytes() if "memory" in sections else []}
+    if "bubbles" in sections:
+        print("\nschedule   S  M  ticks  bubble(table)  formula               1F1B's")
+        for row in results["bubbles"]:
+            print(
+                f"{row['schedule']:9} {row['stages']:2} {row['microbatches']:3} {row['ticks']:5}   {row['bubble']:.3f}          "
+                f"{row['formula']:.3f} {row['formula_text']:15} {row['one_f_one_b_formula']:.3f}"
+            )
+    if results["memory"]:
+        print("\nschedule   M  ticks  temp MiB/device  permute execs  permute bytes/step  payloads  one microbatch bytes")
     for row in results["memory"]:
         print(
             f"{row['schedule']:9} {row['microbatches']:3} {row['ticks']:5} {row['temp_bytes'] / 2**20:14.2f} {row['permute_executions']:14d} "
@@ -181,7 +249,24 @@ def main(argv) -> None:
         if ("gpipe", top) in by and (schedule, top) in by:
             results[f"{schedule}_over_gpipe_temp_at_max_m"] = by[(schedule, top)] / by[("gpipe", top)]
             print(f"\n{schedule} / gpipe temporaries at M={top}: {results[f'{schedule}_over_gpipe_temp_at_max_m']:.2f}")
-    if _FLAGS.steps:
+    if "vocab" in sections:
+        results["vocab"] = vocab_balance()
+        print(f"\nvocab {_FLAGS.vocab_size}, stage:4,data:2  params MiB/device  table MiB/device  args MiB  temp MiB  head GFLOP/step per stage")
+        for row in results["vocab"]:
+            print(
+                f"{row['schedule']:9} {'on ' if row['vocab_parallel'] else 'off'} {row['param_bytes_per_device'] / 2**20:16.2f} "
+                f"{row['table_bytes_per_device'] / 2**20:16.2f} {row['argument_bytes'] / 2**20:9.2f} {row['temp_bytes'] / 2**20:9.2f}  "
+                f"{[round(f / 1e9, 3) for f in row['head_flops_per_stage']]}"
+            )
+    if "skip" in sections:
+        results["skip"] = skip_tables()
+        print("\nSkipPipe  S   M  skip rate  ticks  bubble  microbatches/tick  group runs  hop distances")
+        for row in results["skip"]:
+            print(
+                f"{row['stages']:10d} {row['microbatches']:3d} {row['skip_rate']:9.3f} {row['ticks']:6d} {row['bubble']:7.3f} "
+                f"{row['throughput']:18.3f} {row['group_runs']:11d}  {row['hop_distances']}"
+            )
+    if _FLAGS.steps and "exactness" in sections:
         results["exactness"] = exactness()
         worst = max(r["max_rel_loss_diff"] for r in results["exactness"])
         print(f"\n{_FLAGS.steps} steps, every schedule, mesh and optimizer: max relative loss difference to one device {worst:.2e}")

@@ -23,6 +23,7 @@ from lm import model as model_lib
 from lm.data import input_pipeline
 from lm.data import tokenizer as tokenizer_lib
 from lm.parallel import check as parallel
+from lm.parallel import vocab_parallel
 from optim import build, registry, schedules
 from optim import spec as spec_lib
 from sharding import mesh as mesh_lib
@@ -36,6 +37,7 @@ STATE_SHAPING_KEYS = ("state_bits", "cautious")
 _RESUMABLE_MODEL_CHANGES = (
     "attention", "dtype", "remat", "scan_unroll", "track_attn_logits", "loss_chunk",
     "context_parallel", "pipeline_schedule", "pipeline_microbatches", "pipeline_repeats",
+    "pipeline_vocab_parallel", "pipeline_skip_rate",
 )  # fmt: skip
 
 
@@ -183,6 +185,7 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
             raise ValueError(f"config.devices={config.devices} but only {len(jax.devices())} devices are present")
         mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[: config.devices] if config.devices else None)
         rules = rules_lib.make_rules(config.rules, rules_lib.parse_overrides(config.get("rule_overrides", "")))
+        rules = vocab_parallel.with_vocab_over_stage(rules, cfg)
         check_mesh_axes(config, mesh, rules)
         n_batch_shards = parallel.shards(mesh, rules, "batch")
         if (config.batch_size // config.grad_accum_steps) % n_batch_shards:

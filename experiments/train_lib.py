@@ -195,7 +195,7 @@ def make_train_step(
     def grad_fn(params, tokens, prior_counts=None):
         if pipeline_1f1b.active(model_def.config):  # the schedule computes loss and gradients itself (lm/parallel/pipeline_1f1b.py)
             loss_of = lambda logits, targets: cross_entropy(logits, targets, z_loss=z_loss)  # noqa: E731
-            (loss, metrics), grads = pipeline_1f1b.value_and_grad(model_def, params, tokens, loss_of)
+            (loss, metrics), grads = pipeline_1f1b.value_and_grad(model_def, params, tokens, loss_of, z_loss=z_loss)
             return (loss, (metrics, {})), grads
         return value_and_grad(params, tokens, prior_counts)
 

@@ -60,6 +60,8 @@ class ModelConfig:
     pipeline_schedule: str = "gpipe"  # gpipe | circular | 1f1b | zb_h1, over a `stage` mesh axis (lm/parallel/pipeline.py)
     pipeline_microbatches: int = 4  # M, microbatches per step (per gradient-accumulation micro-batch)
     pipeline_repeats: int = 1  # R, layer groups per stage; 1 except for circular
+    pipeline_vocab_parallel: bool = False  # embedding and LM head + softmax split over `stage` (lm/parallel/vocab_parallel.py)
+    pipeline_skip_rate: float = 0.0  # SkipPipe: share of stages each microbatch skips, gpipe only (lm/parallel/skip_pipe.py)
     document_separator: int | None = None  # token opening a document: attention stays inside documents
     # Mixture of experts (lm/moe.py); n_experts = 0: every block has a dense SwiGLU.
     n_experts: int = 0

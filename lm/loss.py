@@ -19,6 +19,7 @@ from lm import model as model_lib
 from lm import speedrun_config
 from lm.config import ModelConfig
 from lm.model import param_counts
+from lm.parallel import vocab_parallel
 from sharding.partition import constrain
 
 # `model.loss_chunk=auto`: the most float32 logits bytes one chunk may hold; smaller steps run whole.
@@ -71,6 +72,9 @@ def next_token_loss(
     """
     inputs, targets = tokens[:, :-1], model_lib.in_model_layout(model_def, tokens[:, 1:])
     n = loss_chunks(model_def.config, *inputs.shape)
+    if vocab_parallel.active(model_def.config):  # the head's vocabulary split over `stage` (lm/parallel/vocab_parallel.py)
+        h, (head, vocab_first), aux = model_lib.features(model_def, params, inputs)
+        return *vocab_parallel.cross_entropy(h, head, targets, z_loss=z_loss, vocab_first=vocab_first), aux
     if n == 1:
         logits, aux = model_lib.apply(model_def, params, inputs, return_aux=True, model_layout=True)
         return *cross_entropy(logits, targets, z_loss=z_loss), aux

@@ -5,7 +5,8 @@ planner, benchmarks; all build their run through `experiments.run_spec`) refuses
 line naming the fix:
 
 - ``context`` (`lm.parallel.context_attention`): the sequence and head counts split over the shards;
-- ``stage`` (`lm.parallel.pipeline`): layers, microbatches and repeats split over the stages;
+- ``stage`` (`lm.parallel.pipeline`): layers, microbatches and repeats split over the stages, and the
+  vocabulary under ``model.pipeline_vocab_parallel`` (`lm.parallel.vocab_parallel`);
 - a replica-local train step (``replicas``, a mesh axis whose slices keep their own optimizer state)
   does not run beside a ``stage`` axis;
 - ``expert`` needs nothing beyond the rules' own checks (`sharding.rules.logical_to_mesh_spec`).
@@ -18,7 +19,7 @@ import math
 import jax
 
 from lm.config import ModelConfig
-from lm.parallel import context_attention, pipeline
+from lm.parallel import context_attention, pipeline, vocab_parallel
 from sharding import axes
 from sharding.rules import Rules
 
@@ -38,6 +39,7 @@ def check(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules, *, batch: int
         context_attention.check(cfg, seq_len, mesh.shape.get(axes.CONTEXT, 1), shards(mesh, rules, "heads"))
     stages = mesh.shape.get(axes.STAGE, 1)
     pipeline.check(cfg, stages=stages, batch=batch, batch_shards=shards(mesh, rules, "batch"))
+    vocab_parallel.check(cfg, stages)
     if replicas and stages > 1:
         raise ValueError(
             f"config.replicas={replicas} (a replica-local step) does not run beside a stage axis yet (mesh "

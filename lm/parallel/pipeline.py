@@ -29,7 +29,10 @@ The schedule is model configuration: ``model.pipeline_schedule`` (``S`` is the m
 
 This module is the forward loop (``gpipe``, ``circular``) that ``jax.grad`` differentiates; the
 ``1f1b`` and ``zb_h1`` schedules, which compute the gradients themselves from a tick table
-(`lm.parallel.pipeline_schedule`), are `lm.parallel.pipeline_1f1b`.
+(`lm.parallel.pipeline_schedule`), are `lm.parallel.pipeline_1f1b`. Under ``gpipe`` with
+``model.pipeline_skip_rate > 0`` the loop is `run_paths`: SkipPipe's per-microbatch paths through the
+stages (`lm.parallel.skip_schedule`). ``model.pipeline_vocab_parallel`` splits the embedding and head
+over ``stage`` instead of replicating them (`lm.parallel.vocab_parallel`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from lm.config import ModelConfig
+from lm.parallel import skip_schedule
 from sharding import axes, partition
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "zb_h1")
@@ -85,6 +89,9 @@ def check(cfg: ModelConfig, *, stages: int, batch: int, batch_shards: int = 1) -
             f"model.pipeline_microbatches={m} does not split the micro-batch of {batch} sequences into microbatches "
             f"that split over {batch_shards} batch shard(s); use microbatches in {working}"
         )
+    if cfg.pipeline_skip_rate and (schedule != "gpipe"):
+        raise ValueError(f"model.pipeline_skip_rate={cfg.pipeline_skip_rate} (SkipPipe) runs under pipeline_schedule=gpipe, not {schedule}")
+    skip_schedule.skips(stages, cfg.pipeline_skip_rate)
     if r > 1 and m < stages:
         raise ValueError(
             f"model.pipeline_schedule=circular with repeats={r} needs microbatches >= stages ({m} < "
@@ -139,9 +146,11 @@ def run_stack(
     one microbatch; the result equals ``run_layers(blocks, x, segment_ids)``.
     """
     stages, m, r = stage_count(), cfg.pipeline_microbatches, cfg.pipeline_repeats
+    check(cfg, stages=stages, batch=x.shape[0])
+    if cfg.pipeline_skip_rate:
+        return run_paths(blocks, x, segment_ids, run_layers, skip_schedule.paths(stages, m, cfg.pipeline_skip_rate))
     graphdef, state = nnx.split(blocks)
     n_layers = jax.tree.leaves(state)[0].shape[0]
-    check(cfg, stages=stages, batch=x.shape[0])
     k = n_layers // (stages * r)
     # Layer l = (repeat * S + stage) * K + j, regrouped stage-major: [S, R, K, ...].
     grouped = jax.tree.map(lambda w: w.reshape(r, stages, k, *w.shape[1:]).swapaxes(0, 1), state)
@@ -185,3 +194,63 @@ def run_stack(
     )(grouped, micro, segments)
     return from_microbatches(out)
 
+
+
+def run_paths(
+    blocks: nnx.Module,
+    x: jax.Array,
+    segment_ids: jax.Array | None,
+    run_layers: Callable[[nnx.Module, jax.Array, jax.Array | None], jax.Array],
+    route: list[skip_schedule.Path],
+) -> jax.Array:
+    """`run_stack` with microbatch ``i`` running only the layer groups of the stages on its path ``route[i]``, in that
+    order (SkipPipe, `lm.parallel.skip_schedule`), ``len(route)`` microbatches, ``S = stage_count()`` groups.
+
+    The loop runs `skip_schedule.tick_table`'s ticks. A hop of distance ``d`` travels by a collective-permute
+    from every stage ``s`` to ``s + d`` (one per distance the table uses; skip rate 0: ``d = 1`` only, GPipe's
+    permute); a stage keeps what arrives in a slot per microbatch until its tick comes. With every path
+    ``0, ..., S - 1`` the ticks, inputs and outputs are GPipe's.
+    """
+    stages, m = stage_count(), len(route)
+    graphdef, state = nnx.split(blocks)
+    k = jax.tree.leaves(state)[0].shape[0] // stages
+    items, sources = skip_schedule.tick_table(route, stages)
+    hops, arrived = skip_schedule.offsets(sources), skip_schedule.arrivals(items, sources)
+    grouped = jax.tree.map(lambda w: w.reshape(stages, k, *w.shape[1:]), state)
+    micro = to_microbatches(x, m)
+    segments = None if segment_ids is None else to_microbatches(segment_ids, m)
+
+    def per_stage(local, micro, segments, table):
+        stage = jax.lax.axis_index(axes.STAGE)
+
+        def tick(carry, row):
+            recv, kept, outs = carry
+            item, got = row[0][stage], row[1][stage]
+            for j in range(len(hops)):  # keep what came from stage s - hops[j], in its microbatch's slot
+                kept = store(kept, jnp.maximum(got[j], 0), recv[j], got[j] >= 0)
+            i = jnp.maximum(item, 0)
+            h = jnp.where(stage == 0, micro[i], kept[i])
+            group = jax.tree.map(lambda w: w[0], local)  # this stage's [K, ...], taken inside the loop (nnx's trace levels)
+            y = run_layers(nnx.merge(graphdef, group), h, None if segments is None else segments[i])
+            outs = store(outs, i, y, (stage == stages - 1) & (item >= 0))
+            recv = tuple(jax.lax.ppermute(y, axes.STAGE, [(s, s + d) for s in range(stages) if 0 <= s + d < stages]) for d in hops)
+            return (recv, kept, outs), None
+
+        init = (tuple(jnp.zeros_like(micro[0]) for _ in hops), jnp.zeros_like(micro), jnp.zeros_like(micro))
+        (_, _, outs), _ = jax.lax.scan(tick, init, table)
+        return jax.lax.psum(jnp.where(stage == stages - 1, outs, jnp.zeros_like(outs)), axes.STAGE)
+
+    table = (jnp.asarray(items), jnp.asarray(arrived))
+    out = jax.shard_map(
+        per_stage,
+        in_specs=(jax.tree.map(lambda _: jax.P(axes.STAGE), grouped), jax.P(), jax.P(), (jax.P(), jax.P())),
+        out_specs=jax.P(),
+        axis_names={axes.STAGE},
+        check_vma=False,
+    )(grouped, micro, segments, table)
+    return from_microbatches(out)
+
+
+def store(buffer: jax.Array, slot: jax.Array, value: jax.Array, write: jax.Array) -> jax.Array:
+    """``buffer`` with ``value`` in row ``slot`` where the scalar ``write`` is true."""
+    return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(write, value, buffer[slot]), slot, 0)

@@ -30,7 +30,11 @@ step, so a tick lasts as long as the slowest op any stage runs on it; the tables
 Embedding stays outside (GSPMD over the other axes; its gradient from stage 0's input gradients by
 the embedding's own `jax.vjp`); norm, head and loss run on the last stage (their parameters are
 replicated over ``stage``, their gradients summed over it). The stored ``[L, ...]`` layout of the
-block parameters is the one every mesh uses (`lm.parallel.pipeline`).
+block parameters is the one every mesh uses (`lm.parallel.pipeline`). Under
+``model.pipeline_vocab_parallel`` the head's weight enters split over ``stage`` and, on each tick on
+which the last stage finishes a forward, every stage runs the head's S and T passes on its slice
+(`lm.parallel.vocab_parallel`): the last stage's output is broadcast, the final norm and its gradient
+run on every stage (counted on the last), and the last stage keeps the output gradient as before.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from flax import nnx
 from lm.config import ModelConfig
 from lm.model import ModelDef
 from lm.parallel import pipeline as pipeline_lib
-from lm.parallel import pipeline_schedule
+from lm.parallel import pipeline_schedule, vocab_parallel
 from lm.transformer import ACTIVATION, document_segments, scan_blocks
 from sharding import axes, partition
 
@@ -72,10 +76,14 @@ class _Result(NamedTuple):
     totals: Any  # (loss, metrics) of the microbatch, on the last stage
 
 
-def value_and_grad(model_def: ModelDef, params: dict, tokens: jax.Array, loss_fn: LossFn) -> tuple[tuple[jax.Array, dict], dict]:
+def value_and_grad(
+    model_def: ModelDef, params: dict, tokens: jax.Array, loss_fn: LossFn, *, z_loss: float = 0.0
+) -> tuple[tuple[jax.Array, dict], dict]:
     """``((loss, metrics), grads)`` of ``loss_fn(logits, targets)`` on ``tokens`` ``(batch, seq + 1)``, by the schedule's table.
 
-    ``loss`` and ``metrics`` are means over the microbatches (equal-sized, so the batch means).
+    ``loss`` and ``metrics`` are means over the microbatches (equal-sized, so the batch means). Under
+    ``model.pipeline_vocab_parallel`` the loss is `lm.loss.cross_entropy`'s with ``z_loss``, computed over
+    the stages' vocabulary slices (`lm.parallel.vocab_parallel`), and ``loss_fn`` is not called.
     """
     cfg, stages = model_def.config, pipeline_lib.stage_count()
     m = cfg.pipeline_microbatches
@@ -83,8 +91,12 @@ def value_and_grad(model_def: ModelDef, params: dict, tokens: jax.Array, loss_fn
     ops, micro = pipeline_schedule.tick_table(cfg.pipeline_schedule, stages, m)
     arrived_f, arrived_b = pipeline_schedule.arrivals(ops, micro)
     input_slots, grad_slots = pipeline_schedule.buffer_slots(ops, micro)
+    vocab = vocab_parallel.active(cfg)
+    # Vocabulary parallelism: on the tick the last stage finishes microbatch i's forward, every stage runs the head's passes on i.
+    finish = np.repeat(np.where(ops[:, -1] == pipeline_schedule.FORWARD, micro[:, -1], -1)[:, None], stages, axis=1)
     ops = ops.copy()
-    ops[:, -1] = np.where(ops[:, -1] == pipeline_schedule.FORWARD, _FORWARD_LOSS, ops[:, -1])
+    if not vocab:
+        ops[:, -1] = np.where(ops[:, -1] == pipeline_schedule.FORWARD, _FORWARD_LOSS, ops[:, -1])
     used = np.unique(ops)  # one `lax.switch` branch per op the table runs
     branch = np.searchsorted(used, ops).astype(np.int32)
 
@@ -92,6 +104,11 @@ def value_and_grad(model_def: ModelDef, params: dict, tokens: jax.Array, loss_fn
     blocks, rest = params["blocks"], {k: v for k, v in params.items() if k != "blocks"}
     model = lambda rest: nnx.merge(model_def.graphdef, {**rest, "blocks": blocks})  # noqa: E731
     block_graph = nnx.graphdef(model(rest).blocks)
+    norm_graph = nnx.graphdef(model(rest).final_norm)
+    head_key = ("embed", "embedding") if cfg.tie_embeddings else ("lm_head", "kernel")
+    # Under vocabulary parallelism the head's weight enters split over `stage`, the other outer parameters replicated.
+    inner = {k: {n: w for n, w in v.items() if (k, n) != head_key} for k, v in rest.items()} if vocab else rest
+    head_w = rest[head_key[0]][head_key[1]] if vocab else None
 
     x, embed_vjp = jax.vjp(lambda rest: partition.constrain(model(rest).embed(inputs), ACTIVATION), rest)
     segments = document_segments(cfg, inputs)
@@ -104,7 +121,7 @@ def value_and_grad(model_def: ModelDef, params: dict, tokens: jax.Array, loss_fn
     forward_pairs = [(s, s + 1) for s in range(stages - 1)]
     backward_pairs = [(s + 1, s) for s in range(stages - 1)]
 
-    def per_stage(local, rest, micro_x, micro_t, micro_seg, table):
+    def per_stage(local, rest, head_w, micro_x, micro_t, micro_seg, table):
         local = jax.tree.map(lambda w: w[0], local)
         stage = jax.lax.axis_index(axes.STAGE)
         run = lambda w, h, i: scan_blocks(cfg, nnx.merge(block_graph, w), h, None if micro_seg is None else micro_seg[i])[0]  # noqa: E731
@@ -116,13 +133,26 @@ def value_and_grad(model_def: ModelDef, params: dict, tokens: jax.Array, loss_fn
             return loss_fn(logits, micro_t[i])
 
         zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
-        nothing = _Result(*(zeros(micro_x[0]),) * 3, zeros(local), zeros(rest), zeros(jax.eval_shape(lambda: head(rest, micro_x[0], 0))))
+        scalar = jnp.zeros((), jnp.float32)
+        totals = (scalar, {"nll": scalar, "z_loss": scalar}) if vocab else zeros(jax.eval_shape(lambda: head(rest, micro_x[0], 0)))
+        nothing = _Result(*(zeros(micro_x[0]),) * 3, zeros(local), zeros(rest), totals)
+
+        def vocab_passes(out, j):
+            """The head's S and T passes on this stage's vocabulary slice for microbatch ``j``, whose forward the last
+            stage ran on this tick: ``(dy, d_rest, dW_s, totals)``, ``dy``, ``d_rest`` and ``totals`` real on the last stage."""
+            last = stage == stages - 1
+            y = jax.lax.psum(jnp.where(last, out.y, jnp.zeros_like(out.y)), axes.STAGE)  # the paper's broadcast
+            f, norm_vjp = jax.vjp(lambda r, y: nnx.merge(norm_graph, r["final_norm"])(y), rest, y)
+            totals, df, dw = vocab_parallel.loss_and_grads(f, head_w, micro_t[j], z_loss=z_loss, vocab_first=cfg.tie_embeddings, scale=1.0 / m)
+            d_rest, dy = norm_vjp(df)
+            only_last = lambda tree: jax.tree.map(lambda a: jnp.where(last, a, jnp.zeros_like(a)), tree)  # noqa: E731
+            return dy.astype(y.dtype), only_last(d_rest), dw, only_last(totals)
 
         def tick(carry, row):
-            recv_f, recv_b, kept_x, kept_dy, grads, head_grads, dx, totals = carry
-            op, i, got_f, got_b = (r[stage] for r in row)
-            kept_x = _store(kept_x, got_f % input_slots, recv_f, got_f >= 0)
-            kept_dy = _store(kept_dy, got_b % grad_slots, recv_b, got_b >= 0)
+            recv_f, recv_b, kept_x, kept_dy, grads, head_grads, head_w_grad, dx, totals = carry
+            op, i, got_f, got_b, fin = (r[stage] for r in row)
+            kept_x = pipeline_lib.store(kept_x, got_f % input_slots, recv_f, got_f >= 0)
+            kept_dy = pipeline_lib.store(kept_dy, got_b % grad_slots, recv_b, got_b >= 0)
             i = jnp.maximum(i, 0)
             h, dy = jnp.where(stage == 0, micro_x[i], kept_x[i % input_slots]), kept_dy[i % grad_slots]
 
@@ -152,40 +182,46 @@ def value_and_grad(model_def: ModelDef, params: dict, tokens: jax.Array, loss_fn
             }  # fmt: skip
             out = jax.lax.switch(op, [fns[int(c)] for c in used])
             code = jnp.asarray(used)[op]
-            kept_dy = _store(kept_dy, i % grad_slots, out.dy, code == _FORWARD_LOSS)
+            kept_dy = pipeline_lib.store(kept_dy, i % grad_slots, out.dy, code == _FORWARD_LOSS)
+            if vocab:
+                j = jnp.maximum(fin, 0)
+                none = (zeros(micro_x[0]), nothing.d_rest, zeros(head_w), nothing.totals)
+                dy, d_rest, dw, tot = jax.lax.cond(fin >= 0, lambda: vocab_passes(out, j), lambda: none)
+                kept_dy = pipeline_lib.store(kept_dy, j % grad_slots, dy, (fin >= 0) & (stage == stages - 1))
+                out = out._replace(d_rest=d_rest, totals=tot)
+                head_w_grad = head_w_grad + dw
             sends_dx = (stage == 0) & jnp.isin(code, jnp.asarray(pipeline_schedule.SENDS_GRADIENT))
-            dx = _store(dx, i, out.dh, sends_dx)
+            dx = pipeline_lib.store(dx, i, out.dh, sends_dx)
             grads, head_grads, totals = jax.tree.map(jnp.add, (grads, head_grads, totals), (out.d_local, out.d_rest, out.totals))
             sent = (
                 jax.lax.ppermute(out.y, axes.STAGE, forward_pairs),
                 jax.lax.ppermute(out.dh, axes.STAGE, backward_pairs),
             )
-            return (*sent, kept_x, kept_dy, grads, head_grads, dx, totals), None
+            return (*sent, kept_x, kept_dy, grads, head_grads, head_w_grad, dx, totals), None
 
         buffer = lambda slots: jnp.zeros((slots, *micro_x.shape[1:]), micro_x.dtype)  # noqa: E731
-        init = (*nothing[:2], buffer(input_slots), buffer(grad_slots), *nothing[3:5], jnp.zeros_like(micro_x), nothing.totals)
+        init = (*nothing[:2], buffer(input_slots), buffer(grad_slots), *nothing[3:5], zeros(head_w), jnp.zeros_like(micro_x), nothing.totals)
         carry, _ = jax.lax.scan(tick, init, table)
-        _, _, _, _, grads, head_grads, dx, totals = carry
+        _, _, _, _, grads, head_grads, head_w_grad, dx, totals = carry
         total = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, axes.STAGE), tree)  # noqa: E731
         loss, metrics = jax.tree.map(lambda a: a / m, total(totals))
-        return loss, metrics, jax.tree.map(lambda g: g[None], grads), total(head_grads), total(dx)
+        return loss, metrics, jax.tree.map(lambda g: g[None], grads), total(head_grads), head_w_grad, total(dx)
 
     stage_spec = jax.P(axes.STAGE)
+    head_spec = jax.P() if head_w is None else jax.P(axes.STAGE) if cfg.tie_embeddings else jax.P(None, axes.STAGE)
     replicated = lambda tree: jax.tree.map(lambda _: jax.P(), tree)  # noqa: E731
-    table = tuple(jnp.asarray(t) for t in (branch, micro, arrived_f, arrived_b))
-    loss, metrics, block_grads, head_grads, dx = jax.shard_map(
+    table = tuple(jnp.asarray(t) for t in (branch, micro, arrived_f, arrived_b, finish))
+    loss, metrics, block_grads, head_grads, head_w_grad, dx = jax.shard_map(
         per_stage,
-        in_specs=(jax.tree.map(lambda _: stage_spec, grouped), replicated(rest), jax.P(), jax.P(), jax.P(), replicated(table)),
-        out_specs=(jax.P(), jax.P(), jax.tree.map(lambda _: stage_spec, grouped), replicated(rest), jax.P()),
+        in_specs=(jax.tree.map(lambda _: stage_spec, grouped), replicated(inner), head_spec, jax.P(), jax.P(), jax.P(), replicated(table)),
+        out_specs=(jax.P(), jax.P(), jax.tree.map(lambda _: stage_spec, grouped), replicated(inner), head_spec, jax.P()),
         axis_names={axes.STAGE},
         check_vma=False,
-    )(grouped, rest, micro_x, micro_t, micro_seg, table)
+    )(grouped, inner, head_w, micro_x, micro_t, micro_seg, table)
+    if vocab:  # the head's weight gradient, split over `stage` like the weight, back into the outer parameters' tree
+        head_grads = {k: {**v, head_key[1]: head_w_grad} if k == head_key[0] else v for k, v in head_grads.items()}
     (embed_grads,) = embed_vjp(pipeline_lib.from_microbatches(dx))
     grads = jax.tree.map(jnp.add, head_grads, embed_grads)
     grads["blocks"] = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), block_grads)
     return (loss, metrics), grads
 
-
-def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array, write: jax.Array) -> jax.Array:
-    """``buffer`` with ``value`` in row ``slot`` where the scalar ``write`` is true."""
-    return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(write, value, buffer[slot]), slot, 0)

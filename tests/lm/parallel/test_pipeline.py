@@ -5,24 +5,37 @@ documents) and steps AdamW and Muon on them from the same initial parameters, as
 `tests/sharding/test_checkpoint_any_mesh.py` does: the first step's gradients must equal one
 device's to fp32 rounding and three steps' losses agree within 1e-5 (10 steps: the check in
 `experiments/bench_pipeline.py`). To keep the suite short, AdamW and Muon step under ZB-H1 on
-`stage:4,data:2` and the other cases are checked on their gradients.
+`stage:4,data:2` and the other cases are checked on their gradients. The ``vocab-*`` cases run every
+schedule with the embedding and head split over ``stage`` (`lm.parallel.vocab_parallel`); SkipPipe's
+executor (`pipeline.run_paths`) is checked against GPipe's loop and a one-device run of each path.
 """
 
 import functools
+import itertools
 import re
 
 import jax
 import jax.extend
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from experiments import checkpointing, run_spec, train_lib
 from experiments.cli import UsageError
 from experiments.configs import default
+from lm import config as config_lib
 from lm import model as model_lib
-from lm.loss import cross_entropy
-from lm.parallel import pipeline, pipeline_1f1b, pipeline_schedule
+from lm.loss import cross_entropy, next_token_loss
+from lm.parallel import (
+    pipeline,
+    pipeline_1f1b,
+    pipeline_schedule,
+    skip_schedule,
+    vocab_parallel,
+)
+from lm.transformer import scan_blocks
 from optim import registry
 from sharding import partition
 
@@ -47,6 +60,12 @@ CASES = {
         {"mesh": "stage:2,fsdp:2,tensor:2", "rules": "tp", "model.pipeline_schedule": "zb_h1", "model.pipeline_microbatches": 4},
         (),
     ),
+}
+# Vocabulary parallelism (lm/parallel/vocab_parallel.py): embedding and head split over `stage`, every schedule.
+_VOCAB = {"mesh": "stage:4,data:2", "model.pipeline_microbatches": 4, "model.pipeline_vocab_parallel": True}
+CASES |= {
+    f"vocab-{schedule}-stage4-data2": ({**_VOCAB, "model.pipeline_schedule": schedule, "model.pipeline_repeats": 2 if schedule == "circular" else 1}, ())
+    for schedule in pipeline.SCHEDULES
 }
 OPTIMIZERS = ("adamw", "muon")
 
@@ -85,7 +104,7 @@ def _run(case):
     shardings = spec.shardings
 
     def loss_fn(params, tokens):
-        return cross_entropy(model_lib.apply(spec.model_def, params, tokens[:, :-1]), tokens[:, 1:])[0]
+        return next_token_loss(spec.model_def, params, tokens)[0]
 
     def loss_and_grads(params, tokens):
         if pipeline_1f1b.active(spec.cfg):
@@ -168,6 +187,9 @@ def test_checkpoint_moves_between_pipeline_and_plain_meshes(tmp_path, saved_on, 
         ({"optimizer.name": "muon_clip"}, "track_attn_logits"),
         ({"model.pipeline_schedule": "pipedream"}, "is not one of gpipe, circular, 1f1b, zb_h1"),
         ({"optimizer.name": "diloco", "replicas": "data"}, "does not run beside a stage axis"),
+        ({"model.pipeline_vocab_parallel": True, "model.vocab_size": 322}, r"use a vocab_size divisible by 4 \(e.g. 324\)"),
+        ({"model.pipeline_skip_rate": 0.5}, r"at most 1 can be skipped .* use a skip rate <= 0.25"),
+        ({"model.pipeline_skip_rate": 0.25, "model.pipeline_schedule": "1f1b"}, "runs under pipeline_schedule=gpipe, not 1f1b"),
     ],
 )
 def test_run_spec_names_what_does_not_run(keys, match):
@@ -271,3 +293,104 @@ def _equations(jaxpr):
         yield eqn
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             yield from _equations(sub)
+
+
+def test_vocab_parallel_splits_the_vocabulary_layers_over_stage():
+    """Under ``model.pipeline_vocab_parallel`` stage ``s`` stores a quarter of the table (and of its optimizer state);
+    without it every stage holds the whole table (the imbalance the paper removes)."""
+    plain, split = (run_spec.build_run(_config({**_VOCAB, "model.pipeline_vocab_parallel": on})) for on in (False, True))
+    table = lambda spec: spec.shardings.params["embed"]["embedding"]  # noqa: E731
+    shape = split.model_def.abstract_params["embed"]["embedding"].shape
+    assert table(plain).shard_shape(shape) == shape
+    assert table(split).spec[0] == "stage" and table(split).shard_shape(shape) == (shape[0] // 4, shape[1])
+    state = jax.tree.leaves(split.shardings.state["opt_state"], is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding))
+    assert sum(s.spec[:1] == ("stage",) and s.shard_shape(shape) == (shape[0] // 4, shape[1]) for s in state if len(s.spec) == 2) >= 2
+
+
+
+@pytest.mark.parametrize("vocab_first", [True, False])
+def test_vocab_parallel_cross_entropy_equals_the_whole_softmax(vocab_first):
+    """The S and T passes over four vocabulary slices give `cross_entropy`'s loss, metrics and gradients (z-loss on),
+    tied ``(V, d)`` and untied ``(d, V)`` heads; logits spread so that every slice's max differs."""
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.normal(size=(4, 8, 16)), jnp.float32)
+    head = jnp.asarray(rng.normal(size=(64, 16)) * np.linspace(0.1, 3, 64)[:, None], jnp.float32)
+    head = head if vocab_first else head.T
+    targets = jnp.asarray(rng.integers(0, 64, (4, 8)), jnp.int32)
+    logits = lambda h, w: jnp.einsum("bsd,vd->bsv" if vocab_first else "bsd,dv->bsv", h, w)  # noqa: E731
+    whole = lambda h, w: cross_entropy(logits(h, w), targets, z_loss=1e-2)  # noqa: E731
+    split = lambda h, w: vocab_parallel.cross_entropy(h, w, targets, z_loss=1e-2, vocab_first=vocab_first)  # noqa: E731
+    spec = run_spec.build_run(_config({"mesh": "stage:4,data:2"}))
+    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
+        got = jax.jit(jax.value_and_grad(split, argnums=(0, 1), has_aux=True))(h, head)
+    want = jax.value_and_grad(whole, argnums=(0, 1), has_aux=True)(h, head)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), got, want)
+
+
+@pytest.mark.parametrize("stages", [4, 8])
+def test_skip_paths_follow_the_papers_constraints(stages):
+    rate = skip_schedule.max_skips(stages) / stages
+    route = skip_schedule.paths(stages, 64, rate, seed=1)
+    for path in route:
+        skipped = sorted(set(range(stages)) - set(path))
+        assert path[0] == 0 and path[-1] == stages - 1 and list(path) == sorted(path)
+        assert len(skipped) == skip_schedule.max_skips(stages) and all(b - a > 1 for a, b in itertools.pairwise(skipped))
+    assert len(set(route)) > 1  # drawn, not one fixed path
+    assert skip_schedule.paths(stages, 8, 0.0) == [tuple(range(stages))] * 8
+
+
+def test_skip_tick_table_is_gpipes_at_rate_zero_and_shorter_with_skips():
+    s, m = 4, 8
+    items, sources = skip_schedule.tick_table(skip_schedule.paths(s, m, 0.0), s)
+    np.testing.assert_array_equal(items, pipeline.forward_table(s, m))
+    assert skip_schedule.offsets(sources) == (1,)
+    route = [(0, 2, 3), (0, 1, 3), (0, 2, 1, 3), (0, 1, 2, 3)] * 2  # skips, and one reordered path
+    items, sources = skip_schedule.tick_table(route, s)
+    arrived = skip_schedule.arrivals(items, sources)
+    for i, path in enumerate(route):  # each hop once, on its stage, after the previous hop, its input there in time
+        ticks = [int(np.flatnonzero(items[:, stage] == i)[0]) for stage in path]
+        assert (items == i).sum() == len(path) and ticks == sorted(ticks) and len(set(ticks)) == len(ticks)
+        for (a, b), (ta, tb) in zip(itertools.pairwise(path), itertools.pairwise(ticks), strict=True):
+            assert sources[tb, b] == a and arrived[ta + 1, b, skip_schedule.offsets(sources).index(b - a)] == i
+    full, (items, _) = pipeline.forward_table(s, m), skip_schedule.tick_table(skip_schedule.paths(s, m, 0.25), s)
+    assert (items >= 0).sum() == 3 * m < (full >= 0).sum()  # one stage of four skipped per microbatch
+    assert items.shape[0] < full.shape[0] and skip_schedule.throughput(items) > skip_schedule.throughput(full)
+
+
+def test_skip_executor_equals_gpipe_bit_for_bit_and_each_path_on_one_device():
+    """`pipeline.run_paths` with every path full is GPipe's loop to the bit (values and gradients); with skipped and
+    reordered paths it equals each microbatch run through its path's layer groups on one device."""
+    cfg = config_lib.from_preset("tiny", n_layers=4, d_model=32, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64, pipeline_microbatches=2)
+    model_def = model_lib.define(cfg)
+    blocks = nnx.merge(model_def.graphdef, jax.device_get(model_lib.init_params(model_def, 0))).blocks
+    graph, state = nnx.split(blocks)
+    x = jax.random.normal(jax.random.key(1), (4, 8, cfg.d_model))
+    run = lambda b, h, seg: scan_blocks(cfg, b, h, seg)[0]  # noqa: E731
+    route = [(0, 2, 1, 3), (0, 1, 3)]  # a reordered path and a skip
+
+    def one_device(b, x):
+        micro, out = pipeline.to_microbatches(x, 2), []
+        for i, path in enumerate(route):
+            h = micro[i]
+            for s in path:
+                h = run(nnx.merge(graph, jax.tree.map(lambda w, s=s: w[s : s + 1], nnx.state(b))), h, None)
+            out.append(h)
+        return pipeline.from_microbatches(jnp.stack(out))
+
+    def loss(fn):
+        return jax.value_and_grad(lambda w, x: jnp.sum(jnp.sin(fn(nnx.merge(graph, w), x))), argnums=(0, 1))
+
+    runs = {
+        "gpipe": lambda b, x: pipeline.run_stack(b, x, None, run, cfg),
+        "full": lambda b, x: pipeline.run_paths(b, x, None, run, [tuple(range(4))] * 2),
+        "skip": lambda b, x: pipeline.run_paths(b, x, None, run, route),
+        "one_device": one_device,
+    }
+    spec = run_spec.build_run(_config({"mesh": "stage:4,data:2"}))
+    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
+        out = jax.jit(lambda w, x: {k: loss(f)(w, x) for k, f in runs.items()}, compiler_options=FAST_COMPILE)(state, x)
+    jax.tree.map(np.testing.assert_array_equal, out["full"], out["gpipe"])
+    assert not np.allclose(out["skip"][0], out["gpipe"][0])
+    for a, b in zip(jax.tree.leaves(out["skip"]), jax.tree.leaves(out["one_device"]), strict=True):
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b)
+

@@ -43,3 +43,10 @@ def test_a_missing_devices_mark_fails_the_test(tmp_path):
     assert "FAILED test_cases.py::test_unmarked_two_device_mesh" in out and "FAILED test_cases.py::test_unmarked_jax_make_mesh" in out
     assert "a mesh of this test asks for 2 devices but it is marked devices(1) (1 unmarked): add @pytest.mark.devices(2)" in out
     assert "a mesh of this test asks for 4 devices but it is marked devices(1) (1 unmarked): add @pytest.mark.devices(4)" in out
+
+
+def test_cpu_profile_sums_per_file_costliest_first():
+    from tests import cpu_profile
+
+    rows = [{"test": "tests/a.py::x", "cpu_s": 1.0}, {"test": "tests/b.py::y", "cpu_s": 3.0}, {"test": "tests/a.py::z", "cpu_s": 1.5}]
+    assert cpu_profile.per_file(rows) == [("tests/b.py", 1, 3.0), ("tests/a.py", 2, 2.5)]

@@ -35,6 +35,7 @@ from optim.scion import Scion
 from optim.sgd import SGD
 from optim.shampoo import Shampoo
 from optim.soap import Soap
+from optim.soap_muon import SoapMuon
 
 OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "adamw": AdamW,
@@ -67,6 +68,7 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "noloco": NoLoCo,
     "des_loc": DESLOC,
     "frugal_block": FrugalBlock,
+    "soap_muon": SoapMuon,
 }
 
 

@@ -34,20 +34,26 @@ def np_adamuon_direction(*, beta, beta2, eps, form, nesterov, sign, coeffs, scal
 
 
 CASES = [
-    dict(),  # the defaults: the authors' code
-    dict(
-        sign_stabilize=False,
-        momentum_form="sum",
-        nesterov=False,
-        ns_coeffs="polar_express",
-        shape_scale="jordan",
-        beta2=0.9,
-        debias=True,
-    ),
+    {},  # the defaults: the authors' code
+    {
+        "sign_stabilize": False,
+        "momentum_form": "sum",
+        "nesterov": False,
+        "ns_coeffs": "polar_express",
+        "shape_scale": "jordan",
+        "beta2": 0.9,
+        "debias": True,
+    },
 ]
-AUTHORS = dict(
-    sign_stabilize=True, momentum_form="ema", nesterov=True, ns_coeffs="jordan", shape_scale="moonlight", beta2=0.95, debias=False
-)
+AUTHORS = {
+    "sign_stabilize": True,
+    "momentum_form": "ema",
+    "nesterov": True,
+    "ns_coeffs": "jordan",
+    "shape_scale": "moonlight",
+    "beta2": 0.95,
+    "debias": False,
+}
 
 
 @pytest.mark.parametrize("case", CASES, ids=["defaults-authors-code", "first-upload-sum-polar_express-jordan"])

@@ -209,7 +209,7 @@ def test_damping_matches_kron_torch_transcription():
     case = CASES[0]
     params, grads_seq, tx = case_inputs(case, {"w": (8, 12)}, damping=True)
     actual, noises = run_jax(tx, params, grads_seq)
-    kw = dict(lr=0.05, wd=0.1, prob=1.0, momentum_into=True, triangular=triangular_rule(case))
+    kw = {"lr": 0.05, "wd": 0.1, "prob": 1.0, "momentum_into": True, "triangular": triangular_rule(case)}
     ref.assert_trees_close(actual, np_kron_run(params, grads_seq, noises, damping=True, **kw), rtol=2e-5)
 
 

@@ -57,6 +57,7 @@ ROWS: dict[str, dict[str, Any]] = {
     "local_adam_k32": {
         "optimizer.name": "des_loc", "optimizer.des_loc.mu_sync_every": 32, "optimizer.des_loc.nu_sync_every": 32,
     },
+    "mt_dao_k32": {"optimizer.name": "mt_dao"},  # K_x = K_u = K_v = 32, slow b1 = 0.999, omega = 0.7
 }  # fmt: skip
 
 

@@ -24,6 +24,7 @@ from optim.kl_shampoo import KLShampoo
 from optim.learned.mlp_lopt import LOpt
 from optim.lion import Lion
 from optim.mars_muon import MarsMuon
+from optim.mt_dao import MTDAO
 from optim.micro_adam import MicroAdam
 from optim.muon import Muon
 from optim.muon_clip import MuonClip
@@ -69,6 +70,7 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "des_loc": DESLOC,
     "frugal_block": FrugalBlock,
     "soap_muon": SoapMuon,
+    "mt_dao": MTDAO,
 }
 
 

@@ -125,6 +125,8 @@ def _scale_by_soap_muon(h: SoapMuonDirection) -> optax.GradientTransformation:
         grads, treedef, tensors, stack = layouts(updates)
         axes = treedef.flatten_up_to(ns.matrix_axes_tree(updates, h.dimension_numbers))
         g32 = [g.astype(jnp.float32) for g in grads]
+        # float32 from the start, so ``1 - b2`` rounds alike whether or not optax.inject_hyperparams made them arrays
+        b2, eps, shampoo_beta = (jnp.asarray(x, jnp.float32) for x in (h.b2, h.eps, h.shampoo_beta))
         first = state.count == 0
         mats = blocking.unstack(stack, state.bases)
         pairs = [
@@ -134,8 +136,8 @@ def _scale_by_soap_muon(h: SoapMuonDirection) -> optax.GradientTransformation:
         whitened, nu = [], []
         for (d, _), v, lay, q in zip(pairs, treedef.flatten_up_to(state.nu), tensors, mats, strict=True):
             d_rot = rotate(d, lay, q, True)
-            v_new = h.b2 * v + (1 - h.b2) * d_rot * d_rot
-            s = rotate(d_rot / jnp.maximum(jnp.sqrt(v_new), h.eps), lay, q, False)
+            v_new = b2 * v + (1 - b2) * d_rot * d_rot
+            s = rotate(d_rot / jnp.maximum(jnp.sqrt(v_new), eps), lay, q, False)
             whitened.append(jnp.where(first, d, s))
             nu.append(jnp.where(first, v, v_new))
         xs = treedef.flatten_up_to(h.orthogonalize(treedef.unflatten(whitened), h.dimension_numbers))
@@ -143,7 +145,7 @@ def _scale_by_soap_muon(h: SoapMuonDirection) -> optax.GradientTransformation:
 
         blocks = [None if lay is None else lay.to_blocks(g) for g, lay in zip(g32, tensors, strict=True)]
         outer = blocking.factor_statistics(stack, blocks, precision)
-        beta_s = jnp.where(h.shampoo_beta < 0, h.b2, h.shampoo_beta)
+        beta_s = jnp.where(shampoo_beta < 0, b2, shampoo_beta)
         stats = blocking.BlockStacks(
             {k: blocking.constrain_blocks(beta_s * state.stats[k] + (1 - beta_s) * outer[k]) for k in state.stats}
         )

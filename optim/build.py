@@ -119,7 +119,7 @@ def build(
     """
     optimizer = make_spec(config, total_steps, replica_axis=replica_axis, param_specs=param_specs)
     tx = transform(optimizer, config, replica_axis=replica_axis, param_specs=param_specs)
-    if not any(config.get(k) for k in run_wrappers.KEYS):
+    if not run_wrappers.active(config):
         return tx
     cls = registry.spec_class(inner_name(config) or config["name"])
     peak = config.get("learning_rate") or spec.defaults(cls)["learning_rate"]

@@ -33,6 +33,15 @@ def block(config: Mapping[str, Any], key: str, defaults: Mapping[str, Any]) -> d
     return {**defaults, **given}
 
 
+def active(config: Mapping[str, Any]) -> bool:
+    """Whether the ``optimizer`` block ``config`` turns any of the settings on."""
+    return bool(
+        float(config.get("cautious_weight_decay") or 0.0)
+        or block(config, "lookahead", LOOKAHEAD)["stepsize"]
+        or block(config, "tail_average", TAIL_AVERAGE)["start"]
+    )
+
+
 def apply(
     tx: optax.GradientTransformation, config: Mapping[str, Any], schedule: optax.Schedule, peak: float
 ) -> optax.GradientTransformation:

@@ -6,7 +6,7 @@ r"""Bytes on the wire per training step, read from the compiled HLO, next to the
 Each row is a real training step of `experiments.train` on a ``data:8`` mesh (8 replicas): AdamW
 data parallelism under GSPMD, and the replica-local step (``--config.replicas=data``) with DeMo,
 DiLoCo (H = 10, 50, 500), Streaming DiLoCo, PowerSGD (r = 1, 4), NoLoCo (H = 50), DES-LOC (K_x = 32,
-K_u = 96, K_v = 192) and Local Adam (DES-LOC with every period 32). The step is compiled and every
+K_u = 96, K_v = 192), Local Adam (DES-LOC with every period 32) and MT-DAO (every period 32). The step is compiled and every
 collective of the optimised HLO module is counted by `experiments.hlo_bytes` (payload and ring bytes,
 ``while`` trip counts, one branch per ``conditional`` amortised over ``H`` or a ``sync_period_K`` scope);
 per token divides by the tokens of one step (all replicas).
@@ -57,6 +57,7 @@ ROWS: dict[str, dict[str, Any]] = {
     "local_adam_k32": {
         "optimizer.name": "des_loc", "optimizer.des_loc.mu_sync_every": 32, "optimizer.des_loc.nu_sync_every": 32,
     },
+    "mt_dao_k32": {"optimizer.name": "mt_dao"},  # K_x = K_u = K_v = 32, slow b1 = 0.999, omega = 0.7
 }  # fmt: skip
 
 

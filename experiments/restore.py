@@ -16,6 +16,7 @@ import ml_collections
 from experiments import checkpointing, cli, run_spec, storage, train_lib
 from lm import model as model_lib
 from lm.data import input_pipeline, tokenizer
+from optim.tail_average import evaluation_params
 from sharding import partition
 
 # What a run copies of its training data into its workdir (`experiments.trainer`), so its readers need
@@ -53,7 +54,7 @@ def restore_run(workdir: str | Path, step: int | None = None, *, mesh: str = "",
     if restored is None:
         raise cli.UsageError(f"{workdir} holds no finished checkpoint; train longer than checkpoint_every steps")
     saved_step, state, _ = restored
-    return spec, state["params"], saved_step
+    return spec, evaluation_params(state["params"], state["opt_state"]), saved_step  # tail-averaged where the run kept one
 
 
 def load_tokenizer(workdir: str | Path, spec: str | None = None) -> tokenizer.Tokenizer:

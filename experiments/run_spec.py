@@ -332,7 +332,9 @@ def resolve(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConfig
     if opt.get("learning_rate") is None:
         opt.learning_rate = float(spec_lib.defaults(direction)["learning_rate"])
     if opt.get("weight_decay") is None and direction.applies_weight_decay:
-        opt.weight_decay = float(spec_lib.defaults(direction)["weight_decay"])
+        # the cautious decay replaces the uniform one (optim.build), so the run's weight decay is 0
+        cautious = float(opt.get("cautious_weight_decay") or 0.0)
+        opt.weight_decay = 0.0 if cautious else float(spec_lib.defaults(direction)["weight_decay"])
     if opt.get("warmup_steps") is None:
         opt.warmup_steps = schedules.default_warmup(out.steps)
     for key, value in dataclasses.asdict(cfg).items():

@@ -30,6 +30,7 @@ from lm.data import input_pipeline
 from lm.loss import flops_per_token
 from lm.model import count_params
 from optim import build
+from optim.tail_average import evaluation_params
 from sharding import partition
 
 # Per-step metrics of an MoE model (lm/moe.py) written with the loss.
@@ -302,7 +303,7 @@ def _loop(
                     **{k: float(metrics[k]) for k in MOE_METRICS if k in metrics},
                 }
                 if record_step == done and evaluating:
-                    val_loss = _evaluate(eval_step, state["params"], val_batches, shardings)
+                    val_loss = _evaluate(eval_step, evaluation_params(state["params"], state["opt_state"]), val_batches, shardings)
                     record["val_loss"] = val_loss
                     if (bits_per_byte := val_batches.bits_per_byte(val_loss)) is not None:
                         record["val_bits_per_byte"] = bits_per_byte

@@ -5,10 +5,11 @@ For each hidden matrix ``W`` (layout ``(*batch, fan_in, fan_out)``, per matrix o
 gradient ``G``, ``m x n`` the matrix and ``t`` the step (from 1):
 
     D_t, M_t = momentum direction of G_t          as Muon (EMA + Nesterov, beta 0.95, by default)
-    O_t = NewtonSchulz(sign(D_t))                 sign_stabilize=True (the paper's Algorithm 1)
-    O_t = NewtonSchulz(D_t)                       sign_stabilize=False (the authors' code)
+    O_t = NewtonSchulz(sign(D_t))                 sign_stabilize=True (the paper and the authors' code)
+    O_t = NewtonSchulz(D_t)                       sign_stabilize=False
     V_t = beta2 V_{t-1} + (1 - beta2) O_t * O_t   element-wise, shaped like W
-    P_t = O_t / (sqrt(V_t / (1 - beta2^t)) + eps)
+    P_t = O_t / (sqrt(V_t) + eps)                 debias=False (the authors' code)
+    P_t = O_t / (sqrt(V_t / (1 - beta2^t)) + eps) debias=True
     P_t <- sqrt(min(m, n)) P_t / (||P_t||_F + eps)                        per matrix
     W_{t+1} = W_t - lr_t (s(W) P_t + lambda W_t)
 
@@ -17,13 +18,16 @@ With the default shape scale ``s(W) = 0.2 sqrt(max(m, n))`` (``"moonlight"``) th
 learning rate and schedule serve (the AdamW group shares them, as in `optim.muon`).
 
 Reference matched step by step (tests/optim/test_adamuon.py, a float64 NumPy transcription): the
-authors' code, github.com/Chongjie-Si/AdaMuon ``adamuon.py`` (Nesterov EMA momentum, bias-corrected
-``V``, ``eps = 1e-8``, ``beta2 = 0.999``, ``sqrt(min) / (||P|| + eps)`` then ``0.2 sqrt(max)``). That
-code orthogonalises ``D_t`` itself, while the paper (Algorithm 1 and the abstract's
-"sign-stabilized orthogonal update") orthogonalises ``sign(D_t)``; the default follows the paper
-and ``sign_stabilize=False`` reproduces the code. pytorch-optimizer's ``AdaMuon`` is the
-``sign_stabilize=False, nesterov=False`` form. The paper writes no bias correction of ``V``; with
-``eps`` -> 0 the per-matrix rescaling removes it.
+authors' code, github.com/Chongjie-Si/AdaMuon at 369f0b3, both versions of it (``gpt2/models/
+optimizers/adamuon.py`` and the Megatron ``megatron/core/optimizer/muon.py``): Nesterov EMA
+momentum, Newton-Schulz of ``sign(D_t)`` (the paper's Algorithm 1 and its "sign-stabilized
+orthogonal update"), ``V`` decayed by the momentum coefficient (``beta2 = 0.95``) with no bias
+correction, ``eps = 1e-8``, then ``0.2 sqrt(m n) / (||P|| + eps)`` (here ``sqrt(min) / (||P|| + eps)``
+times the shape scale ``0.2 sqrt(max)``: the same product). These are the defaults. The repository's
+first upload (``adamuon.py`` at 3b84e03) orthogonalised ``D_t`` itself with ``beta2 = 0.999`` and a
+bias-corrected ``V``: ``sign_stabilize=False, beta2=0.999, debias=True``. pytorch-optimizer's
+``AdaMuon`` is that form with ``nesterov=False``. The bias correction divides ``V`` by one number per
+matrix, which the per-matrix rescaling removes up to ``eps``: ``debias`` changes steps by ~1e-7.
 
 Newton-Schulz presets, batching, sharding and the AdamW routing of embeddings, head, norms and
 biases are Muon's (optim/muon.py). State: Muon's momentum ``mu``, ``nu`` (``V``, shaped like the
@@ -65,13 +69,15 @@ class AdaMuonDirection(MuonDirection):
 
     Attributes:
       beta2: decay of the element-wise second moment ``V``.
-      eps: added to ``sqrt(V_t / (1 - beta2^t))`` and to ``||P_t||_F``.
-      sign_stabilize: orthogonalise ``sign(D_t)`` (the paper) rather than ``D_t`` (the authors' code).
+      eps: added to ``sqrt(V_t)`` and to ``||P_t||_F``.
+      sign_stabilize: orthogonalise ``sign(D_t)`` (the paper and the authors' code) rather than ``D_t``.
+      debias: divide ``V_t`` by ``1 - beta2^t`` (the authors' first upload; their code since does not).
     """
 
-    beta2: float = spec.param(0.999, valid="[0, 1)")
+    beta2: float = spec.param(0.95, valid="[0, 1)")
     eps: float = spec.param(1e-8, valid="(0, inf)")
     sign_stabilize: bool = True
+    debias: bool = False
 
     family: ClassVar[str] = "adamuon"
 
@@ -95,7 +101,7 @@ class AdaMuonDirection(MuonDirection):
             directions = [jnp.sign(d) if self.sign_stabilize else d for d, _ in pairs]
             orthogonal = treedef.flatten_up_to(self.orthogonalize(treedef.unflatten(directions), self.dimension_numbers))
             count = optax.safe_increment(state.count)
-            debias = 1 - self.beta2 ** count.astype(jnp.float32)
+            debias = 1 - self.beta2 ** count.astype(jnp.float32) if self.debias else 1.0
             nus = [
                 self.beta2 * v + (1 - self.beta2) * jnp.square(o)
                 for o, v in zip(orthogonal, treedef.flatten_up_to(state.nu), strict=True)
@@ -113,7 +119,7 @@ class AdaMuonDirection(MuonDirection):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AdaMuon(AdaMuonDirection, common.MatrixOptimizer):
     """AdaMuon on hidden matrices, AdamW elsewhere; hyperparameters as `optim.muon.muon` plus ``beta2``,
-    ``eps``, ``sign_stabilize``."""
+    ``eps``, ``sign_stabilize``, ``debias``."""
 
     # Muon's defaults, not swept for AdaMuon (its RMS alignment makes its updates Muon-sized).
     learning_rate: optax.ScalarOrSchedule = 1.2e-2

@@ -22,7 +22,7 @@ from typing import Any
 import optax
 
 import kernels_pallas.quantized_update as qu
-from optim import cross_replica, registry, schedules, spec
+from optim import cross_replica, registry, run_wrappers, schedules, spec
 from optim.cautious import cautious
 from optim.quantize_state import quantize_state
 
@@ -38,6 +38,7 @@ COMMON_KEYS = (
     "cautious",
     "state_bits",
     "state_kernel",
+    *run_wrappers.KEYS,
 )
 
 
@@ -73,10 +74,15 @@ def make_spec(
     family.pop("inner", None)
     inner = inner_name(config)
     if inner is not None:
-        inner_tx = build({**config, "name": inner, "grad_clip_norm": None}, total_steps, param_specs=param_specs)
+        off = dict.fromkeys(run_wrappers.KEYS)  # the run-level settings wrap the wrapper, not its inner optimizer
+        inner_tx = build({**config, "name": inner, "grad_clip_norm": None, **off}, total_steps, param_specs=param_specs)
         optimizer = cls(inner=inner_tx, **family)
     else:
         weight_decay = config.get("weight_decay")  # None: the spec's own default
+        if config.get("cautious_weight_decay") and cls.applies_weight_decay:  # it replaces the uniform decay
+            if weight_decay:
+                raise ValueError("optimizer.cautious_weight_decay replaces optimizer.weight_decay; leave that unset or 0")
+            weight_decay = 0.0
         if weight_decay is not None:
             if not cls.applies_weight_decay:
                 raise ValueError(f"optimizer {name!r} has no weight decay; leave optimizer.weight_decay unset")
@@ -102,6 +108,9 @@ def build(
     factor, so the cautious sign mask is unchanged by it. A wrapper's inner optimizer gets
     ``state_bits`` and ``cautious`` instead of the wrapper.
 
+    ``cautious_weight_decay``, ``tail_average`` and ``lookahead`` wrap the result (`optim.run_wrappers`);
+    ``cautious_weight_decay`` turns the optimizer's own decay off.
+
     With ``replica_axis`` (the replica-local train step) a `replica_local` spec receives it; any
     other optimizer is preceded by `optim.cross_replica.mean_over_replicas` (before the clip).
 
@@ -109,7 +118,12 @@ def build(
     in a replica-local run) lets the fused kernel run per shard under a mesh (`quantize_state`).
     """
     optimizer = make_spec(config, total_steps, replica_axis=replica_axis, param_specs=param_specs)
-    return transform(optimizer, config, replica_axis=replica_axis, param_specs=param_specs)
+    tx = transform(optimizer, config, replica_axis=replica_axis, param_specs=param_specs)
+    if not run_wrappers.active(config):
+        return tx
+    cls = registry.spec_class(inner_name(config) or config["name"])
+    peak = config.get("learning_rate") or spec.defaults(cls)["learning_rate"]
+    return run_wrappers.apply(tx, config, learning_rate_fn(config, total_steps), float(peak))
 
 
 def transform(

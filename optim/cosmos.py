@@ -13,13 +13,17 @@ For a hidden matrix written as PyTorch does, ``G`` of shape ``m x n`` (``n`` the
     t > 1:  P_t = QR(b2 P_{t-1} S_{t-1} + (1 - b2) G^T G P_{t-1});  T = P_{t-1}^T P_t
             S_t = b2 T^T S_{t-1} T + (1 - b2) (G P_t)^T (G P_t)           (one subspace iteration)
     V_t = b2 V_{t-1} + (1 - b2) (G P_t)^2                        (m x r, element-wise)
-    D_t = (G_t + b1 M_t) / (1 + b1 c_t)  (Nesterov),  or M_t / c_t;   c_t = (1 - b1^t) / (1 - b1)
+    D_t = (G_t + b1 M_t) / (1 + b1 c_t)  (Nesterov, the authors'),  or M_t / c_t (ours);   c_t = (1 - b1^t) / (1 - b1)
     A_t = (D_t P_t / (sqrt(V_t / (1 - b2^t)) + eps)) P_t^T        (Adam on the subspace)
     O_t = sqrt(m n) NS(D_t - D_t P_t P_t^T) / (||NS(.)||_F + eps)  (Muon on the rest, Newton-Schulz)
     U_t = sqrt(m n) (A_t + gamma O_t) / (||A_t + gamma O_t||_F + eps)
     W_{t+1} = W_t - lr_t (U_t + lambda W_t)
 
-``U_t`` has RMS 1, so ``lr`` is the step's RMS. Embeddings, head, norms and biases get AdamW
+``U_t`` has RMS 1, so ``lr`` is the step's RMS. The authors' code has only the Nesterov form (the
+default, matched); ``nesterov=False`` is ours, not theirs: the debiased momentum ``M_t / c_t`` (the
+average of past gradients that the Nesterov form mixes with ``G_t``). Deleting the Nesterov lines
+from their code would instead leave the raw gradient ``G_t``, i.e. no momentum at all, which is
+``b1=0`` here. Embeddings, head, norms and biases get AdamW
 (`optim.common.with_adam`); the authors send every 2-D parameter with at most 10000 rows to COSMOS
 and the rest to an Adam whose first moment is ``b1 m + 0.1 g`` debiased by ``1 - 0.9^t`` (so
 Adam's only when ``b1 = 0.9``): here the AdamW group is optax's. Their learning rate is the AdamW
@@ -103,7 +107,7 @@ class CosmosDirection(NewtonSchulz):
       eps: added to ``sqrt(V)`` and to the Frobenius norms.
       rank: dimension ``r`` of the adaptive subspace (capped at fan_in).
       gamma: weight of the Newton-Schulz part on the complement.
-      nesterov: Nesterov look-ahead on the momentum.
+      nesterov: Nesterov look-ahead on the momentum (the authors' only form); False: ``M_t / c_t`` (ours).
       (ns_*: `optim.muon.NewtonSchulz`.)
     """
 

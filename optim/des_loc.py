@@ -77,10 +77,12 @@ class DESLOC(spec.WrapperSpec):
         k_x, k_u, k_v = diloco.static_ints(
             self.static_args, sync_every=self.sync_every, mu_sync_every=self.mu_sync_every, nu_sync_every=self.nu_sync_every
         )
-        return _des_loc(self.inner, k_x, k_u, k_v, self.axis_name)
+        return averaged_moments(self.inner, k_x, k_u, k_v, self.axis_name)
 
 
-def _des_loc(inner: optax.GradientTransformation, k_x: int, k_u: int, k_v: int, axis_name: str | None):
+def averaged_moments(inner: optax.GradientTransformation, k_x: int, k_u: int, k_v: int, axis_name: str | None):
+    """``inner`` on each replica, its parameters and Adam moments averaged every ``k_x``, ``k_u``, ``k_v``
+    steps (module docstring); also `optim.mt_dao`'s averaging."""
     inner = optax.with_extra_args_support(inner)
 
     def mean(tree):

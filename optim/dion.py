@@ -14,7 +14,12 @@ written for PyTorch's ``X = W^T`` (``(fan_out, fan_in)``) as the paper and the r
 
 ``P_t Q_t^T`` has orthonormal columns on the left and unit columns on the right: a rank-``r``
 stand-in for Muon's ``U V^T`` at ``O((m + n) r)`` communication instead of ``O(m n)`` once sharded.
-The rank is ``r = max(1, round(rank_fraction * min(fan_in, fan_out)))``.
+The rank is ``r = max(1, round(rank_fraction * min(fan_in, fan_out)))``. A wide ``X`` (``fan_out <
+fan_in``) runs these steps on ``X^T`` (``transpose_wide``, as microsoft/dion's ``Dion`` sets
+``is_transposed = m < n`` for an unsharded matrix), so ``Q`` is ``(fan_out, r)`` there and the power
+iteration always tracks the longer side; the step's scale stays ``sqrt(fan_out / fan_in)`` of ``X``.
+``transpose_wide=False`` keeps ``dion_simple.py``'s one orientation (its ``dion_update`` never
+transposes).
 
 Reference matched step by step (tests/optim/test_dion.py, a float64 NumPy transcription):
 microsoft/dion ``dion/dion_simple.py`` (``dion_update``: the steps above, plain QR, ``eps = 1e-8``,
@@ -57,7 +62,7 @@ class DionState(NamedTuple):
     """State of `scale_by_dion`."""
 
     mu: optax.Updates  # momentum buffer M_t, float32, like the parameters
-    q: optax.Updates  # Q_t: (*batch, fan_in, r), float32
+    q: optax.Updates  # Q_t: (*batch, fan_in, r), float32; (*batch, fan_out, r) for a transposed wide matrix
 
 
 def rank(shape: tuple[int, ...], fraction: float) -> int:
@@ -134,12 +139,14 @@ class DionDirection:
       rank_fraction: ``r`` as a fraction of ``min(fan_in, fan_out)``.
       eps: added to ``R``'s column norms.
       seed: seed of the random initial ``Q``.
+      transpose_wide: run a wide ``X`` (``fan_out < fan_in``) transposed, as microsoft/dion's ``Dion``.
     """
 
     mu: float = spec.param(0.95, valid="[0, 1]")
     rank_fraction: float = spec.param(0.25, valid="(0, 1]")
     eps: float = spec.param(1e-8, valid="[0, inf)")
     seed: int = 0
+    transpose_wide: bool = True
 
     static_args: ClassVar[tuple[str, ...]] = STATIC_ARGS
     family: ClassVar[str] = "dion"
@@ -157,7 +164,7 @@ class DionDirection:
             key = jax.random.key(common.static_int("seed", self.seed, STATIC_ARGS))
             keys = jax.random.split(key, max(1, len(leaves)))
             qs = [
-                jax.random.normal(k, (*p.shape[:-1], rank(p.shape, fraction)), jnp.float32)
+                jax.random.normal(k, (*p.shape[:-2], self._rows(p.shape), rank(p.shape, fraction)), jnp.float32)
                 for k, p in zip(keys, leaves, strict=False)
             ]
             return DionState(
@@ -169,14 +176,18 @@ class DionDirection:
             mu_, eps = jnp.asarray(self.mu, jnp.float32), jnp.asarray(self.eps, jnp.float32)
 
             def leaf(g, m, q):
+                fan_in, fan_out = g.shape[-2:]
+                flip = self._rows(g.shape) != fan_in
                 b = m + g.astype(jnp.float32)  # W layout: B_t^T
+                b = jnp.swapaxes(b, -1, -2) if flip else b  # (rows, cols) of the matrix the steps run on
                 p = low_rank(jnp.swapaxes(b, -1, -2) @ low_rank(q, "keep"), "replicate")  # (fan_out, r)
                 p = low_rank(orthonormalize(p), "replicate")
                 r = low_rank(b @ p, "keep")  # (fan_in, r)
                 m = b - (1 - mu_) * r @ jnp.swapaxes(p, -1, -2)
                 q = r / (jnp.linalg.norm(r, axis=-2, keepdims=True) + eps)
-                fan_in, fan_out = g.shape[-2:]
                 d = (fan_out / fan_in) ** 0.5 * q @ jnp.swapaxes(p, -1, -2)
+                if flip:
+                    d, m = jnp.swapaxes(d, -1, -2), jnp.swapaxes(m, -1, -2)
                 return d.astype(g.dtype), m, q
 
             out = jax.tree.map(leaf, updates, state.mu, state.q)
@@ -184,6 +195,11 @@ class DionDirection:
             return d, DionState(mu=mu, q=q)
 
         return optax.GradientTransformation(init_fn, update_fn)
+
+    def _rows(self, shape: tuple[int, ...]) -> int:
+        """``Q``'s rows: fan-in, or fan-out where a wide ``X`` runs transposed."""
+        fan_in, fan_out = shape[-2:]
+        return fan_out if self.transpose_wide and fan_out < fan_in else fan_in
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

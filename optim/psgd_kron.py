@@ -14,6 +14,7 @@ into rows. Each step ``t`` (from 1)::
     m_t = beta m_{t-1} + (1 - beta) G_t;     M_t = m_t / (1 - beta^t)
     every ceil(1 / p(t - 1)) steps (a counter; p the update probability schedule):
       V ~ N(0, I) shaped like G                      (from ``key`` and t: `noise`)
+      g <- g + sqrt(eps_32) mean|g| V                 (``damping=True``: kron_torch's damping)
       A = M_t x_1 Q_1 ... x_k Q_k;   B = V x_1 Q_1^{-T} ... x_k Q_k^{-T}   (g = M_t, or G_t)
       for every i (all from the same A, B):
         triangular: Q_i <- Q_i - lr_p triu(A_(i) A_(i)^T - B_(i) B_(i)^T) Q_i / (||A_(i) A_(i)^T + B_(i) B_(i)^T||_2~ + tiny)
@@ -34,6 +35,13 @@ mean of their max-norms) on a random 1% of update steps; here every ``balance_ev
 rebalance leaves ``P`` and every later step unchanged in exact arithmetic (each ``Q_i`` update is a
 left multiplication by a scale-invariant factor); it only keeps the factors' ranges apart from
 under/overflow.
+
+Damping: Evan Walters' kron_torch (``kron.py`` at 884427c, ``_calc_A_and_conjB``) adds
+``sqrt(eps_32) mean|g| V`` (``eps_32`` float32's machine epsilon, ``mean`` over the tensor) to the
+fitted ``g`` before ``A``; pytorch-optimizer's ``Kron`` (the matched reference) does not, so
+``damping`` is off by default. kron_torch adds it in place, so where the fit takes the debiased
+momentum its step also preconditions the damped momentum (a ~3e-4 relative perturbation); here the
+damping reaches the fit only.
 
 Differences from the reference: axes before the last two of a leaf of three or more axes are batch
 axes (scan-stacked layers; each entry its own ``Q``, momentum clip per entry), as in `optim.shampoo`
@@ -60,6 +68,7 @@ HIGHEST = jax.lax.Precision.HIGHEST
 MEMORY_SAVE_MODES = ("none", "one_diag", "smart_one_diag", "all_diag")
 STATIC_ARGS = ("max_size_triangular", "min_ndim_triangular", "seed")
 TINY = float(jnp.finfo(jnp.float32).tiny)
+DAMPING = float(np.sqrt(np.finfo(np.float32).eps))  # kron_torch's sqrt(eps) of float32
 
 
 class KronState(NamedTuple):
@@ -209,6 +218,7 @@ class PsgdKronDirection:
       update_probability: a float or a schedule of the steps taken replacing the four above.
       balance_every: rebalance the factors every this many preconditioner updates; 0: never.
       seed: seed of the noise ``V`` (`noise`).
+      damping: add kron_torch's ``sqrt(eps_32) mean|g| V`` to the fitted ``g`` (module docstring).
       batch_leading_axes: axes before the last two are batch axes (scan-stacked layers). False:
         every axis is a tensor dim, as in the reference.
     """
@@ -227,6 +237,7 @@ class PsgdKronDirection:
     update_probability: float | Callable[[jax.Array], jax.Array] | None = spec.code_only()
     balance_every: int = spec.param(100, valid="[0, inf)")
     seed: int = spec.param(0, valid="[0, inf)")
+    damping: bool = False
     batch_leading_axes: bool = spec.code_only(True)
 
     static_args: ClassVar[tuple[str, ...]] = STATIC_ARGS
@@ -321,9 +332,12 @@ def _scale_by_psgd_kron(h: PsgdKronDirection) -> optax.GradientTransformation:
                 for q, g in zip(qs, grads, strict=True)
             ]
             return [
-                per_tensor(lambda q, x, v: update_factors(q, x, v, h.precond_lr), g.shape, q, x, v)
+                per_tensor(lambda q, x, v: update_factors(q, damped(x, v), v, h.precond_lr), g.shape, q, x, v)
                 for q, x, v, g in zip(qs, fit_on, vs, grads, strict=True)
             ]
+
+        def damped(x, v):
+            return x + DAMPING * jnp.mean(jnp.abs(x)) * v if h.damping else x
 
         qs = jax.lax.cond(do_update, fit, lambda qs: qs, qs)
         out = [

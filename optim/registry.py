@@ -26,6 +26,7 @@ from optim.kl_shampoo import KLShampoo
 from optim.learned.mlp_lopt import LOpt
 from optim.lion import Lion
 from optim.mars_muon import MarsMuon
+from optim.mt_dao import MTDAO
 from optim.micro_adam import MicroAdam
 from optim.muon import Muon
 from optim.muon_clip import MuonClip
@@ -37,6 +38,7 @@ from optim.scion import Scion
 from optim.sgd import SGD
 from optim.shampoo import Shampoo
 from optim.soap import Soap
+from optim.soap_muon import SoapMuon
 
 OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "adamw": AdamW,
@@ -71,6 +73,8 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "frugal_block": FrugalBlock,
     "drop_muon": DropMuon,
     "auon": Auon,
+    "soap_muon": SoapMuon,
+    "mt_dao": MTDAO,
 }
 
 

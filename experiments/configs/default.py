@@ -15,7 +15,7 @@ from ml_collections import config_dict
 from experiments.configs import blocks
 from lm import config as model_config
 from lm.data import input_pipeline
-from optim import registry, spec
+from optim import registry, run_wrappers, spec
 
 
 def optimizer_config(name: str = "adamw", learning_rate: float | None = None, *, only: bool = False) -> ml_collections.ConfigDict:
@@ -34,6 +34,10 @@ def optimizer_config(name: str = "adamw", learning_rate: float | None = None, *,
     opt.cautious = False  # mask update entries that disagree in sign with the gradient
     opt.state_bits = 0  # optimizer state in 8 or 4 bits; 0: fp32
     opt.state_kernel = "auto"  # quantized step: auto, xla, or pallas (the fused kernel; AdamW, Lion)
+    # modded-nanogpt's optimizer-track wrappers, for any optimizer (optim/run_wrappers.py); all off here
+    opt.cautious_weight_decay = 0.0  # decay only where update and weight agree in sign; replaces weight_decay
+    opt.lookahead = ml_collections.ConfigDict(run_wrappers.LOOKAHEAD)  # EMA-Nesterov; stepsize 0: off
+    opt.tail_average = ml_collections.ConfigDict(run_wrappers.TAIL_AVERAGE)  # eval/export weights; start 0: off
     if name not in registry.OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; registered: {', '.join(sorted(registry.OPTIMIZERS))}")
     wanted = {name, getattr(registry.OPTIMIZERS[name], "default_inner", name)} if only else registry.OPTIMIZERS

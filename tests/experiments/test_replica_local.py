@@ -38,6 +38,7 @@ CROSS_REPLICA = {
     "powersgd": {"optimizer.powersgd.rank": 2},
     "noloco": {"optimizer.noloco.sync_every": 2},
     "des_loc": {"optimizer.des_loc.sync_every": 2, "optimizer.des_loc.mu_sync_every": 3, "optimizer.des_loc.nu_sync_every": 4},
+    "mt_dao": {"optimizer.mt_dao.sync_every": 2, "optimizer.mt_dao.mu_sync_every": 3, "optimizer.mt_dao.nu_sync_every": 4},
 }
 STEPS, SAVED_AT = 4, 2
 

@@ -12,8 +12,10 @@ import pytest
 from optim.adamuon import adamuon, scale_by_adamuon
 
 
-def np_adamuon_direction(*, beta, beta2, eps, form, nesterov, sign, coeffs, scale):
-    """Si et al. (arXiv:2507.11005) Algorithm 1 / github.com/Chongjie-Si/AdaMuon, per (fan_in, fan_out) matrix."""
+def np_adamuon_direction(*, beta, beta2, eps, form, nesterov, sign, coeffs, scale, debias):
+    """Si et al. (arXiv:2507.11005) Algorithm 1 / github.com/Chongjie-Si/AdaMuon, per (fan_in, fan_out) matrix:
+    their code (gpt2 and Megatron, 369f0b3) takes the sign, decays V by beta2 = momentum, no bias correction;
+    their first upload (3b84e03) orthogonalised D itself with a bias-corrected V."""
     mus, nus, steps = {}, {}, {}
 
     def direction(key, g, p):
@@ -21,7 +23,7 @@ def np_adamuon_direction(*, beta, beta2, eps, form, nesterov, sign, coeffs, scal
         o = ref.orthogonalize(np.sign(d) if sign else d, coeffs)
         nus[key] = beta2 * nus.get(key, 0.0) + (1 - beta2) * o * o
         steps[key] = t = steps.get(key, 0) + 1
-        q = o / (np.sqrt(nus[key] / (1 - beta2**t)) + eps)
+        q = o / (np.sqrt(nus[key] / ((1 - beta2**t) if debias else 1.0)) + eps)
         out = np.empty_like(q)
         for i in np.ndindex(q.shape[:-2]):
             m = q[i]
@@ -32,28 +34,47 @@ def np_adamuon_direction(*, beta, beta2, eps, form, nesterov, sign, coeffs, scal
 
 
 CASES = [
-    dict(sign_stabilize=True, momentum_form="ema", nesterov=True, ns_coeffs="jordan", shape_scale="moonlight", beta2=0.99),
-    dict(sign_stabilize=False, momentum_form="sum", nesterov=False, ns_coeffs="polar_express", shape_scale="jordan", beta2=0.9),
+    {},  # the defaults: the authors' code
+    {
+        "sign_stabilize": False,
+        "momentum_form": "sum",
+        "nesterov": False,
+        "ns_coeffs": "polar_express",
+        "shape_scale": "jordan",
+        "beta2": 0.9,
+        "debias": True,
+    },
 ]
+AUTHORS = {
+    "sign_stabilize": True,
+    "momentum_form": "ema",
+    "nesterov": True,
+    "ns_coeffs": "jordan",
+    "shape_scale": "moonlight",
+    "beta2": 0.95,
+    "debias": False,
+}
 
 
-@pytest.mark.parametrize("case", CASES, ids=["paper-defaults", "authors-code-sum-polar_express-jordan"])
+@pytest.mark.parametrize("case", CASES, ids=["defaults-authors-code", "first-upload-sum-polar_express-jordan"])
 def test_matches_numpy_reference_step_by_step(case):
     params = ref.f32(ref.model_tree(0, untied=True, scale=0.1))
     grads_seq = ref.grads_sequence(params)
     lr, adam_lr, wd = 0.05, 0.01, 0.1
+    rule = AUTHORS | case
     direction = np_adamuon_direction(
-        beta=0.9,
-        beta2=case["beta2"],
+        beta=0.95,
+        beta2=rule["beta2"],
         eps=1e-8,
-        form=case["momentum_form"],
-        nesterov=case["nesterov"],
-        sign=case["sign_stabilize"],
-        coeffs=case["ns_coeffs"],
-        scale=case["shape_scale"],
+        form=rule["momentum_form"],
+        nesterov=rule["nesterov"],
+        sign=rule["sign_stabilize"],
+        coeffs=rule["ns_coeffs"],
+        scale=rule["shape_scale"],
+        debias=rule["debias"],
     )
     expected = ref.run_matrix_family(params, grads_seq, direction, lr=lr, adam_lr=adam_lr, wd=wd)
-    tx = adamuon(lr, beta=0.9, weight_decay=wd, adam_lr_ratio=adam_lr / lr, **case)
+    tx = adamuon(lr, weight_decay=wd, adam_lr_ratio=adam_lr / lr, **case)
     ref.assert_trees_close(ref.run_jax(tx, params, grads_seq), expected)
 
 

@@ -51,6 +51,7 @@ def np_cosmos_direction(*, b1, b2, eps, rank, gamma, nesterov):
 # The residual D - D P P^T is rank-deficient (at step 1 D = G, whose row space P partly spans), and
 # Newton-Schulz lifts its zero singular values' fp32 rounding (~1e-6 of ||G||) by up to a^5 = 490
 # (Jordan's a = 3.4445): ~8e-4 of the first update where gamma > 0, none without the Muon part.
+# nesterov=False (M_t / c_t) is ours: the authors' COSMOS_optim.py has only the Nesterov form.
 CASES = [(0.0, True, 3e-6), (0.2, False, 1e-4)]  # atol on parameters of scale 0.1; 3e-6: eigh / QR subspace in fp32
 
 

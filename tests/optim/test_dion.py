@@ -13,8 +13,10 @@ import pytest
 from optim.dion import dion, scale_by_dion
 
 
-def np_dion_direction(q0, *, mu, eps):
-    """``dion_update`` on X = W^T per matrix; ``q0[key]`` is the initial Q (from the JAX state)."""
+def np_dion_direction(q0, *, mu, eps, transpose_wide):
+    """``dion_update`` on X = W^T per matrix, or on X^T where X is wide (fan_out < fan_in) and
+    ``transpose_wide`` (microsoft/dion's ``Dion``: ``is_transposed = m < n``, the update ``(P Q^T)^T``,
+    ``scaled_lr = sqrt(fan_out / fan_in)`` of X); ``q0[key]`` is the initial Q (from the JAX state)."""
     ms, qs = {}, {k: np.asarray(v, np.float64) for k, v in q0.items()}
 
     def direction(key, g, p):
@@ -22,30 +24,37 @@ def np_dion_direction(q0, *, mu, eps):
         out, new_m, new_q = np.empty_like(g), np.empty_like(g), np.empty_like(qs[key])
         for i in np.ndindex(g.shape[:-2]):
             x_m = m[i].T + g[i].T  # (fan_out, fan_in)
+            fan_out, fan_in = x_m.shape
+            flip = transpose_wide and fan_out < fan_in
+            x_m = x_m.T if flip else x_m
             p_, _ = np.linalg.qr(x_m @ qs[key][i])
             r = x_m.T @ p_
-            new_m[i] = (x_m - (1 - mu) * p_ @ r.T).T
+            x_m = x_m - (1 - mu) * p_ @ r.T
             new_q[i] = r / (np.linalg.norm(r, axis=0, keepdims=True) + eps)
-            fan_out, fan_in = x_m.shape
-            out[i] = (np.sqrt(fan_out / fan_in) * p_ @ new_q[i].T).T
+            step = p_ @ new_q[i].T
+            new_m[i], step = (x_m, step.T) if flip else (x_m.T, step)
+            out[i] = (np.sqrt(fan_out / fan_in) * step).T
         ms[key], qs[key] = new_m, new_q
         return out
 
     return direction
 
 
-@pytest.mark.parametrize("rank_fraction", [1.0, 0.5])
-def test_matches_numpy_reference_step_by_step(rank_fraction):
+@pytest.mark.parametrize("rank_fraction, transpose_wide", [(1.0, True), (0.5, True), (0.5, False)])
+def test_matches_numpy_reference_step_by_step(rank_fraction, transpose_wide):
     params = ref.f32(ref.model_tree(0, untied=True, scale=0.1))
     grads_seq = ref.grads_sequence(params)
     lr, adam_lr, wd = 0.02, 0.01, 0.1
-    tx = dion(lr, mu=0.9, rank_fraction=rank_fraction, weight_decay=wd, adam_lr_ratio=adam_lr / lr)
+    tx = dion(
+        lr, mu=0.9, rank_fraction=rank_fraction, transpose_wide=transpose_wide, weight_decay=wd, adam_lr_ratio=adam_lr / lr
+    )
     state = tx.init(jax.tree.map(jnp.float32, params))
     q_tree = state.inner_states["matrix"].inner_state[0].q
     per_leaf = jax.tree.structure(params).flatten_up_to(q_tree)  # a MaskedNode on the AdamW leaves
     q0 = {i: q for i, q in enumerate(per_leaf) if not isinstance(q, optax.MaskedNode)}
     assert len(q0) == 6  # the six stacked kernels
-    direction = np_dion_direction(q0, mu=0.9, eps=1e-8)
+    assert any(p.ndim == 3 and p.shape[-1] < p.shape[-2] for p in jax.tree.leaves(params))  # a wide X = W^T
+    direction = np_dion_direction(q0, mu=0.9, eps=1e-8, transpose_wide=transpose_wide)
     expected = ref.run_matrix_family(params, grads_seq, direction, lr=lr, adam_lr=adam_lr, wd=wd)
     ref.assert_trees_close(ref.run_jax(tx, params, grads_seq), expected)
 

@@ -1,6 +1,6 @@
 """Where the suite's CPU time goes: ``python -m pytest -p tests.cpu_profile [--cpu_profile=FILE]``.
 
-Each test's CPU seconds (its process's user + system time over all threads, XLA's compile and
+Each test's outcome, CPU seconds (its process's user + system time over all threads, XLA's compile and
 intra-op threads included, plus the processes it started and waited for) and wall seconds are
 appended to ``FILE`` (JSON lines, default ``.cpu_profile.jsonl``) by whichever process runs it, so a
 pytest-xdist run works and a cut-short run keeps what it measured. Fixture set-up counts for the
@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 _TOP_FILES = 25
+_OUTCOME = pytest.StashKey[str]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -37,12 +38,20 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if report.failed or (report.skipped and item.stash.get(_OUTCOME, "passed") == "passed"):
+        item.stash[_OUTCOME] = "failed" if report.failed else "skipped"
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     cpu, wall = _cpu_seconds(), time.time()
     try:
         return (yield)
     finally:
-        row = {"test": item.nodeid, "cpu_s": round(_cpu_seconds() - cpu, 3), "wall_s": round(time.time() - wall, 3), "pid": os.getpid()}
+        row = {"test": item.nodeid, "outcome": item.stash.get(_OUTCOME, "passed"), "cpu_s": round(_cpu_seconds() - cpu, 3), "wall_s": round(time.time() - wall, 3), "pid": os.getpid()}
         with open(item.config.getoption("cpu_profile"), "a") as f:
             f.write(json.dumps(row) + "\n")
 

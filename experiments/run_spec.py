@@ -34,7 +34,7 @@ from sharding import rules as rules_lib
 STATE_SHAPING_KEYS = ("state_bits", "cautious")
 
 # Model fields a resumed run may change: they alter how the step computes, not what the state is.
-_RESUMABLE_MODEL_CHANGES = (
+RESUMABLE_MODEL_CHANGES = (
     "attention", "dtype", "remat", "scan_unroll", "track_attn_logits", "loss_chunk",
     "context_parallel", "pipeline_schedule", "pipeline_microbatches", "pipeline_repeats",
     "pipeline_vocab_parallel", "pipeline_skip_rate",
@@ -107,7 +107,7 @@ def run_meta(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConfi
     inner = build.inner_name(config.optimizer)
     if inner is not None and config.optimizer.get(inner) is not None:
         family[inner] = config.optimizer[inner].to_dict()
-    model = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _RESUMABLE_MODEL_CHANGES}
+    model = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE_MODEL_CHANGES}
     meta = {"replicas": {"axis": config.replicas, "count": replicas}} if config.get("replicas") else {}
     return meta | {
         "model": model,
@@ -125,7 +125,7 @@ def upgrade_meta(saved: dict) -> dict:
     if not isinstance(saved.get("model"), dict):
         return saved
     defaults = dataclasses.asdict(model_config_lib.ModelConfig())
-    model = {k: v for k, v in (defaults | saved["model"]).items() if k not in _RESUMABLE_MODEL_CHANGES}
+    model = {k: v for k, v in (defaults | saved["model"]).items() if k not in RESUMABLE_MODEL_CHANGES}
     return saved | {"model": model}
 
 

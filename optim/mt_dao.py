@@ -47,15 +47,20 @@ def scale_by_qh_adam(
 
     def update_fn(updates, state, params=None):
         del params
+        # float32 from the start, so `1 - b1` rounds as it does when optax.inject_hyperparams passes arrays
+        b1_, b2_, omega_, eps_ = (jnp.asarray(h, jnp.float32) for h in (b1, b2, omega, eps))
         count = optax.safe_increment(state.count)
         t = count.astype(jnp.float32)
         g32 = jax.tree.map(lambda g: g.astype(jnp.float32), updates)
-        mu = jax.tree.map(lambda u, g: b1 * u + (1 - b1) * g, state.mu, g32)
-        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, g32)
+        mu = jax.tree.map(lambda u, g: b1_ * u + (1 - b1_) * g, state.mu, g32)
+        nu = jax.tree.map(lambda v, g: b2_ * v + (1 - b2_) * g * g, state.nu, g32)
+
+        # 1 - b^t as -expm1(t log b): at b1 = 0.999 the subtraction would cancel all but ~3 of float32's digits
+        debias_u, debias_v = -jnp.expm1(t * jnp.log(b1_)), -jnp.expm1(t * jnp.log(b2_))
 
         def direction(g, u, v, like):
-            mixed = (1 - omega) * g + omega * u / (1 - b1**t)
-            return (mixed / (jnp.sqrt(v / (1 - b2**t)) + eps)).astype(like.dtype)
+            mixed = (1 - omega_) * g + omega_ * u / debias_u
+            return (mixed / (jnp.sqrt(v / debias_v) + eps_)).astype(like.dtype)
 
         out = jax.tree.map(direction, g32, mu, nu, updates)
         return out, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)

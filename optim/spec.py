@@ -219,8 +219,17 @@ def config_defaults(cls: type) -> dict[str, Any]:
 
 def _attribute_docs(cls: type) -> dict[str, str]:
     """The entries of the ``Attributes:`` section of ``cls``'s own docstring, by name."""
-    doc = inspect.cleandoc(cls.__dict__.get("__doc__") or "")
-    section = re.search(r"^Attributes:\n((?:[ \t]+.*\n?|\n)*)", doc, flags=re.MULTILINE)
+    return _section_entries(cls.__dict__.get("__doc__") or "", "Attributes")
+
+
+def arg_docs(fn: Callable[..., Any]) -> dict[str, str]:
+    """The entries of the ``Args:`` section of ``fn``'s docstring, by name, one line each."""
+    return _section_entries(fn.__doc__ or "", "Args")
+
+
+def _section_entries(docstring: str, title: str) -> dict[str, str]:
+    doc = inspect.cleandoc(docstring)
+    section = re.search(rf"^{title}:\n((?:[ \t]+.*\n?|\n)*)", doc, flags=re.MULTILINE)
     if section is None:
         return {}
     entries: dict[str, str] = {}

@@ -16,7 +16,7 @@ import ml_collections
 from experiments.configs import default
 from lm import config as model_config
 from lm.data import input_pipeline
-from optim import registry, spec
+from optim import lookahead, registry, spec, tail_average
 
 _ASSIGNED = re.compile(r"^\s*(config|opt)\.([\w.]+)\s*=.*?\s#\s+(.*)$")
 _FIELD = re.compile(r"^\s*(\w+):\s*[^=]+=.*?\s#\s+(.*)$")
@@ -69,6 +69,8 @@ def key_help() -> dict[str, str]:
     out |= _comments(inspect.getsource(model_config.ModelConfig), _FIELD, "model.")
     out["model.preset"] = f"a preset of lm/config.py ({', '.join(model_config.PRESETS)}); the other keys override it"
     out |= _comments(inspect.getsource(input_pipeline.DataConfig), _FIELD, "data.")
+    for name, fn in (("lookahead", lookahead.lookahead), ("tail_average", tail_average.tail_average)):
+        out |= {f"optimizer.{name}.{k}": v for k, v in spec.arg_docs(fn).items()}
     for name, cls in registry.OPTIMIZERS.items():
         out |= {f"optimizer.{name}.{k}": v for k, v in spec.field_docs(cls).items()}
         if issubclass(cls, spec.WrapperSpec):
@@ -104,7 +106,7 @@ def listing(config: ml_collections.ConfigDict) -> str:
     fields = {f: getattr(model_config.ModelConfig(), f) for f in model_config.ModelConfig.__dataclass_fields__}
     for key, value in _flatten(config):
         parts = key.split(".")
-        if parts[0] == "optimizer" and len(parts) == 3 and parts[1] != family:
+        if parts[0] == "optimizer" and len(parts) == 3 and parts[1] != family and parts[1] in registry.OPTIMIZERS:
             family = parts[1]
             lines.append(_family_header(family))
         text = f"--config.{key}={value!r}" if isinstance(value, str) else f"--config.{key}={value}"

@@ -50,3 +50,26 @@ def run_replicas(
         updates.append(u)
     stack = lambda trees: jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs], axis=1), *trees)  # noqa: E731
     return stack(trajectory), stack(updates), jax.tree.map(np.asarray, state)
+
+
+def local_adam_reference(w0, grads, lr, k_x, k_u, k_v, *, b1=0.9, b2=0.999, omega=1.0, wd=0.0, eps=1e-8):
+    """Per replica quasi-hyperbolic Adam in float64 (``omega = 1``, ``wd = 0``: Adam, bias-corrected as
+    `optax.adam`, DES-LOC's local step): ``((1 - omega) g + omega u_hat) / (sqrt(v_hat) + eps)``
+    plus decoupled decay; ``x``, ``u``, ``v`` replaced by their replica mean before step ``t`` when ``t``
+    is a multiple of their period."""
+    replicas, steps = grads.shape[:2]
+    x = np.repeat(w0[None].astype(np.float64), replicas, 0)
+    u, v = np.zeros_like(x), np.zeros_like(x)
+    mean = lambda a: np.broadcast_to(a.mean(0), a.shape)  # noqa: E731
+    out = []
+    for t in range(1, steps + 1):
+        g = grads[:, t - 1]
+        u = mean(u) if t % k_u == 0 else u
+        v = mean(v) if t % k_v == 0 else v
+        x = mean(x) if t % k_x == 0 else x
+        u = b1 * u + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        d = ((1 - omega) * g + omega * u / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+        x = x - lr * (d + wd * x)
+        out.append(x)
+    return np.stack(out, axis=1)

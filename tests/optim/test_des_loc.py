@@ -6,27 +6,7 @@ import optax
 import pytest
 
 from optim import des_loc
-from tests.optim.replica_harness import run_replicas
-
-
-def _reference(w0, grads, lr, k_x, k_u, k_v, b1=0.9, b2=0.999, eps=1e-8):
-    """Per replica Adam (bias-corrected, as `optax.adam`) in float64; ``x``, ``u``, ``v`` replaced by
-    their replica mean before step ``t`` when ``t`` is a multiple of their period."""
-    replicas, steps = grads.shape[:2]
-    x = np.repeat(w0[None].astype(np.float64), replicas, 0)
-    u, v = np.zeros_like(x), np.zeros_like(x)
-    mean = lambda a: np.broadcast_to(a.mean(0), a.shape)  # noqa: E731
-    out = []
-    for t in range(1, steps + 1):
-        g = grads[:, t - 1]
-        u = mean(u) if t % k_u == 0 else u
-        v = mean(v) if t % k_v == 0 else v
-        x = mean(x) if t % k_x == 0 else x
-        u = b1 * u + (1 - b1) * g
-        v = b2 * v + (1 - b2) * g * g
-        x = x - lr * (u / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
-        out.append(x)
-    return np.stack(out, axis=1)
+from tests.optim.replica_harness import local_adam_reference, run_replicas
 
 
 @pytest.mark.devices(4)
@@ -37,7 +17,7 @@ def test_four_replicas_match_the_numpy_rule_with_three_periods():
     grads = rng.normal(size=(4, 12, 3, 5)).astype(np.float32) + np.arange(4, dtype=np.float32)[:, None, None, None]
     tx = des_loc.des_loc(optax.adam(0.05), sync_every=2, mu_sync_every=3, nu_sync_every=5, axis_name="replicas")
     trajectory, _, state = run_replicas(tx, {"w": w0}, {"w": grads})
-    want = _reference(w0, grads, 0.05, 2, 3, 5)
+    want = local_adam_reference(w0, grads, 0.05, 2, 3, 5)
     np.testing.assert_allclose(trajectory["w"], want, rtol=1e-5, atol=1e-5)  # fp32 rounding through 12 Adam steps (|x| ~ 1)
     assert np.abs(want[:, -1] - want[:1, -1]).max() > 1e-2  # between parameter averages the replicas differ
     np.testing.assert_array_equal(state.count, [12] * 4)

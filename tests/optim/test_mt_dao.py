@@ -4,29 +4,7 @@ import numpy as np
 import pytest
 
 from optim import mt_dao
-from tests.optim.replica_harness import run_replicas
-
-
-def _reference(w0, grads, lr, k_x, k_u, k_v, *, b1, b2, omega, wd, eps=1e-8):
-    """Per replica quasi-hyperbolic Adam in float64: ``((1 - omega) g + omega u_hat) / (sqrt(v_hat) + eps)``
-    plus decoupled decay; ``x``, ``u``, ``v`` replaced by their replica mean before step ``t`` when ``t``
-    is a multiple of their period."""
-    replicas, steps = grads.shape[:2]
-    x = np.repeat(w0[None].astype(np.float64), replicas, 0)
-    u, v = np.zeros_like(x), np.zeros_like(x)
-    mean = lambda a: np.broadcast_to(a.mean(0), a.shape)  # noqa: E731
-    out = []
-    for t in range(1, steps + 1):
-        g = grads[:, t - 1]
-        u = mean(u) if t % k_u == 0 else u
-        v = mean(v) if t % k_v == 0 else v
-        x = mean(x) if t % k_x == 0 else x
-        u = b1 * u + (1 - b1) * g
-        v = b2 * v + (1 - b2) * g * g
-        d = ((1 - omega) * g + omega * u / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
-        x = x - lr * (d + wd * x)
-        out.append(x)
-    return np.stack(out, axis=1)
+from tests.optim.replica_harness import local_adam_reference, run_replicas
 
 
 @pytest.mark.devices(4)
@@ -38,7 +16,7 @@ def test_four_replicas_match_the_numpy_rule_with_three_periods():
     kw = {"b1": 0.99, "b2": 0.95, "omega": 0.6, "weight_decay": 0.1}
     tx = mt_dao.mt_dao(0.05, sync_every=2, mu_sync_every=3, nu_sync_every=5, axis_name="replicas", **kw)
     trajectory, _, _ = run_replicas(tx, {"w": w0}, {"w": grads})
-    want = _reference(w0, grads, 0.05, 2, 3, 5, b1=0.99, b2=0.95, omega=0.6, wd=0.1)
+    want = local_adam_reference(w0, grads, 0.05, 2, 3, 5, b1=0.99, b2=0.95, omega=0.6, wd=0.1)
     np.testing.assert_allclose(trajectory["w"], want, rtol=1e-5, atol=1e-5)  # fp32 rounding through 12 steps (|x| ~ 1)
     assert np.abs(want[:, -1] - want[:1, -1]).max() > 1e-2  # between parameter averages the replicas differ
 

@@ -101,6 +101,7 @@ class _Stop:
 class _Checkpoints:
     manager: Any
     meta: dict
+    every: int  # steps between saves, counted from step 0 (orbax's own policy would also save the first step)
 
 
 def load_data(config: ml_collections.ConfigDict, vocab_size: int) -> tuple[batches_lib.PackedBatches, input_pipeline.ValidationSet]:
@@ -199,7 +200,7 @@ def run(
                     raise UsageError(str(e)) from e
             summary = _loop(
                 LoopSettings.from_config(config), spec, step_fn, state, start,
-                batches=(train_iter, val_batches), workdir=workdir, checkpoints=_Checkpoints(mgr, meta), stop=stop,
+                batches=(train_iter, val_batches), workdir=workdir, checkpoints=_Checkpoints(mgr, meta, max(config.checkpoint_every, 1)), stop=stop,
             )  # fmt: skip
     finally:
         mgr.wait_until_finished()
@@ -286,7 +287,7 @@ def _loop(
                 stop.request(signal.SIGTERM)
             stopping = stop.signum is not None and done < settings.steps
             evaluating = done % settings.eval_every == 0 or done == settings.steps
-            saving = stopping or done == settings.steps or checkpoints.manager.should_save(done)
+            saving = stopping or done == settings.steps or done % checkpoints.every == 0
             while len(in_flight) > (0 if evaluating or saving else 1):
                 record_step, metrics, dispatched = in_flight.popleft()
                 metrics = jax.device_get(metrics)

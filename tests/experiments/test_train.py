@@ -47,7 +47,10 @@ def small_config(**overrides):
 
 
 def test_run_writes_every_output_and_learns(tmp_path):
-    summary = trainer.run(small_config(), tmp_path)  # the config of `straight_run`: its compiled steps are cached
+    # The config of `straight_run` (its compiled steps are cached), every checkpoint kept.
+    summary = trainer.run(small_config(keep_checkpoints=10), tmp_path)
+    # Saves every checkpoint_every steps from step 0, and the last step (orbax's policy alone also saved step 1).
+    assert ocp.CheckpointManager(tmp_path / "checkpoints").all_steps() == [5, 10, 12]
     for name in ("config.json", "metrics.jsonl", "loss.png", "summary.json"):
         assert (tmp_path / name).is_file(), name
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
@@ -290,9 +293,9 @@ def test_restore_step_that_was_not_saved_is_a_usage_error(tmp_path, saved_at_5_a
         trainer.run(small_config(), tmp_path, restore_step=6)
 
 
-def test_default_main_job_reaches_target_loss(tmp_path):
+def test_default_main_job_reaches_target_loss(tmp_path, optimized_subprocess_env):
     """The README's main command, as a fresh user runs it: no flags, a workdir under ./runs/."""
-    result = _cli(cwd=tmp_path, env_extra={"JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "false"})
+    result = _cli(cwd=tmp_path, env_extra={"JAX_PLATFORMS": "cpu", **optimized_subprocess_env})
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -434,6 +434,17 @@ def _qwen3_moe_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     )
 
 
+def _shared_experts(hf: dict[str, Any], where: str) -> int:
+    """DeepSeek-V2's ``n_shared_experts``, which must be written: transformers 5 reads a missing key as 2 and 4.x as
+    none, so a config without it means two different models (null or 0 is none in both)."""
+    if "n_shared_experts" not in hf:
+        raise UnsupportedArchitecture(
+            f"{where} has no 'n_shared_experts': transformers 5 reads that as 2 shared experts, 4.x as none; "
+            "write the number the checkpoint holds (0 for none) into the config"
+        )
+    return hf["n_shared_experts"] or 0
+
+
 def _deepseek_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """The MLA and MoE fields of a DeepSeek-V2 ``config.json``."""
     if (eps := hf.get("rms_norm_eps", 1e-6)) != _DEEPSEEK_LATENT_EPS:
@@ -481,7 +492,7 @@ def _deepseek_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     return fields | dict(
         n_experts=hf["n_routed_experts"],
         experts_per_token=_require(hf, "num_experts_per_tok", where),
-        n_shared_experts=hf.get("n_shared_experts") or 0,
+        n_shared_experts=_shared_experts(hf, where),
         expert_mlp_dim=_require(hf, "moe_intermediate_size", where),
         first_dense_layers=first_dense,
         normalize_router_weights=False,  # transformers' DeepSeek-V2 ignores norm_topk_prob (4.x and 5.x alike)

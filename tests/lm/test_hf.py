@@ -562,6 +562,14 @@ _V2_LITE = {
 }  # fmt: skip
 
 
+def test_a_deepseek_config_without_n_shared_experts_is_refused_with_the_fix():
+    """transformers 5 and 4.x read a missing ``n_shared_experts`` as 2 and as none: no guess is safe."""
+    missing = {k: v for k, v in _V2_LITE.items() if k != "n_shared_experts"}
+    with pytest.raises(hf.UnsupportedArchitecture, match="no 'n_shared_experts'.*0 for none"):
+        hf.from_hf_config(missing)
+    assert hf.from_hf_config(missing | {"n_shared_experts": None}).n_shared_experts == 0
+
+
 def test_a_released_deepseek_v2_config_imports_with_its_yarn():
     from lm import rope
 

@@ -50,3 +50,27 @@ def test_cpu_profile_sums_per_file_costliest_first():
 
     rows = [{"test": "tests/a.py::x", "cpu_s": 1.0}, {"test": "tests/b.py::y", "cpu_s": 3.0}, {"test": "tests/a.py::z", "cpu_s": 1.5}]
     assert cpu_profile.per_file(rows) == [("tests/b.py", 1, 3.0), ("tests/a.py", 2, 2.5)]
+
+
+def test_fast_compiles_turn_the_fusion_emitters_off_only_without_xla_passes(optimized_subprocess_env):
+    """The conftest's compile options: XLA:CPU's legacy emitters where the passes are off (this test's default),
+    XLA's own choice where they are on; processes the tests start inherit the flag unless they ask otherwise."""
+    import jax
+    import pytest
+    from jax._src import compiler
+
+    if os.environ.get("SPMDLAB_TEST_PLATFORMS", "cpu") != "cpu":
+        pytest.skip("XLA:CPU compile options: runs where the suite runs on the CPU only")
+
+    def overrides() -> dict:
+        return dict(compiler.get_compile_options(num_replicas=1, num_partitions=1).env_option_overrides)
+
+    assert jax.config.read("jax_disable_most_optimizations")
+    assert overrides().get("xla_cpu_use_fusion_emitters") is False
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        assert "xla_cpu_use_fusion_emitters" not in overrides()
+    finally:
+        jax.config.update("jax_disable_most_optimizations", True)
+    assert "--xla_cpu_use_fusion_emitters=false" in os.environ["XLA_FLAGS"]
+    assert "fusion_emitters" not in optimized_subprocess_env["XLA_FLAGS"]

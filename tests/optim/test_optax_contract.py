@@ -271,12 +271,12 @@ def test_inject_hyperparams_gives_the_direct_updates(name):
     fields = {"rank": 2} if name == "cosmos" else {}
     tx, inj = build(name, **fields), injected(name, **fields)
     p = params()
-    step = lambda t: jax.jit(lambda g, s, p: t.update(g, s, p, **extra_args(name)))  # noqa: E731
+    step, step_inj = (jax.jit(lambda g, s, p, t=t: t.update(g, s, p, **extra_args(name))) for t in (tx, inj))
     state, state_inj = tx.init(p), inj.init(p)
-    for seed in range(2):
+    for seed in range(2):  # one program per transform, not per step
         g = grads_like(p, seed)
-        updates, state = step(tx)(g, state, p)
-        updates_inj, state_inj = step(inj)(g, state_inj, p)
+        updates, state = step(g, state, p)
+        updates_inj, state_inj = step_inj(g, state_inj, p)
         for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(updates_inj), strict=True):
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-9)
 

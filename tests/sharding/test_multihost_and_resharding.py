@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cluster_env
 import cross_replica_worker
 import jax
 import pytest
@@ -123,14 +124,14 @@ WORKER = Path(__file__).with_name("cross_replica_worker.py")
 
 @pytest.mark.devices(2)
 def test_two_processes_train_every_cross_replica_optimizer_like_one_process(tmp_path):
-    """One replica per process, each cross-replica optimizer in turn (one launch for all of them; DiLoCo
-    preempted after step 3 where replicas differ, and resumed): equal to two replicas in this process."""
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    """One replica per process of a job started as ``mpirun -np 2`` starts it (Open MPI's variables, JAX's detector
+    finding the coordinator), each cross-replica optimizer in turn (one launch for all of them; DiLoCo preempted
+    after step 3 where replicas differ, and resumed): equal to two replicas in this process."""
+    port = cluster_env.free_port()
     multi = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(tmp_path / "multi"), "--preempt", f"127.0.0.1:{port}", "2", str(i)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [sys.executable, str(WORKER), str(tmp_path / "multi"), "--preempt"], env=cluster_env.environ("ompi", i, 2, port),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for i in range(2)
     ]  # fmt: skip
@@ -145,6 +146,8 @@ def test_two_processes_train_every_cross_replica_optimizer_like_one_process(tmp_
         jax.config.update("jax_disable_most_optimizations", previous)
         results = [p.communicate(timeout=600) for p in multi]
     assert [p.returncode for p in multi] == [0, 0], [err[-2000:] for _, err in results]
+    for rank, (_, err) in enumerate(results):
+        assert cluster_env.start_line("ompi", rank, 2, port) in err, err[-2000:]
     for name in cross_replica_worker.OPTIMIZERS:
         assert (tmp_path / "multi" / name / "checkpoints" / "3").is_dir() == (name in cross_replica_worker.PREEMPTED)
         _assert_same_run(tmp_path / "multi" / name, tmp_path / "single" / name)

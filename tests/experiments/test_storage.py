@@ -86,3 +86,13 @@ def test_a_profiler_trace_lands_in_the_bucket_from_process_0_only(bucket):
     assert steps == {"2", "3"}, steps
     assert list((bucket / "b" / "run" / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert not (bucket / "b" / "other").exists()
+
+
+def test_a_wandb_run_lands_in_the_bucket(bucket):
+    """wandb writes local files only: an offline run's folder is copied into the bucket when the writer closes."""
+    pytest.importorskip("wandb")
+    writer = metrics_io.MetricsWriter("gs://b/run", config={"steps": 1}, wandb={"project": "spmdlab-test", "mode": "offline"})
+    writer.write({"step": 1, "loss": 2.0})
+    writer.close()
+    assert (bucket / "b" / "run" / "wandb_id").is_file()
+    assert list((bucket / "b" / "run" / "wandb").glob("offline-run-*/files"))

@@ -1,9 +1,12 @@
 """A run's metric outputs: ``metrics.jsonl``, TensorBoard events (scalars, and the config with the summary
-as hparams), ``loss.png``, and optionally a Weights & Biases run (``pip install -e '.[wandb]'``)."""
+as hparams), ``loss.png``, and optionally a Weights & Biases run (``pip install -e '.[wandb]'``; its local
+files copied into a workdir in object storage when the writer closes)."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -49,7 +52,9 @@ class MetricsWriter:
             self._text = None if self._text is None else self.path.read_text()
         self._tb = SummaryWriter(str(workdir / "tensorboard"))
         if wandb and wandb.get("project"):
-            self._wandb = start_wandb(workdir, wandb, self.hparams)
+            # wandb writes local files only: into object storage they go through a local folder, copied on close.
+            self._wandb_dir = tempfile.mkdtemp(prefix="spmdlab-wandb-") if storage.is_remote(workdir) else str(workdir)
+            self._wandb = start_wandb(workdir, wandb, self.hparams, self._wandb_dir)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -81,6 +86,9 @@ class MetricsWriter:
             self._tb.close()
             if self._wandb is not None:
                 self._wandb.finish()
+                if self._wandb_dir != str(self.path.parent):
+                    storage.copy_tree(self._wandb_dir, self.path.parent)
+                    shutil.rmtree(self._wandb_dir)
 
 
 def flat_hparams(config: Mapping, prefix: str = "") -> dict[str, bool | int | float | str]:
@@ -94,15 +102,15 @@ def flat_hparams(config: Mapping, prefix: str = "") -> dict[str, bool | int | fl
     return out
 
 
-def start_wandb(workdir: epath.Path, settings: Mapping, hparams: Mapping) -> Any:
-    """A Weights & Biases run in ``workdir`` (its files in wandb's default folder when ``workdir`` is in object
-    storage; resumed under the same id), or an `ImportError` naming the extra."""
+def start_wandb(workdir: epath.Path, settings: Mapping, hparams: Mapping, local_dir: str) -> Any:
+    """A Weights & Biases run for ``workdir`` (its files under the local folder ``local_dir``; resumed under the
+    same id, kept in ``workdir``), or an `ImportError` naming the extra."""
     try:
         import wandb
     except ImportError as e:
         raise ImportError("--config.wandb.project needs Weights & Biases: pip install -e '.[wandb]'") from e
     return wandb.init(
-        project=settings["project"], mode=settings.get("mode") or "online", dir=None if storage.is_remote(workdir) else str(workdir), config=dict(hparams),
+        project=settings["project"], mode=settings.get("mode") or "online", dir=local_dir, config=dict(hparams),
         name=workdir.name, id=_wandb_id(workdir), resume="allow",
     )  # fmt: skip
 

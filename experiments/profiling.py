@@ -8,7 +8,8 @@ r"""Where a training step's device time goes: a jax profiler trace summarised by
 ``metrics.jsonl``) with `jax.profiler` into ``WORKDIR/plugins/profile/<run>/``: an ``.xplane.pb`` that
 TensorBoard's profile plugin and XProf read (``tensorboard --logdir=WORKDIR``), and the same trace as
 Chrome trace-event JSON (``*.trace.json.gz``, ``perfetto_trace.json.gz``), which this module reads
-without any plugin. Each step carries a `jax.profiler.StepTraceAnnotation`, so XProf's step view and
+without any plugin. Only process 0 traces; into a workdir in object storage (``gs://...``) the trace is
+written locally and copied when it stops (jax's profiler writes local files only). Each step carries a `jax.profiler.StepTraceAnnotation`, so XProf's step view and
 this summary both know how many steps the trace holds.
 
 The summary counts *kernels*: on a GPU the events of the device's stream lines (kernels, memcpys),
@@ -27,11 +28,15 @@ import dataclasses
 import gzip
 import json
 import re
+import shutil
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import jax
+
+from experiments import storage
 
 CATEGORIES = ("matrix products", "attention", "copies", "collectives", "reductions", "elementwise", "other")
 
@@ -62,16 +67,19 @@ class StepTrace:
 
     The loop calls ``begin(step, state)`` before dispatching step ``step`` and ``end(step, state)`` after;
     the trace starts and stops with the device idle (``state`` ready), so it holds those steps alone.
+    ``enabled=False`` (every process but 0 of a job) traces nothing.
     """
 
-    def __init__(self, steps: tuple[int, int] | None, workdir: str | Path):
-        self.steps, self.workdir, self.active = steps, str(workdir), False
+    def __init__(self, steps: tuple[int, int] | None, workdir: str | Path, *, enabled: bool = True):
+        self.steps, self.workdir, self.active = steps if enabled else None, storage.workdir(workdir), False
+        self._local: str | None = None  # the local folder of a trace bound for object storage
 
     def begin(self, step: int, state: Any) -> contextlib.AbstractContextManager:
         """Starts the trace at ``START``; returns the step's annotation (a null context outside the trace)."""
         if self.steps and step == self.steps[0] and not self.active:
             jax.block_until_ready(state)
-            jax.profiler.start_trace(self.workdir, create_perfetto_trace=True)
+            self._local = tempfile.mkdtemp(prefix="spmdlab-trace-") if storage.is_remote(self.workdir) else None
+            jax.profiler.start_trace(self._local or str(self.workdir), create_perfetto_trace=True)
             self.active = True
         return jax.profiler.StepTraceAnnotation("train", step_num=step) if self.active else contextlib.nullcontext()
 
@@ -80,11 +88,14 @@ class StepTrace:
             self.close(state)
 
     def close(self, state: Any = None) -> None:
-        """Stops a running trace (also when the run ends before ``STOP``)."""
+        """Stops a running trace (also when the run ends before ``STOP``), copying it into object storage."""
         if self.active:
             jax.block_until_ready(state)
             jax.profiler.stop_trace()
             self.active = False
+            if self._local:
+                storage.copy_tree(self._local, self.workdir)
+                shutil.rmtree(self._local)
 
 
 def trace_file(path: str | Path) -> Path:

@@ -4,7 +4,9 @@ Everything a run writes into its workdir goes through the `epath.Path` that `wor
 config, metrics, summary and plots (`etils.epath`'s fsspec backend: ``pip install gcsfs`` for
 ``gs://``, ``s3fs`` for ``s3://``), TensorBoard events (`register_tensorboard_schemes`) and orbax
 checkpoints (orbax takes the same path; its arrays go through tensorstore's own GCS driver). Object
-stores have no append: a file that grows (``metrics.jsonl``, an events file) is rewritten whole.
+stores have no append: a file that grows (``metrics.jsonl``, an events file) is rewritten whole. What a
+library writes only to local files (jax's profiler traces) is written to a local folder first and
+copied into the workdir whole (`copy_tree`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,17 @@ def check_checkpoints(path: epath.Path) -> None:
             f"orbax writes checkpoints to local paths and gs:// only, not {path}: mount the bucket "
             "(e.g. mountpoint-s3) and pass the mount's path as --workdir"
         )
+
+
+def copy_tree(local: str | os.PathLike, destination: epath.Path) -> None:
+    """Copies every file under the local folder ``local`` to the same relative path under ``destination``."""
+    for root, _, files in os.walk(local):
+        for name in files:
+            source = os.path.join(root, name)
+            target = destination / os.path.relpath(source, local)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(source, "rb") as f:
+                target.write_bytes(f.read())
 
 
 class _ObjectRecordWriter:

@@ -20,7 +20,7 @@ from lm import speedrun_config
 from lm.config import ModelConfig
 from lm.model import param_counts
 from lm.parallel import vocab_parallel
-from sharding.partition import constrain
+from sharding.partition import auto_axes, constrain, logical_mesh_axes
 
 # `model.loss_chunk=auto`: the most float32 logits bytes one chunk may hold; smaller steps run whole.
 AUTO_CHUNK_BYTES = 256 * 2**20
@@ -49,17 +49,28 @@ def _nll_and_z_term(logits: jax.Array, targets: jax.Array, z_loss: float) -> tup
     return jnp.mean(log_z - target_logit), z_loss * jnp.mean(jnp.square(log_z))
 
 
-def loss_chunks(cfg: ModelConfig, batch: int, seq: int) -> int:
+def loss_chunks(cfg: ModelConfig, batch: int, seq: int, token_shards: int = 1) -> int:
     """How many chunks the head + loss of ``batch x seq`` tokens runs in under ``cfg.loss_chunk`` (1: whole).
 
     A chunk takes every row of the batch and ``seq / n`` positions, so ``n`` divides ``seq``: the
-    smallest such ``n`` whose chunks hold at most ``loss_chunk`` tokens (``auto``: as many tokens as
-    `AUTO_CHUNK_BYTES` of float32 logits hold).
+    smallest such ``n`` whose chunks hold at most ``loss_chunk`` tokens on each device (``auto``: as many
+    tokens as `AUTO_CHUNK_BYTES` of float32 logits hold), the tokens split over ``token_shards`` devices.
+    Counted per device, not per step: a step over 128 devices whose chunks held the limit in all would
+    run 128 times the loop trips, each reducing the head's whole gradient across devices.
     """
     if cfg.loss_chunk == "none" or cfg.logit_softcap:  # the fused head has no soft-cap: whole logits
         return 1
     limit = AUTO_CHUNK_BYTES // (4 * cfg.vocab_size) if cfg.loss_chunk == "auto" else int(cfg.loss_chunk)
-    return next((n for n in range(1, seq + 1) if seq % n == 0 and batch * (seq // n) <= limit), seq)
+    return next((n for n in range(1, seq + 1) if seq % n == 0 and batch * (seq // n) <= limit * token_shards), seq)
+
+
+def _token_shards() -> int:
+    """Devices the activation rules split a step's tokens over (``batch`` and ``seq``) on the mesh in context."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    split = {*logical_mesh_axes("batch"), *logical_mesh_axes("seq")} & set(auto_axes(mesh))
+    return math.prod(mesh.shape[a] for a in split)
 
 
 def next_token_loss(
@@ -71,7 +82,7 @@ def next_token_loss(
     `cross_entropy` of the model's logits; a token mean, so both run in the model's sequence layout.
     """
     inputs, targets = tokens[:, :-1], model_lib.in_model_layout(model_def, tokens[:, 1:])
-    n = loss_chunks(model_def.config, *inputs.shape)
+    n = loss_chunks(model_def.config, *inputs.shape, _token_shards())
     if vocab_parallel.active(model_def.config):  # the head's vocabulary split over `stage` (lm/parallel/vocab_parallel.py)
         h, (head, vocab_first), aux = model_lib.features(model_def, params, inputs)
         return *vocab_parallel.cross_entropy(h, head, targets, z_loss=z_loss, vocab_first=vocab_first), aux

@@ -103,10 +103,17 @@ class Start:
             return "jax.distributed: not started (one process)"
         return (
             f"jax.distributed via {self.source}: process {jax.process_index()} of {jax.process_count()}, "
-            f"coordinator {self.coordinator_address or 'found by JAX'}, local devices "
+            f"coordinator {self.coordinator_address or _connected_coordinator()}, local devices "
             f"{list(self.local_device_ids) if self.local_device_ids is not None else 'by JAX'} "
             f"({jax.local_device_count()} here, {jax.device_count()} in all)"
         )
+
+
+def _connected_coordinator() -> str:
+    """The address JAX's own detector chose (Slurm's first node, Open MPI's launcher), read back after start-up."""
+    from jax._src import distributed  # no public accessor
+
+    return getattr(distributed.global_state, "coordinator_address", None) or "found by JAX"
 
 
 def _present(names: Sequence[str], environ: Mapping[str, str]) -> bool:

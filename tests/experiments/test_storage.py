@@ -6,10 +6,12 @@ import importlib
 import os
 
 import fsspec
+import jax
+import jax.numpy as jnp
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from experiments import checkpointing, metrics_io, storage, trainer
+from experiments import checkpointing, metrics_io, profiling, storage, trainer
 from experiments.cli import UsageError
 from experiments.configs import default
 
@@ -67,3 +69,30 @@ def test_checkpoints_are_listed_in_the_bucket_and_s3_names_the_fix(bucket):
     assert str(storage.workdir("gs://b/run")) == "gs://b/run"
     with pytest.raises(UsageError, match="mount the bucket"):
         trainer.run(default.get_config(), "s3://b/run")
+
+
+def test_a_profiler_trace_lands_in_the_bucket_from_process_0_only(bucket):
+    """jax's profiler writes local files: the trace of steps 2-3 is copied into the bucket when it stops; a process
+    other than 0 (``enabled=False``) traces nothing."""
+    step, x = jax.jit(lambda v: v * 2.0 + 1.0), jnp.ones(8)
+    for run, enabled in (("run", True), ("other", False)):
+        trace = profiling.StepTrace((2, 3), f"gs://b/{run}", enabled=enabled)
+        for i in (1, 2, 3, 4):
+            with trace.begin(i, x):
+                x = step(x)
+            trace.end(i, x)
+        trace.close(x)
+    steps = {e["args"]["step_num"] for e in profiling.load_events(bucket / "b" / "run") if e.get("name") == "train"}
+    assert steps == {"2", "3"}, steps
+    assert list((bucket / "b" / "run" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert not (bucket / "b" / "other").exists()
+
+
+def test_a_wandb_run_lands_in_the_bucket(bucket):
+    """wandb writes local files only: an offline run's folder is copied into the bucket when the writer closes."""
+    pytest.importorskip("wandb")
+    writer = metrics_io.MetricsWriter("gs://b/run", config={"steps": 1}, wandb={"project": "spmdlab-test", "mode": "offline"})
+    writer.write({"step": 1, "loss": 2.0})
+    writer.close()
+    assert (bucket / "b" / "run" / "wandb_id").is_file()
+    assert list((bucket / "b" / "run" / "wandb").glob("offline-run-*/files"))

@@ -1,6 +1,7 @@
 """The chunked LM head + loss (`lm.loss.chunked_cross_entropy`) equals the whole-logits loss and never holds them."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +76,24 @@ def test_loss_chunks_setting():
     assert loss_lib.loss_chunks(config_lib.from_preset("tiny", loss_chunk=100), 4, 60) == 3  # 4 x 20 <= 100
     with pytest.raises(ValueError, match="model.loss_chunk"):
         config_lib.from_preset("tiny", loss_chunk="half")
+
+
+@pytest.mark.devices(8)
+def test_loss_chunks_hold_the_limit_per_device_not_per_step():
+    """On 8 devices that split the batch, a chunk may hold 8 times the tokens: the chunk loop runs 8 times fewer
+    trips, each of which reduces the head's gradient over the devices (llama-1b on 128 devices: 1024 trips)."""
+    cfg = _config(False, "16")
+    model_def = model_lib.define(cfg)
+    tokens = jax.ShapeDtypeStruct((8, 17), jnp.int32)
+
+    def trips(mesh_shape):
+        mesh = jax.make_mesh(mesh_shape, ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        with jax.set_mesh(mesh), partition.use_rules(rules_lib.make_rules("dp")):
+            jaxpr = jax.make_jaxpr(lambda p, t: loss_lib.next_token_loss(model_def, p, t)[0])(model_def.abstract_params, tokens)
+        return [int(n) for n in re.findall(r"\blength=(\d+)", str(jaxpr))]  # the scans' lengths: the layers', the chunks'
+
+    assert trips((1, 8)) == [1, loss_lib.loss_chunks(cfg, 8, 16)] == [1, 8]  # one data shard: chunks of 8 x 2 tokens
+    assert trips((8, 1)) == [1]  # 8 data shards: 16 tokens per device, the whole logits, no chunk loop
 
 
 def _train_step_temp_bytes(cfg, batch, seq):

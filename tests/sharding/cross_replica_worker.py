@@ -1,6 +1,9 @@
 """One process of the multi-process cross-replica test: trains every cross-replica optimizer in turn.
 
-    python tests/sharding/cross_replica_worker.py WORKDIR [--preempt] COORDINATOR NUM_PROCESSES PROCESS_ID
+    python tests/sharding/cross_replica_worker.py WORKDIR [--preempt]
+
+The process joins its job from its environment (`sharding.multihost.resolve`; the test gives it Open MPI's) and
+logs how (`sharding.multihost.Start.describe`).
 
 Each optimizer with its own collectives (DiLoCo, DeMo, PowerSGD) trains a small model replica-locally on a
 ``data:2`` mesh (one replica per process of a 2-process job; the test runs the same configs on two
@@ -46,8 +49,10 @@ def config_for(name: str):
 
 def main(argv: list[str]) -> None:
     preempt = "--preempt" in argv
-    workdir, address, count, rank = [a for a in argv if a != "--preempt"]
-    multihost.initialize(multihost.resolve(address, int(count), int(rank)))
+    (workdir,) = [a for a in argv if a != "--preempt"]
+    start = multihost.resolve()
+    multihost.initialize(start)
+    print(start.describe(), file=sys.stderr, flush=True)
     jax.config.update("jax_disable_most_optimizations", True)
     from experiments import trainer  # after jax.distributed starts
 

@@ -1,51 +1,71 @@
 """A lost host: a 2-process job started by the Slurm recipe (experiments/launch/slurm.sbatch, run with the
 environment ``srun`` sets and the CPU stand-in for GPUs) is SIGKILLed in the middle of an asynchronous
-checkpoint save, and resumed by one process: its losses equal an uninterrupted run's, step for step."""
+checkpoint save; a second 2-process job, started by the SkyPilot recipe (experiments/launch/skypilot.yaml,
+SkyPilot's variables), resumes it from the last committed step and stops as if preempted after step 6;
+one process finishes it. Its losses (training and validation, read from llm.c shards by the Grain loader,
+each process its rows) equal an uninterrupted run's, step for step."""
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+import cluster_env
 import pytest
+import yaml
 
 from experiments import trainer
 from experiments.configs import default
 from experiments.metrics_io import read_metrics
+from lm.data import documents, tokenize
 
-REPO = Path(__file__).resolve().parents[2]
-SBATCH = REPO / "experiments" / "launch" / "slurm.sbatch"
-# The recipe's llama-1b cut to a model that compiles in seconds; saves at steps 2, 4, 6, 8.
+LAUNCH = cluster_env.REPO / "experiments" / "launch"
+# The recipes' llama-1b cut to a model that compiles in seconds; saves at steps 2, 4, 6, 8, validation at 4 and 8.
 TINY = {
     "model.preset": "tiny", "model.d_model": 32, "model.n_layers": 1, "model.n_heads": 2, "model.n_kv_heads": 1,
     "model.head_dim": 16, "model.mlp_dim": 64, "model.dtype": "float32", "model.remat": "none",
-    "steps": 8, "batch_size": 4, "data.seq_len": 16, "eval_every": 100, "eval_batches": 1, "log_every": 1,
+    "steps": 8, "batch_size": 4, "data.seq_len": 16, "eval_every": 4, "eval_batches": 1, "log_every": 1,
     "checkpoint_every": 2, "optimizer.warmup_steps": 1,
 }  # fmt: skip
-MESH = "data:2,fsdp:-1"  # the recipe's data:$SLURM_NNODES,fsdp:-1 on 2 nodes of one device each
+MESH = "data:2,fsdp:-1"  # the recipes' data:<nodes>,fsdp:-1 on 2 nodes of one device each
+STOP = 6  # the second job stops here (the SIGTERM path: checkpoint, exit 143)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _shards(root: Path) -> dict:
+    """llm.c shards of a small text folder (`experiments.tokenize`), read with document-aligned windows."""
+    (root / "text").mkdir(parents=True)
+    for i in range(40):
+        (root / "text" / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n" * (5 + i % 9))
+    tokenize.tokenize("bytes", documents.expand(str(root / "text")), root / "shards", val_fraction=0.2, shard_tokens=3000, workers=1)
+    return {"data.train_files": str(root / "shards" / "train_*.bin"), "data.val_files": str(root / "shards" / "val_*.bin"), "data.bos_aligned": True}
 
 
-def _srun(workdir: Path, rank: int, port: int) -> subprocess.Popen:
-    """Task ``rank`` of 2, one per node, as ``srun`` starts it: the sbatch script with ``srun`` running its command."""
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CUDA_VISIBLE"))},
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
-        "JAX_DISABLE_MOST_OPTIMIZATIONS": "true", "WORKDIR": str(workdir), "JAX_COORDINATOR_PORT": str(port),
-        "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "localhost", "SLURM_NNODES": "2", "SLURM_NTASKS": "2",
-        "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_PROCID": str(rank), "SLURM_NODEID": str(rank), "SLURM_LOCALID": "0",
-    }  # fmt: skip
-    overrides = [f"--config.{k}={v}" for k, v in TINY.items()]
-    script = 'srun() { exec "$@"; }; . "$0" "$@"'  # exec: the task's pid is the trainer's
-    return subprocess.Popen(["bash", "-c", script, str(SBATCH), *overrides], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _job(cluster: str, script: str, recipe: Path, workdir: Path, overrides: dict, *extra: str) -> tuple[int, list[subprocess.Popen]]:
+    """The 2 processes of a job that ``cluster`` starts: ``script`` (bash, ``$0`` the recipe, the trainer's extra
+    flags in ``$@``) with the cluster's variables."""
+    port = cluster_env.free_port()
+    flags = [*(f"--config.{k}={v}" for k, v in overrides.items()), *extra]
+    procs = [
+        subprocess.Popen(
+            ["bash", "-c", script, str(recipe), *flags], cwd=cluster_env.REPO, env=cluster_env.environ(cluster, rank, 2, port)
+            | {"WORKDIR": str(workdir), "JAX_DISABLE_MOST_OPTIMIZATIONS": "true"},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for rank in range(2)
+    ]  # fmt: skip
+    return port, procs
+
+
+def _slurm_job(workdir: Path, overrides: dict) -> tuple[int, list[subprocess.Popen]]:
+    """The sbatch script with ``srun`` running its command (exec: the task's pid is the trainer's)."""
+    return _job("slurm", 'srun() { exec "$@"; }; . "$0" "$@"', LAUNCH / "slurm.sbatch", workdir, overrides)
+
+
+def _skypilot_job(workdir: Path, overrides: dict, *extra: str) -> tuple[int, list[subprocess.Popen]]:
+    """The task's ``run`` script, the flags appended to its command; a later ``--workdir`` replaces the bucket."""
+    run = yaml.safe_load((LAUNCH / "skypilot.yaml").read_text())["run"].rstrip()
+    return _job("skypilot", f'{run} "$@"', LAUNCH / "skypilot.yaml", workdir, overrides, f"--workdir={workdir}", *extra)
 
 
 def _kill_during_a_save(procs: list[subprocess.Popen], checkpoints: Path, after: int) -> list[str]:
@@ -62,32 +82,45 @@ def _kill_during_a_save(procs: list[subprocess.Popen], checkpoints: Path, after:
     pytest.fail(f"the job ended (codes {[p.returncode for p in procs]}) before a save of step {after}: {outputs}")
 
 
-def _config():
+def _config(overrides: dict):
     config = default.get_config()
-    for key, value in TINY.items():
+    for key, value in overrides.items():
         *path, last = key.split(".")
         (config[path[0]] if path else config)[last] = value
     config.mesh, config.devices = MESH, 2
     return config
 
 
+def _logs(procs: list[subprocess.Popen], cluster: str, port: int) -> None:
+    """Waits for the job; each process logged its start through ``cluster``."""
+    for rank, p in enumerate(procs):
+        log = p.communicate(timeout=600)[1]
+        assert cluster_env.start_line(cluster, rank, 2, port) in log, log[-2000:]
+
+
 @pytest.mark.devices(2)
-def test_job_killed_mid_save_resumes_on_another_process_count_with_the_uninterrupted_losses(tmp_path):
-    port = _free_port()
-    procs = [_srun(tmp_path / "run", rank, port) for rank in range(2)]
-    trainer.run(_config(), tmp_path / "straight")  # meanwhile, the uninterrupted reference on 2 devices of this process
+def test_job_killed_mid_save_resumes_as_a_new_job_and_on_another_process_count_with_the_uninterrupted_losses(tmp_path):
+    overrides = TINY | _shards(tmp_path)
+    port, procs = _slurm_job(tmp_path / "run", overrides)
+    trainer.run(_config(overrides), tmp_path / "straight")  # meanwhile, the uninterrupted reference on 2 devices of this process
     seen = _kill_during_a_save(procs, tmp_path / "run" / "checkpoints", after=4)
-    logs = [p.communicate()[1] for p in procs]
+    _logs(procs, "slurm", port)
     assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
-    for rank, log in enumerate(logs):
-        assert f"jax.distributed via slurm: process {rank} of 2" in log, log[-2000:]
     committed = sorted(int(e) for e in os.listdir(tmp_path / "run" / "checkpoints") if e.isdigit())
     partial = sorted({int(e.split(".")[0]) for e in seen if not e.isdigit()} - set(committed))
-    assert committed and all(step > committed[-1] for step in partial), (seen, committed)
+    assert committed and committed[-1] < STOP and all(step > committed[-1] for step in partial), (seen, committed)
 
-    summary = trainer.run(_config(), tmp_path / "run")  # one process, two devices: the same mesh
-    assert summary["resumed_from_step"] == committed[-1] and summary["mesh"] == {"data": 2, "fsdp": 1}
+    port, procs = _skypilot_job(tmp_path / "run", overrides, f"--stop_after={STOP}")
+    _logs(procs, "skypilot", port)
+    assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2
+    assert (tmp_path / "run" / "checkpoints" / str(STOP)).is_dir()
+
+    summary = trainer.run(_config(overrides), tmp_path / "run")  # one process, two devices: the same mesh
+    assert summary["resumed_from_step"] == STOP and summary["mesh"] == {"data": 2, "fsdp": 1}
     resumed, straight = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("run", "straight"))
-    assert [r["step"] for r in resumed] == list(range(1, 9))  # process 0 alone wrote the steps before the kill
+    assert [r["step"] for r in resumed] == list(range(1, 9))  # process 0 alone wrote each job's steps
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight], rel=1e-5)
+    evaluated, expected = ([(r["step"], r["val_loss"]) for r in rows if "val_loss" in r] for rows in (resumed, straight))
+    assert [s for s, _ in evaluated] == [s for s, _ in expected] == [4, 8]
+    assert [v for _, v in evaluated] == pytest.approx([v for _, v in expected], rel=1e-5)
     print(f"killed with {seen} in checkpoints/ (a save in flight: {bool(partial)}); resumed from step {committed[-1]}")

@@ -23,7 +23,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 # The name of `attention`'s saved output and log-sum-exp, for remat policies that keep attention (`lm.remat`).
@@ -118,12 +117,15 @@ def _row_blocks(q, t: int, blocks: int):
 def _logit_mask(q_rows: tuple[int, int], keys: int, group: int, causal: bool, segment_ids, q_segments):
     """Allowed (row, key) pairs of a row block, ``(batch or 1, 1, rows, keys)``; None when all are allowed.
 
-    Row ``r`` is query position ``r // group``. A causal block's mask is a constant; segments make it data.
+    Row ``r`` is query position ``r // group``. A causal block's mask compares two iotas, which XLA fuses into
+    the masking; a NumPy mask was a constant of the program (gpt2-124m's train step at T = 1024 held 13 sets of
+    its 4 block masks: 17.8 MB of StableHLO text, 0.36 MB without them). Segments make it data.
     """
     allowed = None
     if causal:
-        positions = np.arange(*q_rows) // group
-        allowed = jnp.asarray((np.arange(keys)[None, :] <= positions[:, None])[None, None])
+        shape = (q_rows[1] - q_rows[0], keys)
+        positions = (q_rows[0] + jax.lax.broadcasted_iota(jnp.int32, shape, 0)) // group
+        allowed = (jax.lax.broadcasted_iota(jnp.int32, shape, 1) <= positions)[None, None]
     if segment_ids is not None:
         same = (q_segments[:, None, :, None] == segment_ids[:, None, None, :keys])
         allowed = same if allowed is None else allowed & same

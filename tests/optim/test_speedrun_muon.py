@@ -10,7 +10,8 @@ from experiments.configs import speedrun as speedrun_config
 from lm import config as config_lib
 from lm import model as model_lib
 from optim import build
-from optim.speedrun_muon import SpeedrunMuon, group_labels, momentum_warmup, speedrun_muon
+from optim.speedrun_muon import SpeedrunMuon, group_labels, momentum_warmup
+from optim.speedrun_muon import speedrun_muon as make
 
 
 def _record_beta(step, warmup=300):
@@ -41,7 +42,7 @@ def _tree():
 def test_each_group_steps_at_its_rate_and_muon_at_the_warmed_up_momentum():
     params, lr, ratios, warmup = _tree(), optax.linear_schedule(0.05, 0.02, 4), {"embed": 12.0, "head": 0.16, "adam": 0.8}, 3
     grads_seq = ref.grads_sequence(params, n=5)
-    tx = speedrun_muon(lr, embed_lr_ratio=ratios["embed"], head_lr_ratio=ratios["head"], momentum_warmup_steps=warmup, ns_batching="same_shape")
+    tx = make(lr, embed_lr_ratio=ratios["embed"], head_lr_ratio=ratios["head"], momentum_warmup_steps=warmup, ns_batching="same_shape")
     got = ref.run_jax(tx, params, grads_seq)
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import importlib.util
 import json
 import signal
@@ -24,7 +25,7 @@ from etils import epath
 from experiments import checkpointing, hardware, metrics_io, profiling, restore, storage, train_lib
 from experiments.cli import UsageError
 from experiments.run_spec import RunSpec, balancing, build_run, data_config, resolve, run_meta, upgrade_meta
-from lm import hf
+from lm import hf, speedrun_config
 from lm.data import batches as batches_lib
 from lm.data import input_pipeline
 from lm.loss import flops_per_token
@@ -164,6 +165,7 @@ def run(
         learning_rate=build.learning_rate_fn(config.optimizer, config.steps),
         balancing=balancing(config),
         replica_axis=shardings.replica_axis,
+        window_blocks=functools.partial(speedrun_config.window_blocks, spec.cfg) if spec.cfg.window_warmup else None,
     )
     meta = run_meta(config, spec.cfg, shardings.replicas)
     mgr = checkpointing.manager(workdir, keep=config.keep_checkpoints, every=config.checkpoint_every)

@@ -63,22 +63,24 @@ def loss_chunks(cfg: ModelConfig, batch: int, seq: int) -> int:
 
 
 def next_token_loss(
-    model_def: model_lib.ModelDef, params: model_lib.Params, tokens: jax.Array, *, z_loss: float = 0.0
-) -> tuple[jax.Array, dict, dict]:
+    model_def: model_lib.ModelDef, params: model_lib.Params, tokens: jax.Array, *, z_loss: float = 0.0,
+    window_blocks: jax.Array | None = None,
+) -> tuple[jax.Array, dict, dict]:  # fmt: skip
     """``(loss, metrics, aux)`` of predicting ``tokens[:, 1:]`` from ``tokens[:, :-1]`` (`cross_entropy`'s loss and metrics).
 
     Runs the LM head and the loss in `loss_chunks` chunks (`chunked_cross_entropy`), or whole as
     `cross_entropy` of the model's logits; a token mean, so both run in the model's sequence layout.
+    ``window_blocks``: the attention window at this training step (`lm.speedrun_config.window_blocks`).
     """
     inputs, targets = tokens[:, :-1], model_lib.in_model_layout(model_def, tokens[:, 1:])
     n = loss_chunks(model_def.config, *inputs.shape)
     if vocab_parallel.active(model_def.config):  # the head's vocabulary split over `stage` (lm/parallel/vocab_parallel.py)
-        h, (head, vocab_first), aux = model_lib.features(model_def, params, inputs)
+        h, (head, vocab_first), aux = model_lib.features(model_def, params, inputs, window_blocks)
         return *vocab_parallel.cross_entropy(h, head, targets, z_loss=z_loss, vocab_first=vocab_first), aux
     if n == 1:
-        logits, aux = model_lib.apply(model_def, params, inputs, return_aux=True, model_layout=True)
+        logits, aux = model_lib.apply(model_def, params, inputs, return_aux=True, model_layout=True, window_blocks=window_blocks)
         return *cross_entropy(logits, targets, z_loss=z_loss), aux
-    h, (head, vocab_first), aux = model_lib.features(model_def, params, inputs)
+    h, (head, vocab_first), aux = model_lib.features(model_def, params, inputs, window_blocks)
     return *chunked_cross_entropy(h, head, targets, z_loss=z_loss, chunks=n, vocab_first=vocab_first), aux
 
 

@@ -33,6 +33,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.log_every = 25
     config.checkpoint_every = 10_000  # only at the end (or at the target)
     config.model.preset = "speedrun-124m"
+    config.model.window_warmup = config.get_ref("steps")  # the windows grow over the whole run, as the record's
     data = config.data
     data.train_files = "data/fineweb10B/fineweb_train_*.bin"
     data.val_files = "data/fineweb10B/fineweb_val_*.bin"

@@ -394,6 +394,7 @@ def attention(
     training: bool = True,
     window_size: int = 0,
     window_block: int = 1,
+    window_limit: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Causal softmax attention by ``implementation`` (``auto``, ``xla``, ``cudnn`` or ``pallas``).
 
@@ -408,13 +409,15 @@ def attention(
       training: a gradient may be taken through the call (``auto`` then passes over what refuses one);
         False for forward-only calls such as decoding.
       window_size: > 0: sliding-window attention over blocks of ``window_block`` tokens (`windowed`).
+      window_limit: a traced number of key blocks in ``[1, window_size / window_block]`` seen by each query
+        block (a window that grows during training, inside the static band of ``window_size``); None: all.
 
     Returns:
       ``(out, max_logits)``: out ``(batch, seq, heads, head_dim)`` in q's dtype; max_logits is None
       unless tracked.
     """
     if window_size:
-        args = (implementation, window_size, window_block, track_max_logits, sequence_sharded, segment_ids, training)
+        args = (implementation, window_size, window_block, track_max_logits, sequence_sharded, segment_ids, training, window_limit)
         return windowed(q, k, v, *args), None
     target = platform()
     gpu = target in _GPU_PLATFORMS
@@ -434,10 +437,13 @@ def attention(
     return run(q, k, v, segment_ids)
 
 
-def windowed(q, k, v, implementation: str, size: int, block: int, track_max_logits: bool, sequence_sharded: bool, segment_ids, training: bool):
+def windowed(
+    q, k, v, implementation: str, size: int, block: int, track_max_logits: bool, sequence_sharded: bool, segment_ids, training: bool,
+    limit: jax.Array | None = None,
+):  # fmt: skip
     """Sliding-window attention (`window`): cuDNN's token window where it serves (``block == 1`` on a GPU
-    cuDNN takes, as `cudnn_unsupported` checks), else the banded XLA computation. The Pallas kernel has
-    no window yet, so ``pallas`` is refused rather than run without one."""
+    cuDNN takes, as `cudnn_unsupported` checks, and a static window), else the banded XLA computation. The
+    Pallas kernel has no window yet, so ``pallas`` is refused rather than run without one."""
     if track_max_logits or sequence_sharded or implementation == "pallas":
         raise ValueError(
             "windowed attention runs in XLA or cuDNN on whole sequences, without tracked max logits: use model.attention="
@@ -448,6 +454,8 @@ def windowed(q, k, v, implementation: str, size: int, block: int, track_max_logi
     if implementation in ("auto", "cudnn"):
         if block > 1:
             reason = f"cuDNN's sliding window is per token; a window over blocks of {block} runs in XLA"
+        elif limit is not None:
+            reason = "cuDNN's sliding window is static; a window that grows during training runs in XLA"
         elif target not in _GPU_PLATFORMS:
             reason = f"cuDNN needs an NVIDIA GPU, not {target}"
         else:
@@ -461,4 +469,4 @@ def windowed(q, k, v, implementation: str, size: int, block: int, track_max_logi
     if implementation == "auto" and target in _GPU_PLATFORMS and reason not in _LOGGED:
         _LOGGED.add(reason)
         _log.info("model.attention=auto chose xla for windowed attention: %s", reason)
-    return window.attention(q, k, v, window=size, block=block, segment_ids=segment_ids)
+    return window.attention(q, k, v, window=size, block=block, segment_ids=segment_ids, limit=limit)

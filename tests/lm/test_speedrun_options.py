@@ -163,3 +163,34 @@ def test_speedrun_preset_has_the_records_parameter_count():
     blocks = (layers - 1) * attention + layers * (mlp + 2)  # no attention in block 7; Block.lambdas (2,)
     record = embed + value_embeds + blocks + layers // 2 + padded * d  # skip_weights, lm_head
     assert model_lib.param_counts(config_lib.from_preset("speedrun-124m")).total == record == 275_598_388
+
+
+def test_window_warmup_gives_the_records_windows():
+    """Record 21: ``window_size = next_multiple_of_n(1728 * step / 1770, n=128)`` (long), ``// 2`` blocks (short),
+    where a block mask of 0 blocks still keeps the diagonal block (``clamp_min(..., 1)`` in ``build_bm``)."""
+    cfg = dataclasses.replace(config_lib.from_preset("speedrun-124m"), window_warmup=1770)
+    steps = np.arange(1771)
+    record = np.array([next(x for x in range(128, int(1728 * s / 1770) + 1 + 128, 128) if x >= 1728 * s / 1770) for s in steps])
+    long = np.asarray(speedrun_config.window_blocks(cfg, steps))
+    np.testing.assert_array_equal(long * 128, record)
+    assert record[[0, 125, 250, 1180, 1770]].tolist() == [128, 128, 256, 1152, 1792]
+    assert np.asarray(speedrun_config.window_blocks(cfg, 5000)) == 14  # full after the warmup
+    short = np.asarray(speedrun_config.layer_window_blocks(cfg, 1, jnp.asarray(long)))  # layer 1 is an S
+    np.testing.assert_array_equal(short, np.maximum(record // 128 // 2, 1))
+    np.testing.assert_array_equal(speedrun_config.layer_window_blocks(cfg, 0, jnp.asarray(long)), long)  # an L
+
+
+def test_a_traced_window_inside_the_band_matches_the_masked_definition():
+    q, k, v = (jnp.asarray(np.random.default_rng(i).normal(size=(2, 32, 2, 8)), jnp.float32) for i in range(3))
+    segments = jnp.asarray(np.repeat([[0, 1], [0, 0]], [20, 12], axis=1))
+    run = jax.jit(lambda q, k, v, limit: window_lib.attention(q, k, v, window=12, block=4, segment_ids=segments, limit=limit))
+    for limit in (1, 3):  # one compilation, two windows
+        np.testing.assert_allclose(run(q, k, v, limit), _dense_window(q, k, v, 4 * limit, 4, segments), rtol=1e-5, atol=1e-6)
+
+
+def test_the_model_at_a_grown_window_equals_the_static_window(model):
+    model_def, _, params = model
+    run = jax.jit(lambda p, t, w: model_lib.apply(model_def, p, t, window_blocks=w))
+    one_block = dataclasses.replace(CFG, window_pattern="SSSS")  # at n = 1 the L and S windows are both 1 block
+    np.testing.assert_allclose(np.asarray(run(params, TOKENS, 1)), _numpy_logits(one_block, params, TOKENS), rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(run(params, TOKENS, 2)), _numpy_logits(CFG, params, TOKENS), rtol=2e-4, atol=2e-4)

@@ -36,7 +36,7 @@ import optax
 from lm import fp8
 from lm import model as model_lib
 from lm import moe as moe_lib
-from lm.loss import cross_entropy, next_token_loss
+from lm.loss import cross_entropy, next_token_loss, weighted_nll
 from lm.parallel import pipeline_1f1b
 from optim import placement
 from sharding import partition
@@ -306,16 +306,28 @@ def jit_train_step(step_fn, shardings: Shardings):
     )
 
 
-def jit_eval_step(eval_fn, shardings: Shardings):
-    """``eval_fn`` on the train state's parameters; in a replica-local run, on their replica mean."""
+def make_weighted_eval_step(model_def: model_lib.ModelDef) -> Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    """``(sum of weighted next-token losses, sum of weights)`` of ``params`` on a batch with per-target weights
+    (`lm.loss.weighted_nll`): a validation set that is not whole batches."""
+
+    def eval_step(params, batch, weights):
+        return weighted_nll(model_def, params, batch, weights)
+
+    return eval_step
+
+
+def jit_eval_step(eval_fn, shardings: Shardings, *, weighted: bool = False):
+    """``eval_fn`` on the train state's parameters; in a replica-local run, on their replica mean. ``weighted``:
+    ``eval_fn(params, batch, weights)`` with weights sharded as the batch (`make_weighted_eval_step`)."""
+    batch = (shardings.batch,) * (2 if weighted else 1)
     if not shardings.replica_axis:
-        return jax.jit(eval_fn, in_shardings=(shardings.params, shardings.batch))
+        return jax.jit(eval_fn, in_shardings=(shardings.params, *batch))
 
-    def on_mean(params, batch):
+    def on_mean(params, *data):
         mean = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.mean(p, axis=0), s), params, shardings.params)
-        return eval_fn(mean, batch)
+        return eval_fn(mean, *data)
 
-    return jax.jit(on_mean, in_shardings=(shardings.state["params"], shardings.batch))
+    return jax.jit(on_mean, in_shardings=(shardings.state["params"], *batch))
 
 
 def global_batch(local_rows, shardings: Shardings) -> jax.Array:

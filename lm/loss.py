@@ -84,6 +84,34 @@ def next_token_loss(
     return *chunked_cross_entropy(h, head, targets, z_loss=z_loss, chunks=n, vocab_first=vocab_first), aux
 
 
+def weighted_nll(
+    model_def: model_lib.ModelDef, params: model_lib.Params, tokens: jax.Array, weights: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """``(sum_t w_t nll_t, sum_t w_t)`` over the targets ``tokens[:, 1:]``, ``weights`` ``(batch, seq)`` one per
+    target: a validation set that is not whole batches (padding weighted 0) as its exact token mean. The head
+    runs in `loss_chunks` chunks as in `next_token_loss` (forward only)."""
+    cfg = model_def.config
+    if vocab_parallel.active(cfg):
+        raise ValueError("a validation set of partial batches needs the whole vocabulary per device; set data.val_tokens to whole batches")
+    inputs, targets = tokens[:, :-1], model_lib.in_model_layout(model_def, tokens[:, 1:])
+    weights = model_lib.in_model_layout(model_def, weights).astype(jnp.float32)
+    n = loss_chunks(cfg, *inputs.shape)
+    if n == 1:
+        nll = _token_nll(model_lib.apply(model_def, params, inputs, model_layout=True), targets)
+    else:
+        h, (head, vocab_first), _ = model_lib.features(model_def, params, inputs)
+        w = head.astype(h.dtype)
+        chunk = lambda xs: _token_nll(_chunk_logits(xs[0], w, vocab_first), xs[1])  # noqa: E731
+        nll = _from_chunks(jax.lax.map(chunk, (_to_chunks(h, n), _to_chunks(targets, n))))
+    return jnp.sum(weights * nll), jnp.sum(weights)
+
+
+def _token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """``logsumexp(z) - z[target]`` per token, float32."""
+    logits = logits.astype(jnp.float32)
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
 def chunked_cross_entropy(
     h: jax.Array, head: jax.Array, targets: jax.Array, *, z_loss: float = 0.0, chunks: int, vocab_first: bool
 ) -> tuple[jax.Array, dict]:

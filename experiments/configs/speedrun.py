@@ -38,7 +38,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     data.train_files = "data/fineweb10B/fineweb_train_*.bin"
     data.val_files = "data/fineweb10B/fineweb_val_*.bin"
     data.seq_len = 48 * 1024
-    data.val_tokens = RECORD_VAL_TOKENS  # rounded down to whole batches: 26 x 8 x 48Ki = 10,223,616 tokens
+    data.val_tokens = RECORD_VAL_TOKENS  # exactly: 26 whole batches of 8 x 48Ki and a last one padded and weighted
     data.document_mask = True
     data.separator_id = GPT2_EOT
     opt = config.optimizer

@@ -5,10 +5,9 @@ import dataclasses
 import json
 import math
 
+import jax
 import numpy as np
 import pytest
-
-import jax
 
 from experiments import cli, run_spec, train_lib, trainer
 from experiments.configs import default

@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import backends, varying
-from kernels_pallas.attention import base, mosaic_tpu, reference, triton, window
+from kernels_pallas.attention import base, mosaic_tpu, reference, triton
+from kernels_pallas.attention import window as window_lib
 from kernels_pallas.attention.base import BlockSizes
 from kernels_pallas.backends import platform
 
@@ -88,6 +89,8 @@ def flash_attention(
     block_sizes: BlockSizes | None = None,
     interpret: bool | object = False,
     backend: str | None = None,
+    window: int = 0,
+    window_block: int = 1,
 ):
     """Softmax attention without a ``T x T`` buffer in either direction (FlashAttention-2, arXiv:2307.08691).
 
@@ -106,6 +109,8 @@ def flash_attention(
       interpret: run the kernels in Pallas interpret mode (any platform, slow; for tests). The TPU
         backend also takes a `jax.experimental.pallas.tpu.InterpretParams`.
       backend: ``"triton"`` or ``"mosaic_tpu"``; default: the platform's (`kernels_pallas.backends`).
+      window, window_block: > 0: a causal sliding window of ``window`` tokens over blocks of ``window_block``
+        (`window`; the Triton backend only), key blocks outside every query's window skipped.
 
     Returns:
       ``(batch, seq, heads, v_head_dim)`` in q's dtype, or ``(out, max_logits)``.
@@ -118,12 +123,18 @@ def flash_attention(
     if segment_ids is not None and not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise ValueError(f"segment_ids must be integers; got {segment_ids.dtype}")
     backend = backends.choose("flash_attention", platform(), backend, interpret, tuple(BACKENDS), "use reference.attention")
+    if window:
+        window_lib.check_window(window, window_block)
+        if not causal or backend != "triton":
+            raise ValueError(f"a sliding window needs causal=True and the Triton backend, not causal={causal}, {backend}; use window.attention")
     spec = base.Spec(
         causal=causal,
         sm_scale=float(q.shape[-1] ** -0.5 if sm_scale is None else sm_scale),
         block_sizes=block_sizes or BlockSizes(),
         interpret=interpret,
         return_row_max=return_max_logits,
+        window=window,
+        window_block=window_block,
     )
     segment_ids = None if segment_ids is None else segment_ids.astype(jnp.int32)
     q, k, v, segment_ids = varying.unify(q, k, v, segment_ids)
@@ -418,7 +429,7 @@ def attention(
     """
     if window_size:
         args = (implementation, window_size, window_block, track_max_logits, sequence_sharded, segment_ids, training, window_limit)
-        return windowed(q, k, v, *args), None
+        return windowed(q, k, v, *args, per_shard=per_shard), None
     target = platform()
     gpu = target in _GPU_PLATFORMS
     capability, cudnn = _gpu_versions() if gpu else ("", None)
@@ -439,34 +450,57 @@ def attention(
 
 def windowed(
     q, k, v, implementation: str, size: int, block: int, track_max_logits: bool, sequence_sharded: bool, segment_ids, training: bool,
-    limit: jax.Array | None = None,
+    limit: jax.Array | None = None, per_shard: Callable[[AttentionFn], AttentionFn] | None = None,
 ):  # fmt: skip
-    """Sliding-window attention (`window`): cuDNN's token window where it serves (``block == 1`` on a GPU
-    cuDNN takes, as `cudnn_unsupported` checks, and a static window), else the banded XLA computation. The
-    Pallas kernel has no window yet, so ``pallas`` is refused rather than run without one."""
-    if track_max_logits or sequence_sharded or implementation == "pallas":
+    """Sliding-window attention (`window`) by the first of these that serves (``auto``), or the one named:
+
+    - ``cudnn``: its token window (``block == 1``, a static window, on a GPU cuDNN takes: `cudnn_unsupported`);
+    - ``pallas``: our Triton kernel with the window (a static window; on a GPU as `pallas_unsupported` checks,
+      run per shard under ``per_shard``; on a CPU interpreted, when named only); the TPU kernel has none;
+    - ``xla``: the banded computation, which also takes a traced ``limit`` (a window growing in training).
+    """
+    if track_max_logits or sequence_sharded:
         raise ValueError(
-            "windowed attention runs in XLA or cuDNN on whole sequences, without tracked max logits: use model.attention="
-            "auto, xla or cudnn, model.track_attn_logits=False and no context split (or model.attention_window=0)"
+            "windowed attention runs on whole sequences, without tracked max logits: use model.track_attn_logits=False and "
+            "no context split (or model.attention_window=0)"
         )
     target = platform()
-    reason = None
-    if implementation in ("auto", "cudnn"):
-        if block > 1:
-            reason = f"cuDNN's sliding window is per token; a window over blocks of {block} runs in XLA"
-        elif limit is not None:
-            reason = "cuDNN's sliding window is static; a window that grows during training runs in XLA"
-        elif target not in _GPU_PLATFORMS:
-            reason = f"cuDNN needs an NVIDIA GPU, not {target}"
-        else:
-            capability, cudnn = _gpu_versions()
-            call = Call(q, k, v, target, False, False, backends.device_kind(), segment_ids is not None, training, capability, cudnn)
-            reason = cudnn_unsupported(call)
-    if implementation == "cudnn" and reason is not None:
-        raise ValueError(f"model.attention=cudnn cannot run this windowed attention: {reason}; use auto or xla")
-    if implementation != "xla" and reason is None:
-        return window.cudnn(q, k, v, window=size, segment_ids=segment_ids)
-    if implementation == "auto" and target in _GPU_PLATFORMS and reason not in _LOGGED:
-        _LOGGED.add(reason)
-        _log.info("model.attention=auto chose xla for windowed attention: %s", reason)
-    return window.attention(q, k, v, window=size, block=block, segment_ids=segment_ids, limit=limit)
+    gpu = target in _GPU_PLATFORMS
+    call = Call(
+        q, k, v, target, False, False, backends.device_kind() if gpu else "", segment_ids is not None, training,
+        *(_gpu_versions() if gpu else ("", None)),
+    )  # fmt: skip
+    static = "a window that grows during training (a traced limit) runs in XLA"
+    if block > 1:
+        cudnn_reason = f"cuDNN's sliding window is per token; a window over blocks of {block} does not fit it"
+    elif limit is not None or not gpu:
+        cudnn_reason = static if limit is not None else f"cuDNN needs an NVIDIA GPU, not {target}"
+    else:
+        cudnn_reason = cudnn_unsupported(call)
+    if limit is not None or target == "tpu":
+        pallas_reason = static if limit is not None else "the Mosaic TPU kernel has no window"
+    elif not gpu and implementation == "auto":
+        pallas_reason = f"on {target} the kernel runs interpreted only (model.attention=pallas, for tests)"
+    else:
+        pallas_reason = pallas_unsupported(call)
+    reasons = {"cudnn": cudnn_reason, "pallas": pallas_reason, "xla": None}
+    if implementation not in reasons and implementation != "auto":
+        raise ValueError(f"model.attention={implementation!r} must be one of auto, {', '.join(reasons)}")
+    chosen = next(name for name, reason in reasons.items() if reason is None) if implementation == "auto" else implementation
+    if reasons[chosen] is not None:
+        raise ValueError(f"model.attention={chosen} cannot run this windowed attention: {reasons[chosen]}; use auto or xla")
+    if implementation == "auto" and gpu and chosen != "cudnn":
+        passed = "; ".join(f"{name}: {reasons[name]}" for name in ("cudnn", "pallas") if name != chosen and reasons[name])
+        if passed not in _LOGGED:
+            _LOGGED.add(passed)
+            _log.info("model.attention=auto chose %s for windowed attention (%s)", chosen, passed)
+    if chosen == "cudnn":
+        return window_lib.cudnn(q, k, v, window=size, segment_ids=segment_ids)
+    if chosen == "pallas":
+
+        def run(q, k, v, segment_ids):
+            out = flash_attention(q, k, v, segment_ids=segment_ids, window=size, window_block=block, interpret=target == "cpu")
+            return out, None
+
+        return (run if per_shard is None else per_shard(run))(q, k, v, segment_ids)[0]
+    return window_lib.attention(q, k, v, window=size, block=block, segment_ids=segment_ids, limit=limit)

@@ -12,7 +12,10 @@ of `base`:
   written once, without atomics and without a per-query-head copy.
 
 Only tiles that cross the causal diagonal or the end of the sequence build a position mask
-(`base.split_loop`). Sequences are zero-padded to whole blocks and head dims to a power of two
+(`base.split_loop`). With a sliding window (``window`` tokens in blocks of ``window_block``: the
+record's 128-token block windows, or a token window) the loops start at the first key block a query
+block's window reaches (forward, dQ) and stop after the last query block that sees a key block
+(dK/dV), so the work is ``O(T W)``; tiles that cross the window's edge are masked. Sequences are zero-padded to whole blocks and head dims to a power of two
 (>= 16, what ``tl.dot`` takes); both copies happen only when a size is off and are masked or sliced
 away. ``delta = rowsum(dO * O)`` is one fused XLA reduction.
 
@@ -86,17 +89,22 @@ def _query_side(
         kv_seg = None if kv_seg_ref is None else kv_seg_ref[pl.ds(k_start, block_kv)][None, :]
         return base.allowed(
             q_start, block_q, k_start, block_kv, seq_len=seq_len, causal=spec.causal, positions=masked,
-            q_segments=q_seg, kv_segments=kv_seg,
+            q_segments=q_seg, kv_segments=kv_seg, window=spec.window, window_block=spec.window_block,
         )
 
     # Key blocks wholly inside the sequence and (causal) wholly at or before the first query need no
-    # position mask; blocks past the diagonal are never visited.
+    # position mask; blocks past the diagonal are never visited. With a window, blocks before the first
+    # query's window are never visited, and those before the last query's window start are masked.
+    lo = full_lo = 0
     full = seq_len // block_kv
     hi = num_kv_blocks
     if spec.causal:
         full = jnp.minimum(full, jax.lax.div(q_start + 1, block_kv))
         hi = jnp.minimum(hi, _cdiv(q_start + block_q, block_kv))
-    return mask, full, hi
+    if spec.window:
+        lo = jax.lax.div(base.window_start(q_start, spec.window, spec.window_block), block_kv)
+        full_lo = _cdiv(base.window_start(q_start + block_q - 1, spec.window, spec.window_block), block_kv)
+    return mask, (lo, full_lo, full, hi)
 
 
 def _forward_kernel(*refs, spec: base.Spec, seq_len: int, block_q: int, block_kv: int, num_kv_blocks: int, segments: bool):
@@ -105,14 +113,14 @@ def _forward_kernel(*refs, spec: base.Spec, seq_len: int, block_q: int, block_kv
     o_ref, lse_ref, *row_max_ref = outs
     q_start = pl.program_id(0) * block_q
     q = q_ref[...]
-    mask, full, hi = _query_side(q_seg_ref, kv_seg_ref, q_start, block_q, block_kv, spec, seq_len, num_kv_blocks)
+    mask, bounds = _query_side(q_seg_ref, kv_seg_ref, q_start, block_q, block_kv, spec, seq_len, num_kv_blocks)
 
     def body(j, carry, masked):
         k_start = j * block_kv
         k, v = k_ref[pl.ds(k_start, block_kv), :], v_ref[pl.ds(k_start, block_kv), :]
         return base.online_softmax_step(carry, base.dot_nt(q, k) * spec.scale2, v, mask(k_start, masked))
 
-    m, l, acc = base.split_loop(0, 0, full, hi, body, base.initial_carry(block_q, o_ref.shape[-1]))
+    m, l, acc = base.split_loop(*bounds, body, base.initial_carry(block_q, o_ref.shape[-1]))
     o_ref[...] = (acc / l).astype(o_ref.dtype)
     lse_ref[...] = (m + jnp.log2(l))[:, 0]
     if row_max_ref:
@@ -126,7 +134,7 @@ def _dq_kernel(*refs, spec: base.Spec, seq_len: int, block_q: int, block_kv: int
     q_start = pl.program_id(0) * block_q
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
-    mask, full, hi = _query_side(q_seg_ref, kv_seg_ref, q_start, block_q, block_kv, spec, seq_len, num_kv_blocks)
+    mask, bounds = _query_side(q_seg_ref, kv_seg_ref, q_start, block_q, block_kv, spec, seq_len, num_kv_blocks)
 
     def body(j, dq, masked):
         k_start = j * block_kv
@@ -135,7 +143,7 @@ def _dq_kernel(*refs, spec: base.Spec, seq_len: int, block_q: int, block_kv: int
         ds = p * (base.dot_nt(do, v) - delta)
         return dq + base.dot_nn(ds.astype(k.dtype), k)
 
-    dq = base.split_loop(0, 0, full, hi, body, jnp.zeros(q.shape, jnp.float32))
+    dq = base.split_loop(*bounds, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * spec.sm_scale).astype(dq_ref.dtype)
 
 
@@ -152,7 +160,10 @@ def _dkdv_kernel(
     # Query blocks wholly inside the sequence and (causal) wholly at or after the last key need no
     # position mask; query blocks wholly before the first key are never visited.
     lo, full_lo = (jax.lax.div(k_start, block_q), _cdiv(k_start + block_kv - 1, block_q)) if spec.causal else (0, 0)
-    full_hi = seq_len // block_q
+    full_hi, hi = seq_len // block_q, num_q_blocks
+    if spec.window:  # query blocks past the last key's window are never visited; those past the first key's are masked
+        hi = jnp.minimum(hi, _cdiv(base.window_end(k_start + block_kv - 1, spec.window, spec.window_block), block_q))
+        full_hi = jnp.minimum(full_hi, jax.lax.div(base.window_end(k_start, spec.window, spec.window_block), block_q))
 
     def over_heads(g, carry):
         def body(i, carry, masked):
@@ -164,13 +175,13 @@ def _dkdv_kernel(
             q_seg = None if q_seg_ref is None else q_seg_ref[rows][:, None]
             mask = base.allowed(
                 q_start, block_q, k_start, block_kv, seq_len=seq_len, causal=spec.causal, positions=masked,
-                q_segments=q_seg, kv_segments=kv_seg,
+                q_segments=q_seg, kv_segments=kv_seg, window=spec.window, window_block=spec.window_block,
             )
             p = base.probabilities(base.dot_nt(q, k) * spec.scale2, lse, mask)
             ds = p * (base.dot_nt(do, v) - delta)
             return dk + base.dot_tn(ds.astype(q.dtype), q), dv + base.dot_tn(p.astype(do.dtype), do)
 
-        return base.split_loop(lo, full_lo, full_hi, num_q_blocks, body, carry)
+        return base.split_loop(lo, full_lo, full_hi, hi, body, carry)
 
     zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
     dk, dv = jax.lax.fori_loop(0, group, over_heads, zeros)

@@ -138,10 +138,12 @@ def test_windowed_attention_choice():
     q = jnp.zeros((1, 8, 2, 8))
     out, _ = jax.jit(lambda x: attention_api.attention(x, x, x, implementation="auto", window_size=4, window_block=2))(q)
     assert out.shape == q.shape
-    with pytest.raises(ValueError, match="model.attention=auto, xla or cudnn"):
-        attention_api.attention(q, q, q, implementation="pallas", window_size=4)
-    with pytest.raises(ValueError, match="cannot run this windowed attention"):
+    with pytest.raises(ValueError, match="without tracked max logits"):
+        attention_api.attention(q, q, q, implementation="pallas", window_size=4, track_max_logits=True)
+    with pytest.raises(ValueError, match="cudnn cannot run this windowed attention: cuDNN needs an NVIDIA GPU"):
         attention_api.attention(q, q, q, implementation="cudnn", window_size=4)
+    with pytest.raises(ValueError, match="pallas cannot run this windowed attention: a window that grows"):
+        attention_api.attention(q, q, q, implementation="pallas", window_size=4, window_limit=jnp.int32(2))
 
 
 def test_option_errors_name_the_fix():

@@ -5,10 +5,16 @@ does), so a tile a kernel forgets to write fails the comparison. With a GPU as J
 backend (tests/conftest.py) the same cases run compiled.
 """
 
+import functools
+
 import flash_check
+import jax
+import numpy as np
 import pytest
 from flash_check import Case
 
+from kernels_pallas.attention import api
+from kernels_pallas.attention import window as window_lib
 
 CASES = [
     Case(seq=37),  # ragged: three 16-row tiles, the last one 5 rows long; GQA 2; causal
@@ -24,3 +30,28 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=repr)
 def test_matches_reference_forward_and_backward(case):
     flash_check.compare(case, interpret=flash_check.INTERPRET, backend="triton")
+
+
+# A sliding window (kernels_pallas/attention/window.py) against the banded XLA attention: 2 blocks of 8 tokens,
+# so its edges cut through the 16-row tiles; ragged, packed documents, GQA 2. The last query tile skips the
+# first key tile (forward, dQ) and the first key tile skips the last query tile (dK/dV).
+WINDOW_CASES = [(Case(seq=45, heads=2, kv_heads=1, segments=True, batch=1), 16, 8)]
+
+
+@pytest.mark.parametrize("case, window, block", WINDOW_CASES, ids=lambda x: repr(x) if isinstance(x, Case) else str(x))
+def test_sliding_window_matches_the_banded_xla_attention_forward_and_backward(case, window, block):
+    x = flash_check.inputs(case)
+    seg = x["segment_ids"]
+    kernel = functools.partial(
+        api.flash_attention, segment_ids=seg, window=window, window_block=block, block_sizes=case.block_sizes,
+        interpret=flash_check.INTERPRET, backend="triton",
+    )  # fmt: skip
+    banded = functools.partial(window_lib.attention, segment_ids=seg, window=window, block=block)
+
+    def with_grads(f):
+        out, pullback = jax.vjp(f, x["q"], x["k"], x["v"])
+        return out, *pullback(x["d_out"])
+
+    got, want = (jax.jit(with_grads, static_argnums=0)(f) for f in (kernel, banded))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        np.testing.assert_allclose(a, b, atol=flash_check.TOLERANCE[case.dtype], rtol=flash_check.TOLERANCE[case.dtype], err_msg=name)

@@ -53,25 +53,28 @@ _log = logging.getLogger(__name__)
 _LOGGED: set[str] = set()
 
 
-def _forward(q, k, v, segment_ids, backend: str, spec: base.Spec):
-    return varying.call_opaque(lambda *a: BACKENDS[backend].forward(*a, spec), q, k, v, segment_ids)
+def _forward(q, k, v, segment_ids, window_blocks, backend: str, spec: base.Spec):
+    def run(q, k, v, segment_ids, window_blocks):  # a window's traced block count goes to the Triton kernels only
+        return BACKENDS[backend].forward(q, k, v, segment_ids, spec, *(() if window_blocks is None else (window_blocks,)))
+
+    return varying.call_opaque(run, q, k, v, segment_ids, window_blocks)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _flash(q, k, v, segment_ids, backend: str, spec: base.Spec):
-    out, row_max, _ = _forward(q, k, v, segment_ids, backend, spec)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _flash(q, k, v, segment_ids, window_blocks, backend: str, spec: base.Spec):
+    out, row_max, _ = _forward(q, k, v, segment_ids, window_blocks, backend, spec)
     return out, row_max
 
 
-def _flash_fwd(q, k, v, segment_ids, backend: str, spec: base.Spec):
-    out, row_max, residuals = _forward(q, k, v, segment_ids, backend, spec)
+def _flash_fwd(q, k, v, segment_ids, window_blocks, backend: str, spec: base.Spec):
+    out, row_max, residuals = _forward(q, k, v, segment_ids, window_blocks, backend, spec)
     return (out, row_max), residuals
 
 
 def _flash_bwd(backend: str, spec: base.Spec, residuals, cotangents):
     d_out, _ = cotangents  # the row maxima are a statistic (QK-clip's input): no gradient flows through them
     dq, dk, dv = varying.call_opaque(lambda r, d: BACKENDS[backend].backward(r, d, spec), residuals, d_out)
-    return dq, dk, dv, None
+    return dq, dk, dv, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -91,6 +94,7 @@ def flash_attention(
     backend: str | None = None,
     window: int = 0,
     window_block: int = 1,
+    window_limit: jax.Array | None = None,
 ):
     """Softmax attention without a ``T x T`` buffer in either direction (FlashAttention-2, arXiv:2307.08691).
 
@@ -111,6 +115,8 @@ def flash_attention(
       backend: ``"triton"`` or ``"mosaic_tpu"``; default: the platform's (`kernels_pallas.backends`).
       window, window_block: > 0: a causal sliding window of ``window`` tokens over blocks of ``window_block``
         (`window`; the Triton backend only), key blocks outside every query's window skipped.
+      window_limit: a traced window in blocks, ``[1, window / window_block]``, inside that band (a window
+        that grows during training: one compilation); None: the whole band.
 
     Returns:
       ``(batch, seq, heads, v_head_dim)`` in q's dtype, or ``(out, max_logits)``.
@@ -123,7 +129,7 @@ def flash_attention(
     if segment_ids is not None and not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise ValueError(f"segment_ids must be integers; got {segment_ids.dtype}")
     backend = backends.choose("flash_attention", platform(), backend, interpret, tuple(BACKENDS), "use reference.attention")
-    if window:
+    if window or window_limit is not None:
         window_lib.check_window(window, window_block)
         if not causal or backend != "triton":
             raise ValueError(f"a sliding window needs causal=True and the Triton backend, not causal={causal}, {backend}; use window.attention")
@@ -140,7 +146,8 @@ def flash_attention(
     q, k, v, segment_ids = varying.unify(q, k, v, segment_ids)
     if interpret:
         varying.check_interpretable("flash_attention", "use model.attention=xla on a CPU", q)
-    out, row_max = _flash(q, k, v, segment_ids, backend, spec)
+    limit = None if window_limit is None else jnp.asarray(window_limit, jnp.int32)
+    out, row_max = _flash(q, k, v, segment_ids, limit, backend, spec)
     if not return_max_logits:
         return out
     return out, jnp.max(row_max, axis=(0, 2))
@@ -455,10 +462,12 @@ def windowed(
     """Sliding-window attention (`window`) by the first of these that serves (``auto``), or the one named:
 
     - ``cudnn``: its token window (``block == 1``, a static window, on a GPU cuDNN takes: `cudnn_unsupported`);
-    - ``pallas``: our Triton kernel with the window (a static window; on a GPU as `pallas_unsupported` checks,
-      run per shard under ``per_shard``; on a CPU interpreted, when named only); the TPU kernel has none;
-    - ``xla``: the banded computation, which also takes a traced ``limit`` (a window growing in training).
-    """
+    - ``pallas``: our Triton kernel with the window (on a GPU as `pallas_unsupported` checks, run per shard
+      under ``per_shard``; on a CPU interpreted, when named only); the TPU kernel has none;
+    - ``xla``: the banded computation.
+
+    ``limit``: a traced window in blocks inside the band of ``size`` (a window growing in training), which
+    the kernel and XLA take."""
     if track_max_logits or sequence_sharded:
         raise ValueError(
             "windowed attention runs on whole sequences, without tracked max logits: use model.track_attn_logits=False and "
@@ -470,15 +479,14 @@ def windowed(
         q, k, v, target, False, False, backends.device_kind() if gpu else "", segment_ids is not None, training,
         *(_gpu_versions() if gpu else ("", None)),
     )  # fmt: skip
-    static = "a window that grows during training (a traced limit) runs in XLA"
     if block > 1:
         cudnn_reason = f"cuDNN's sliding window is per token; a window over blocks of {block} does not fit it"
-    elif limit is not None or not gpu:
-        cudnn_reason = static if limit is not None else f"cuDNN needs an NVIDIA GPU, not {target}"
+    elif limit is not None:
+        cudnn_reason = "cuDNN's sliding window is static, not one that grows during training"
     else:
-        cudnn_reason = cudnn_unsupported(call)
-    if limit is not None or target == "tpu":
-        pallas_reason = static if limit is not None else "the Mosaic TPU kernel has no window"
+        cudnn_reason = cudnn_unsupported(call) if gpu else f"cuDNN needs an NVIDIA GPU, not {target}"
+    if target == "tpu":
+        pallas_reason = "the Mosaic TPU kernel has no window"
     elif not gpu and implementation == "auto":
         pallas_reason = f"on {target} the kernel runs interpreted only (model.attention=pallas, for tests)"
     else:
@@ -499,7 +507,8 @@ def windowed(
     if chosen == "pallas":
 
         def run(q, k, v, segment_ids):
-            out = flash_attention(q, k, v, segment_ids=segment_ids, window=size, window_block=block, interpret=target == "cpu")
+            kw = {"window": size, "window_block": block, "window_limit": limit, "interpret": target == "cpu"}
+            out = flash_attention(q, k, v, segment_ids=segment_ids, **kw)
             return out, None
 
         return (run if per_shard is None else per_shard(run))(q, k, v, segment_ids)[0]

@@ -25,9 +25,10 @@ garbage by ``exp2(MASK - m) = 0``. Every real query sees at least itself, so not
 Sequences are padded to whole blocks by the backends; pairs with a position ``>= seq_len`` are
 masked, so a ragged length is exact (unlike jax issues #27224 and #23819).
 
-A sliding window of ``W`` tokens over blocks of ``B`` (`kernels_pallas.attention.window`) adds
-``i // B - j // B < W / B`` to the causal mask; key positions ``[window_start(i), i]`` are then the
-ones query ``i`` sees, so a backend visits only the key blocks that meet that range.
+A sliding window of ``n`` blocks of ``B`` tokens (`kernels_pallas.attention.window`; ``n`` may be a
+traced count, at most the static ``W / B`` of `Spec.window`) adds ``i // B - j // B < n`` to the causal
+mask; key positions ``[window_start(i), i]`` are then the ones query ``i`` sees, so a backend visits
+only the key blocks that meet that range.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class Spec:
     block_sizes: BlockSizes
     interpret: Any  # False, True, or a backend's interpret parameters
     return_row_max: bool
-    window: int = 0  # sliding window in tokens (causal only); 0: none
+    window: int = 0  # sliding window in tokens (causal only), the most a traced window may reach; 0: none
     window_block: int = 1  # the window's granularity in tokens (`kernels_pallas.attention.window`)
 
     @property
@@ -126,14 +127,14 @@ def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def window_start(q_pos: Any, window: int, block: int) -> Any:
-    """The first key position query ``q_pos`` sees under a window of ``window`` tokens in blocks of ``block``."""
-    return jnp.maximum(0, (q_pos // block - (window // block - 1)) * block)
+def window_start(q_pos: Any, blocks: Any, block: int) -> Any:
+    """The first key position query ``q_pos`` sees under a window of ``blocks`` blocks of ``block`` tokens."""
+    return jnp.maximum(0, (q_pos // block - (blocks - 1)) * block)
 
 
-def window_end(k_pos: Any, window: int, block: int) -> Any:
+def window_end(k_pos: Any, blocks: Any, block: int) -> Any:
     """One past the last query position that sees key ``k_pos`` under the window (causal: from ``k_pos`` on)."""
-    return (k_pos // block + window // block) * block
+    return (k_pos // block + blocks) * block
 
 
 def allowed(
@@ -147,13 +148,13 @@ def allowed(
     positions: bool,
     q_segments: jax.Array | None = None,
     kv_segments: jax.Array | None = None,
-    window: int = 0,
+    window_blocks: Any = None,
     window_block: int = 1,
 ) -> jax.Array | None:
     """Which (query, key) pairs of a ``(block_q, block_kv)`` tile take part, or None for all.
 
-    ``positions`` adds the position part (both inside ``seq_len``; causal order; inside the ``window``
-    if any); blocks that a backend knows to lie wholly inside it skip that part. Segment ids,
+    ``positions`` adds the position part (both inside ``seq_len``; causal order; inside a window of
+    ``window_blocks`` blocks of ``window_block`` tokens, if any); blocks that a backend knows to lie wholly inside it skip that part. Segment ids,
     ``(block_q, 1)`` and ``(1, block_kv)``, always apply.
     """
     mask = None
@@ -163,8 +164,8 @@ def allowed(
         mask = (q_pos < seq_len) & (k_pos < seq_len)
         if causal:
             mask = mask & (q_pos >= k_pos)
-        if window:
-            mask = mask & (q_pos // window_block - k_pos // window_block < window // window_block)
+        if window_blocks is not None:
+            mask = mask & (q_pos // window_block - k_pos // window_block < window_blocks)
     if q_segments is not None:
         same = q_segments == kv_segments
         mask = same if mask is None else mask & same

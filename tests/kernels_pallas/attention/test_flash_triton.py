@@ -5,10 +5,9 @@ does), so a tile a kernel forgets to write fails the comparison. With a GPU as J
 backend (tests/conftest.py) the same cases run compiled.
 """
 
-import functools
-
 import flash_check
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flash_check import Case
@@ -32,26 +31,28 @@ def test_matches_reference_forward_and_backward(case):
     flash_check.compare(case, interpret=flash_check.INTERPRET, backend="triton")
 
 
-# A sliding window (kernels_pallas/attention/window.py) against the banded XLA attention: 2 blocks of 8 tokens,
-# so its edges cut through the 16-row tiles; ragged, packed documents, GQA 2. The last query tile skips the
-# first key tile (forward, dQ) and the first key tile skips the last query tile (dK/dV).
-WINDOW_CASES = [(Case(seq=45, heads=2, kv_heads=1, segments=True, batch=1), 16, 8)]
-
-
-@pytest.mark.parametrize("case, window, block", WINDOW_CASES, ids=lambda x: repr(x) if isinstance(x, Case) else str(x))
-def test_sliding_window_matches_the_banded_xla_attention_forward_and_backward(case, window, block):
+# A sliding window (kernels_pallas/attention/window.py) against the banded XLA attention: a band of 3 blocks of
+# 8 tokens with a traced window of 2 (a window growing in training), so its edges cut through the 16-row
+# tiles; ragged, packed documents, GQA 2. The last query tile skips the first key tile (forward, dQ) and the
+# first key tile skips the last query tile (dK/dV).
+def test_sliding_window_matches_the_banded_xla_attention_forward_and_backward():
+    case = Case(seq=45, heads=2, kv_heads=1, segments=True, batch=1)
     x = flash_check.inputs(case)
-    seg = x["segment_ids"]
-    kernel = functools.partial(
-        api.flash_attention, segment_ids=seg, window=window, window_block=block, block_sizes=case.block_sizes,
-        interpret=flash_check.INTERPRET, backend="triton",
-    )  # fmt: skip
-    banded = functools.partial(window_lib.attention, segment_ids=seg, window=window, block=block)
+    seg, block_sizes = x["segment_ids"], case.block_sizes
 
-    def with_grads(f):
-        out, pullback = jax.vjp(f, x["q"], x["k"], x["v"])
+    def kernel(q, k, v, limit):
+        return api.flash_attention(
+            q, k, v, segment_ids=seg, window=24, window_block=8, window_limit=limit, block_sizes=block_sizes,
+            interpret=flash_check.INTERPRET, backend="triton",
+        )  # fmt: skip
+
+    def banded(q, k, v, limit):
+        return window_lib.attention(q, k, v, segment_ids=seg, window=24, block=8, limit=limit)
+
+    def with_grads(f, limit):
+        out, pullback = jax.vjp(lambda q, k, v: f(q, k, v, limit), x["q"], x["k"], x["v"])
         return out, *pullback(x["d_out"])
 
-    got, want = (jax.jit(with_grads, static_argnums=0)(f) for f in (kernel, banded))
+    got, want = (jax.jit(with_grads, static_argnums=0)(f, jnp.int32(2)) for f in (kernel, banded))
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         np.testing.assert_allclose(a, b, atol=flash_check.TOLERANCE[case.dtype], rtol=flash_check.TOLERANCE[case.dtype], err_msg=name)

@@ -172,15 +172,20 @@ class Attention(nnx.Module):
             out = out[:, self.prefix.tokens :]
         return self.o_proj(out.reshape(b, s, -1)), max_logits
 
-    def decode(self, x: jax.Array, cache: kv_cache.Cache, start: jax.Array) -> tuple[jax.Array, kv_cache.Cache]:
+    def decode(
+        self, x: jax.Array, cache: kv_cache.Cache, start: jax.Array, ve: jax.Array | None = None
+    ) -> tuple[jax.Array, kv_cache.Cache]:
         """Attention of ``x`` ``(batch, s, d_model)`` (tokens at ``start ..``) over the cached keys and values.
 
         ``cache`` is one layer's ``{"k", "v": (batch, max_len, kv_heads, head_dim)}``; returns
-        ``(out, cache with x's rows written)``.
+        ``(out, cache with x's rows written)``. ``ve``: this block's value embedding, as in `__call__`;
+        the layer's window, if any, at its full size.
         """
         cfg = self.cfg
         b, s = x.shape[:2]
         q, k, v = self._qkv(x, start + jnp.arange(s))
+        if cfg.value_embeddings:
+            v = speedrun_blocks.mix_values(v, ve, self.v_lambdas[...])
         cache = {"k": kv_cache.write(cache["k"], k, start), "v": kv_cache.write(cache["v"], v, start)}
         keys, values, visible_to = cache["k"], cache["v"], start
         if cfg.parscale > 1:  # the prefix positions go first and every query sees them
@@ -188,6 +193,6 @@ class Attention(nnx.Module):
             visible_to = start + self.prefix.tokens
         grouped = q.reshape(b, s, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim)
         logits = jnp.einsum("bskgd,btkd->bkgst", grouped, keys, preferred_element_type=jnp.float32)
-        probs = kv_cache.causal_softmax(logits * cfg.head_dim**-0.5, visible_to)
+        probs = kv_cache.causal_softmax(logits * cfg.head_dim**-0.5, visible_to, window=self.window, block=cfg.window_block)
         out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(v.dtype), values)
         return self.o_proj(out.reshape(b, s, -1)), cache

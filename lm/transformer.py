@@ -85,10 +85,17 @@ class Block(nnx.Module):
         x = constrain(x + mlp_out, ACTIVATION)
         return x, (max_logits, moe_stats)
 
-    def decode(self, x: jax.Array, cache: kv_cache.Cache, start: jax.Array) -> tuple[jax.Array, kv_cache.Cache]:
-        """The block on new tokens at ``start ..``, attending over and extending this layer's ``cache``."""
-        attn_out, cache = self.attn.decode(self.attn_norm(x), cache, start)
-        x = x + attn_out
+    def decode(
+        self, x: jax.Array, cache: kv_cache.Cache, start: jax.Array, x0: jax.Array | None = None, ve: jax.Array | None = None
+    ) -> tuple[jax.Array, kv_cache.Cache]:
+        """The block on new tokens at ``start ..``, attending over and extending this layer's ``cache``; ``x0``
+        and ``ve`` as in `__call__` (a block without attention passes its cache through)."""
+        if self.x0_mixing and x0 is not None:
+            lambdas = self.x0_lambdas[...].astype(x.dtype)
+            x = lambdas[0] * x + lambdas[1] * x0
+        if self.attn is not None:
+            attn_out, cache = self.attn.decode(self.attn_norm(x), cache, start, *(() if ve is None else (ve,)))
+            x = x + attn_out
         mlp_out = self.mlp(self.mlp_norm(x))
         return x + (mlp_out[0] if isinstance(self.mlp, MoE) else mlp_out), cache
 
@@ -276,10 +283,13 @@ class Transformer(nnx.Module):
         returned one also holds ``tokens``'. With ``start=0`` and an empty cache this is prefill and
         equals ``__call__``'s logits.
         """
-        if speedrun_config.layer_dependent(self.cfg) or self.cfg.attention_window:
-            raise NotImplementedError("decoding does not yet run the speedrun's block stack or windows (lm/speedrun_blocks.py)")
         x = self._streams(constrain(self.embed(tokens), ACTIVATION))
-        if self.cfg.scan_layers:
+        if speedrun_config.layer_dependent(self.cfg):
+            layer_caches = iter([jax.tree.map(lambda c, i=i: c[i], cache) for i in range(self.cfg.n_layers)])
+            run_block = lambda block, h, x0, ve: block.decode(h, next(layer_caches), start, x0, ve)  # noqa: E731  in layer order
+            x, per_layer = speedrun_blocks.run_blocks(self, tokens, x, run_block)
+            cache = jax.tree.map(lambda *c: jnp.stack(c), *per_layer)
+        elif self.cfg.scan_layers:
             scan = nnx.scan(
                 lambda block, h, layer_cache: block.decode(h, layer_cache, start),
                 in_axes=(0, nnx.Carry, 0),

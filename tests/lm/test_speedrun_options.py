@@ -16,8 +16,8 @@ import pytest
 from kernels_pallas.attention import api as attention_api
 from kernels_pallas.attention import window as window_lib
 from lm import config as config_lib
+from lm import kv_cache, speedrun_config
 from lm import model as model_lib
-from lm import speedrun_config
 
 CFG = config_lib.ModelConfig(
     vocab_size=64, embed_vocab_size=60, d_model=32, n_layers=4, n_heads=2, n_kv_heads=2, head_dim=16, mlp_dim=48,
@@ -196,3 +196,19 @@ def test_the_model_at_a_grown_window_equals_the_static_window(model):
     one_block = dataclasses.replace(CFG, window_pattern="SSSS")  # at n = 1 the L and S windows are both 1 block
     np.testing.assert_allclose(np.asarray(run(params, TOKENS, 1)), _numpy_logits(one_block, params, TOKENS), rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(np.asarray(run(params, TOKENS, 2)), _numpy_logits(CFG, params, TOKENS), rtol=2e-4, atol=2e-4)
+
+
+def test_prefill_and_step_by_step_decode_equal_the_full_forward(model):
+    """The speedrun stack decodes from a KV cache (value embeddings, U-net skips, x0 mixing, a block without
+    attention, long/short block windows), against the NumPy transcription; no separator in the tokens
+    (decoding masks no documents)."""
+    model_def, _, params = model
+    tokens = np.where(TOKENS == CFG.document_separator, 6, TOKENS)
+    full = _numpy_logits(CFG, params, tokens)
+    decode = jax.jit(lambda p, t, c, s: model_lib.decode(model_def, p, t, c, s))
+    logits, cache = decode(params, tokens[:, :5], kv_cache.init(CFG, 2, 16), jnp.int32(0))
+    steps = [logits]
+    for t in range(5, 16):
+        logits, cache = decode(params, tokens[:, t : t + 1], cache, jnp.int32(t))
+        steps.append(logits)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=2e-4, atol=2e-4)

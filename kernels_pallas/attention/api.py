@@ -506,7 +506,7 @@ def windowed(
         return window_lib.cudnn(q, k, v, window=size, segment_ids=segment_ids)
     if chosen == "pallas":
 
-        def run(q, k, v, segment_ids):
+        def run(q, k, v, segment_ids=None):
             kw = {"window": size, "window_block": block, "window_limit": limit, "interpret": target == "cpu"}
             out = flash_attention(q, k, v, segment_ids=segment_ids, **kw)
             return out, None

@@ -146,6 +146,23 @@ def test_windowed_attention_choice():
         attention_api.attention(q, q, q, implementation="cudnn", window_size=4, window_limit=jnp.int32(2))
 
 
+def test_windowed_attention_hands_the_kernel_its_window_per_shard(monkeypatch):
+    """``pallas`` (interpreted on a CPU) gets the window, its block and the traced limit, and is called per shard
+    without segment ids as `lm.attention` calls it; the kernel's numerics: tests/kernels_pallas/attention."""
+    calls = []
+
+    def kernel(q, k, v, *, segment_ids, window, window_block, window_limit, interpret):
+        calls.append((segment_ids, window, window_block, int(window_limit), interpret))
+        return window_lib.attention(q, k, v, window=window, block=window_block, limit=window_limit)
+
+    monkeypatch.setattr(attention_api, "flash_attention", kernel)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 8, 2, 8)), jnp.float32)
+    per_shard = lambda run: lambda q, k, v, segment_ids=None: run(q, k, v)  # noqa: E731
+    out, _ = attention_api.attention(x, x, x, implementation="pallas", window_size=4, window_block=2, window_limit=jnp.int32(1), per_shard=per_shard)
+    assert calls == [(None, 4, 2, 1, True)]
+    np.testing.assert_array_equal(out, window_lib.attention(x, x, x, window=4, block=2, limit=1))
+
+
 def test_option_errors_name_the_fix():
     with pytest.raises(ValueError, match="model.scan_layers=False"):
         dataclasses.replace(CFG, scan_layers=True)

@@ -161,8 +161,9 @@ def validation_bits_per_byte(scorer: Scorer, config: ml_collections.ConfigDict, 
     """Loss and bits per byte of the run's fixed validation set (as training computes them)."""
     _, val_batches = trainer.load_data(config, scorer.model_def.config.vocab_size)
     rows = np.concatenate(list(val_batches)).astype(np.int32)
-    sums = scorer.log_likelihoods(rows, np.ones(rows.shape, np.float32), batch_size)
-    loss = -float(np.sum(sums)) / (rows.shape[0] * (rows.shape[1] - 1))
+    weights = np.ones((len(rows), rows.shape[1] - 1), np.float32) if val_batches.weights is None else np.concatenate(val_batches.weights)
+    sums = scorer.log_likelihoods(rows, np.pad(weights, ((0, 0), (1, 0))), batch_size)  # a weight per target: rows[:, 1:]
+    loss = -float(np.sum(sums)) / float(np.sum(weights))
     return {"val_loss": loss, "val_bits_per_byte": val_batches.bits_per_byte(loss)}
 
 

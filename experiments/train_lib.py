@@ -36,7 +36,7 @@ import optax
 from lm import fp8
 from lm import model as model_lib
 from lm import moe as moe_lib
-from lm.loss import cross_entropy, next_token_loss
+from lm.loss import cross_entropy, next_token_loss, weighted_nll
 from lm.parallel import pipeline_1f1b
 from optim import placement
 from sharding import partition
@@ -158,6 +158,7 @@ def make_train_step(
     learning_rate: Callable[[Any], Any] | None = None,
     balancing: moe_lib.Balancing | None = None,
     replica_axis: str | None = None,
+    window_blocks: Callable[[jax.Array], jax.Array] | None = None,
 ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
     """Returns the (unjitted) train step for batches of shape ``(batch, seq_len + 1)``.
 
@@ -172,13 +173,15 @@ def make_train_step(
     With ``replica_axis`` the step is replica-local (see the module docstring) and must be called
     under ``jax.set_mesh``; ``tx`` then sees each replica's own gradients, so it is either built for
     replicas or preceded by `optim.cross_replica.mean_over_replicas` (`optim.build.build` does both).
+
+    ``window_blocks(step)``: the attention window at each step, traced (`lm.speedrun_config.window_blocks`).
     """
     tx = optax.with_extra_args_support(tx)
     balancing = balancing or moe_lib.Balancing()
     total = (lambda x: jax.lax.psum(x, replica_axis)) if replica_axis else (lambda x: x)  # noqa: E731
 
-    def loss_fn(params, tokens, prior_counts=None):
-        loss, metrics, aux = next_token_loss(model_def, params, tokens, z_loss=z_loss)
+    def loss_fn(params, tokens, prior_counts=None, window=None):
+        loss, metrics, aux = next_token_loss(model_def, params, tokens, z_loss=z_loss, window_blocks=window)
         routed = {k: v for k, v in aux.items() if k in OPTIMIZER_AUX}
         if "moe" in aux:
             stats = aux["moe"]
@@ -192,29 +195,29 @@ def make_train_step(
 
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def grad_fn(params, tokens, prior_counts=None):
+    def grad_fn(params, tokens, prior_counts=None, window=None):
         if pipeline_1f1b.active(model_def.config):  # the schedule computes loss and gradients itself (lm/parallel/pipeline_1f1b.py)
             loss_of = lambda logits, targets: cross_entropy(logits, targets, z_loss=z_loss)  # noqa: E731
             (loss, metrics), grads = pipeline_1f1b.value_and_grad(model_def, params, tokens, loss_of, z_loss=z_loss)
             return (loss, (metrics, {})), grads
-        return value_and_grad(params, tokens, prior_counts)
+        return value_and_grad(params, tokens, prior_counts, window)
 
-    def accumulate(params, batch):
+    def accumulate(params, batch, window):
         if grad_accum_steps == 1:
-            return grad_fn(params, batch)
+            return grad_fn(params, batch, None, window)
         b = batch.shape[0]
         # Row r of micro-batch m is row r * accum + m: each micro-batch keeps the batch sharding.
         micro = batch.reshape(b // grad_accum_steps, grad_accum_steps, -1).swapaxes(0, 1)
 
         def body(carry, tokens):
             totals, counts = carry
-            (loss, (metrics, aux)), grads = grad_fn(params, partition.constrain(tokens, ("batch", None)), counts)
+            (loss, (metrics, aux)), grads = grad_fn(params, partition.constrain(tokens, ("batch", None)), counts, window)
             if counts is not None:  # the global balancing scope sees the step's earlier micro-batches
                 counts = counts + aux["moe_counts"]
             loss_sum, metrics_sum, grads_sum = totals  # FP8 scaling state: the micro-batches' maximum (lm/fp8.py)
             return ((loss_sum + loss, jax.tree.map(jnp.add, metrics_sum, metrics), fp8.accumulate(grads_sum, grads)), counts), aux
 
-        (_, (metric_shapes, aux_shapes)), _ = jax.eval_shape(grad_fn, params, micro[0])
+        (_, (metric_shapes, aux_shapes)), _ = jax.eval_shape(grad_fn, params, micro[0], None, window)
         zeros = jax.tree.map(jnp.zeros_like, (jnp.float32(0), metric_shapes, params))
         counts = jnp.zeros_like(aux_shapes["moe_counts"]) if "moe_counts" in aux_shapes else None
         ((loss, metrics, grads), _), aux = jax.lax.scan(body, (zeros, counts), micro)
@@ -232,7 +235,8 @@ def make_train_step(
 
     def local_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
         params, opt_state = state["params"], state["opt_state"]
-        (loss, (metrics, aux)), grads = accumulate(params, batch)
+        window = None if window_blocks is None else window_blocks(state["step"])
+        (loss, (metrics, aux)), grads = accumulate(params, batch, window)
         # Per-head max logits of the whole batch (identity without replicas).
         aux = {k: maximum(v) if k in OPTIMIZER_AUX else v for k, v in aux.items()}
         updates, new_opt_state = tx.update(grads, opt_state, params, **{k: aux[k] for k in OPTIMIZER_AUX if k in aux})
@@ -302,16 +306,28 @@ def jit_train_step(step_fn, shardings: Shardings):
     )
 
 
-def jit_eval_step(eval_fn, shardings: Shardings):
-    """``eval_fn`` on the train state's parameters; in a replica-local run, on their replica mean."""
+def make_weighted_eval_step(model_def: model_lib.ModelDef) -> Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    """``(sum of weighted next-token losses, sum of weights)`` of ``params`` on a batch with per-target weights
+    (`lm.loss.weighted_nll`): a validation set that is not whole batches."""
+
+    def eval_step(params, batch, weights):
+        return weighted_nll(model_def, params, batch, weights)
+
+    return eval_step
+
+
+def jit_eval_step(eval_fn, shardings: Shardings, *, weighted: bool = False):
+    """``eval_fn`` on the train state's parameters; in a replica-local run, on their replica mean. ``weighted``:
+    ``eval_fn(params, batch, weights)`` with weights sharded as the batch (`make_weighted_eval_step`)."""
+    batch = (shardings.batch,) * (2 if weighted else 1)
     if not shardings.replica_axis:
-        return jax.jit(eval_fn, in_shardings=(shardings.params, shardings.batch))
+        return jax.jit(eval_fn, in_shardings=(shardings.params, *batch))
 
-    def on_mean(params, batch):
+    def on_mean(params, *data):
         mean = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.mean(p, axis=0), s), params, shardings.params)
-        return eval_fn(mean, batch)
+        return eval_fn(mean, *data)
 
-    return jax.jit(on_mean, in_shardings=(shardings.state["params"], shardings.batch))
+    return jax.jit(on_mean, in_shardings=(shardings.state["params"], *batch))
 
 
 def global_batch(local_rows, shardings: Shardings) -> jax.Array:

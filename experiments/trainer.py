@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import importlib.util
 import json
 import signal
@@ -24,7 +25,7 @@ from etils import epath
 from experiments import checkpointing, hardware, metrics_io, profiling, restore, storage, train_lib
 from experiments.cli import UsageError
 from experiments.run_spec import RunSpec, balancing, build_run, data_config, resolve, run_meta, upgrade_meta
-from lm import hf
+from lm import hf, speedrun_config
 from lm.data import batches as batches_lib
 from lm.data import input_pipeline
 from lm.loss import flops_per_token
@@ -115,9 +116,14 @@ def load_data(config: ml_collections.ConfigDict, vocab_size: int) -> tuple[batch
         raise UsageError(str(e)) from e
 
 
-def _evaluate(eval_step, params, batches, shardings) -> float:
-    losses = [eval_step(params, train_lib.global_batch(b, shardings)) for b in batches]
-    return float(np.mean(jax.device_get(losses)))
+def _evaluate(eval_step, params, batches: input_pipeline.ValidationSet, shardings) -> float:
+    """The mean validation loss: of the batches' means, or with ``batches.weights`` over exactly the weighted targets."""
+    if batches.weights is None:
+        losses = [eval_step(params, train_lib.global_batch(b, shardings)) for b in batches]
+        return float(np.mean(jax.device_get(losses)))
+    sums = [eval_step(params, *(train_lib.global_batch(x, shardings) for x in bw)) for bw in zip(batches, batches.weights, strict=True)]
+    total, count = np.sum(jax.device_get(sums), axis=0)
+    return float(total / count)
 
 
 def run(
@@ -165,6 +171,7 @@ def run(
         learning_rate=build.learning_rate_fn(config.optimizer, config.steps),
         balancing=balancing(config),
         replica_axis=shardings.replica_axis,
+        window_blocks=functools.partial(speedrun_config.window_blocks, spec.cfg) if spec.cfg.window_warmup else None,
     )
     meta = run_meta(config, spec.cfg, shardings.replicas)
     mgr = checkpointing.manager(workdir, keep=config.keep_checkpoints, every=config.checkpoint_every)
@@ -262,7 +269,10 @@ def _loop(
     shardings, lead = spec.shardings, jax.process_index() == 0
     train_iter, val_batches = batches
     train_step = train_lib.jit_train_step(step_fn, shardings)
-    eval_step = train_lib.jit_eval_step(train_lib.make_eval_step(spec.model_def), shardings)
+    if val_batches.weights is None:
+        eval_step = train_lib.jit_eval_step(train_lib.make_eval_step(spec.model_def), shardings)
+    else:
+        eval_step = train_lib.jit_eval_step(train_lib.make_weighted_eval_step(spec.model_def), shardings, weighted=True)
     writer = metrics_io.MetricsWriter(workdir, resume_step=start, enabled=lead, config=settings.config, wandb=settings.wandb)
     progress = Progress(settings.steps, start, lead)
     step_times: list[float] = []

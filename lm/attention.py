@@ -66,6 +66,7 @@ def attend(
     zigzag: bool = False,
     window: int = 0,
     window_block: int = 1,
+    window_limit: jax.Array | None = None,
 ):
     """Causal softmax attention, logits and softmax statistics in float32 (`attention_api.attention`).
 
@@ -79,6 +80,7 @@ def attend(
         reach the queries (`lm.parallel.context_attention`): ``all_gather``, ``ring`` or ``ulysses``.
       zigzag: the sequence is in the zig-zag layout of `lm.parallel.context_attention.model_order`.
       window, window_block: > 0: sliding-window attention (`kernels_pallas.attention.window`).
+      window_limit: the window in blocks at this step, traced, inside the band of ``window`` (None: all of it).
 
     Returns:
       ``(out, max_logits)``: out ``(batch, seq, n_heads, head_dim)`` in q's dtype; max_logits is
@@ -101,6 +103,7 @@ def attend(
         segment_ids=segment_ids,
         window_size=window,
         window_block=window_block,
+        window_limit=window_limit,
     )
 
 
@@ -117,7 +120,7 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = speedrun_blocks.norm(cfg, cfg.head_dim, "head_dim")
             self.k_norm = speedrun_blocks.norm(cfg, cfg.head_dim, "head_dim")
-        self.window = speedrun_config.layer_window(cfg, layer)
+        self.window, self.layer = speedrun_config.layer_window(cfg, layer), layer
         if cfg.value_embeddings:
             self.v_lambdas = speedrun_blocks.scalars((0.5, 0.5))
         if cfg.parscale > 1:
@@ -137,10 +140,12 @@ class Attention(nnx.Module):
         return q, rope.rotary_embedding(k, positions, cfg), v
 
     def __call__(
-        self, x: jax.Array, segment_ids: jax.Array | None = None, order: jax.typing.ArrayLike | None = None, ve: jax.Array | None = None
-    ):
+        self, x: jax.Array, segment_ids: jax.Array | None = None, order: jax.typing.ArrayLike | None = None, ve: jax.Array | None = None,
+        *, window_blocks: jax.Array | None = None,
+    ):  # fmt: skip
         """``order``: the positions of ``x``'s rows when the model laid its sequence out zig-zag, else None;
-        ``ve``: this block's value embedding ``(batch, seq, d_model)`` (`lm.speedrun_blocks.mix_values`)."""
+        ``ve``: this block's value embedding ``(batch, seq, d_model)`` (`lm.speedrun_blocks.mix_values`);
+        ``window_blocks``: the long window at this training step (`lm.speedrun_config.window_blocks`), or None."""
         cfg = self.cfg
         q, k, v = self._qkv(x, jnp.arange(x.shape[1]) if order is None else jnp.asarray(order))
         if cfg.value_embeddings:
@@ -159,6 +164,7 @@ class Attention(nnx.Module):
             zigzag=order is not None,
             window=self.window,
             window_block=cfg.window_block,
+            window_limit=None if window_blocks is None else speedrun_config.layer_window_blocks(cfg, self.layer, window_blocks),
         )
         out = checkpoint_name(out, remat.ATTN_CONTEXT)
         b, s = x.shape[:2]
@@ -166,15 +172,20 @@ class Attention(nnx.Module):
             out = out[:, self.prefix.tokens :]
         return self.o_proj(out.reshape(b, s, -1)), max_logits
 
-    def decode(self, x: jax.Array, cache: kv_cache.Cache, start: jax.Array) -> tuple[jax.Array, kv_cache.Cache]:
+    def decode(
+        self, x: jax.Array, cache: kv_cache.Cache, start: jax.Array, ve: jax.Array | None = None
+    ) -> tuple[jax.Array, kv_cache.Cache]:
         """Attention of ``x`` ``(batch, s, d_model)`` (tokens at ``start ..``) over the cached keys and values.
 
         ``cache`` is one layer's ``{"k", "v": (batch, max_len, kv_heads, head_dim)}``; returns
-        ``(out, cache with x's rows written)``.
+        ``(out, cache with x's rows written)``. ``ve``: this block's value embedding, as in `__call__`;
+        the layer's window, if any, at its full size.
         """
         cfg = self.cfg
         b, s = x.shape[:2]
         q, k, v = self._qkv(x, start + jnp.arange(s))
+        if cfg.value_embeddings:
+            v = speedrun_blocks.mix_values(v, ve, self.v_lambdas[...])
         cache = {"k": kv_cache.write(cache["k"], k, start), "v": kv_cache.write(cache["v"], v, start)}
         keys, values, visible_to = cache["k"], cache["v"], start
         if cfg.parscale > 1:  # the prefix positions go first and every query sees them
@@ -182,6 +193,6 @@ class Attention(nnx.Module):
             visible_to = start + self.prefix.tokens
         grouped = q.reshape(b, s, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim)
         logits = jnp.einsum("bskgd,btkd->bkgst", grouped, keys, preferred_element_type=jnp.float32)
-        probs = kv_cache.causal_softmax(logits * cfg.head_dim**-0.5, visible_to)
+        probs = kv_cache.causal_softmax(logits * cfg.head_dim**-0.5, visible_to, window=self.window, block=cfg.window_block)
         out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(v.dtype), values)
         return self.o_proj(out.reshape(b, s, -1)), cache

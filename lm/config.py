@@ -103,6 +103,7 @@ class ModelConfig:
     attention_window: int = 0  # sliding window in tokens; 0: full causal attention
     window_block: int = 1  # window granularity: query block i sees key blocks i - window / window_block < j <= i
     window_pattern: str = ""  # one letter per layer: L (attention_window) or S (half of it); empty: all L
+    window_warmup: int = 0  # K > 0: the windows grow from one block to full over training steps 0..K (the record: the run)
     # Lightning attention (lm/lightning.py): attention_type="lightning" makes layers MiniMax-01's linear attention.
     softmax_attention_every: int = 0  # k: every k-th layer (the last of each group) keeps softmax gqa; 0: lightning everywhere
     lightning_block: int = 64  # tokens per block of the blocked lightning attention

@@ -56,8 +56,12 @@ def write(entry: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_slice_in_dim(entry, new.astype(entry.dtype), start, axis=1)
 
 
-def causal_softmax(logits: jax.Array, start: jax.Array) -> jax.Array:
-    """Softmax over cache rows of float32 ``logits`` ``(..., s, max_len)`` for queries at ``start + i``."""
+def causal_softmax(logits: jax.Array, start: jax.Array, *, window: int = 0, block: int = 1) -> jax.Array:
+    """Softmax over cache rows of float32 ``logits`` ``(..., s, max_len)`` for queries at ``start + i``; with a
+    ``window`` of tokens in blocks of ``block``, only rows inside it (`kernels_pallas.attention.window`)."""
     s, max_len = logits.shape[-2:]
-    visible = jnp.arange(max_len)[None, :] <= start + jnp.arange(s)[:, None]
+    rows, queries = jnp.arange(max_len)[None, :], start + jnp.arange(s)[:, None]
+    visible = rows <= queries
+    if window:
+        visible = visible & (queries // block - rows // block < window // block)
     return jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1)

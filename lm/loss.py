@@ -74,23 +74,53 @@ def _token_shards() -> int:
 
 
 def next_token_loss(
-    model_def: model_lib.ModelDef, params: model_lib.Params, tokens: jax.Array, *, z_loss: float = 0.0
-) -> tuple[jax.Array, dict, dict]:
+    model_def: model_lib.ModelDef, params: model_lib.Params, tokens: jax.Array, *, z_loss: float = 0.0,
+    window_blocks: jax.Array | None = None,
+) -> tuple[jax.Array, dict, dict]:  # fmt: skip
     """``(loss, metrics, aux)`` of predicting ``tokens[:, 1:]`` from ``tokens[:, :-1]`` (`cross_entropy`'s loss and metrics).
 
     Runs the LM head and the loss in `loss_chunks` chunks (`chunked_cross_entropy`), or whole as
     `cross_entropy` of the model's logits; a token mean, so both run in the model's sequence layout.
+    ``window_blocks``: the attention window at this training step (`lm.speedrun_config.window_blocks`).
     """
     inputs, targets = tokens[:, :-1], model_lib.in_model_layout(model_def, tokens[:, 1:])
     n = loss_chunks(model_def.config, *inputs.shape, _token_shards())
     if vocab_parallel.active(model_def.config):  # the head's vocabulary split over `stage` (lm/parallel/vocab_parallel.py)
-        h, (head, vocab_first), aux = model_lib.features(model_def, params, inputs)
+        h, (head, vocab_first), aux = model_lib.features(model_def, params, inputs, window_blocks)
         return *vocab_parallel.cross_entropy(h, head, targets, z_loss=z_loss, vocab_first=vocab_first), aux
     if n == 1:
-        logits, aux = model_lib.apply(model_def, params, inputs, return_aux=True, model_layout=True)
+        logits, aux = model_lib.apply(model_def, params, inputs, return_aux=True, model_layout=True, window_blocks=window_blocks)
         return *cross_entropy(logits, targets, z_loss=z_loss), aux
-    h, (head, vocab_first), aux = model_lib.features(model_def, params, inputs)
+    h, (head, vocab_first), aux = model_lib.features(model_def, params, inputs, window_blocks)
     return *chunked_cross_entropy(h, head, targets, z_loss=z_loss, chunks=n, vocab_first=vocab_first), aux
+
+
+def weighted_nll(
+    model_def: model_lib.ModelDef, params: model_lib.Params, tokens: jax.Array, weights: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """``(sum_t w_t nll_t, sum_t w_t)`` over the targets ``tokens[:, 1:]``, ``weights`` ``(batch, seq)`` one per
+    target: a validation set that is not whole batches (padding weighted 0) as its exact token mean. The head
+    runs in `loss_chunks` chunks as in `next_token_loss` (forward only)."""
+    cfg = model_def.config
+    if vocab_parallel.active(cfg):
+        raise ValueError("a validation set of partial batches needs the whole vocabulary per device; set data.val_tokens to whole batches")
+    inputs, targets = tokens[:, :-1], model_lib.in_model_layout(model_def, tokens[:, 1:])
+    weights = model_lib.in_model_layout(model_def, weights).astype(jnp.float32)
+    n = loss_chunks(cfg, *inputs.shape)
+    if n == 1:
+        nll = _token_nll(model_lib.apply(model_def, params, inputs, model_layout=True), targets)
+    else:
+        h, (head, vocab_first), _ = model_lib.features(model_def, params, inputs)
+        w = head.astype(h.dtype)
+        chunk = lambda xs: _token_nll(_chunk_logits(xs[0], w, vocab_first), xs[1])  # noqa: E731
+        nll = _from_chunks(jax.lax.map(chunk, (_to_chunks(h, n), _to_chunks(targets, n))))
+    return jnp.sum(weights * nll), jnp.sum(weights)
+
+
+def _token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """``logsumexp(z) - z[target]`` per token, float32."""
+    logits = logits.astype(jnp.float32)
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 
 def chunked_cross_entropy(

@@ -112,17 +112,22 @@ def init_params(model_def: ModelDef, seed: int, shardings: Params | None = None)
     return jax.jit(init, out_shardings=shardings)()
 
 
-def apply(model_def: ModelDef, params: Params, tokens: jax.Array, *, return_aux: bool = False, model_layout: bool = False):
+def apply(
+    model_def: ModelDef, params: Params, tokens: jax.Array, *, return_aux: bool = False, model_layout: bool = False,
+    window_blocks: jax.Array | None = None,
+):  # fmt: skip
     """Runs the model with ``params`` on ``tokens`` ``(batch, seq)``; see `Transformer.__call__`."""
     model = nnx.merge(model_def.graphdef, params)
-    return model(tokens, return_aux=return_aux, model_layout=model_layout)
+    return model(tokens, return_aux=return_aux, model_layout=model_layout, window_blocks=window_blocks)
 
 
-def features(model_def: ModelDef, params: Params, tokens: jax.Array) -> tuple[jax.Array, tuple[jax.Array, bool], dict]:
+def features(
+    model_def: ModelDef, params: Params, tokens: jax.Array, window_blocks: jax.Array | None = None
+) -> tuple[jax.Array, tuple[jax.Array, bool], dict]:
     """``(features, (head, vocab_first), aux)``: the LM head's input ``(batch, seq, d_model)`` in the model's
     layout (`in_model_layout`), its float32 weight and axis order (`Transformer.head_matrix`), and the aux dict."""
     model = nnx.merge(model_def.graphdef, params)
-    h, aux = model.features(tokens)
+    h, aux = model.features(tokens, window_blocks)
     return h, model.head_matrix(), aux
 
 

@@ -6,6 +6,7 @@ options this module names; `lm.speedrun_blocks` computes them. Layer ``l`` of ``
 - value embeddings (``value_embeddings = k``): table ``l`` for ``l < k``, table ``l - (n - k)`` for
   ``l >= n - k``, none in between (the record's "012 ... 012" pattern);
 - windows (``attention_window = W``, ``window_pattern``): ``W`` for an ``L``, ``W / 2`` for an ``S``;
+  with ``window_warmup = K`` they grow during training (`window_blocks`, `layer_window_blocks`);
 - U-net skips: blocks ``0 .. n/2 - 1`` are the encoder, the rest the decoder.
 
 Nothing here imports `lm.config`, which calls `problems` from its own checks.
@@ -14,6 +15,9 @@ Nothing here imports `lm.config`, which calls `problems` from its own checks.
 from __future__ import annotations
 
 from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 MLP_ACTIVATIONS = ("swiglu", "relu2")
 
@@ -35,6 +39,25 @@ def layer_window(cfg: Any, layer: int) -> int:
         return 0
     short = cfg.window_pattern and cfg.window_pattern[layer].upper() == "S"
     return cfg.attention_window // 2 if short else cfg.attention_window
+
+
+def window_blocks(cfg: Any, step: jax.typing.ArrayLike) -> jax.Array:
+    """The long window at training ``step`` in blocks of ``B = window_block`` tokens, growing over ``K = window_warmup``
+    steps as record 21's ``next_multiple_of_n(1728 * step / K, n=128)`` tokens (``1728 = W - B / 2`` for ``W = 1792``)::
+
+        n_t = max(1, ceil((W - B / 2) min(t, K) / (K B)))      from 1 block at t = 0 to W / B at t = K
+
+    in exact integer arithmetic (``(2W - B) t`` over ``2 B K``)."""
+    w, b, k = cfg.attention_window, cfg.window_block, cfg.window_warmup
+    t = jnp.minimum(jnp.asarray(step, jnp.int32), k)
+    return jnp.maximum(1, -(-(2 * w - b) * t // (2 * b * k)))
+
+
+def layer_window_blocks(cfg: Any, layer: int, long_blocks: jax.Array) -> jax.Array:
+    """Block ``layer``'s window in blocks when the long one is ``long_blocks``: all of it for an ``L``, half
+    (at least one block, as the record's block mask keeps the diagonal block) for an ``S``."""
+    short = cfg.window_pattern and cfg.window_pattern[layer].upper() == "S"
+    return jnp.maximum(long_blocks // 2, 1) if short else long_blocks
 
 
 def attended_keys(cfg: Any, seq_len: int) -> int:
@@ -81,6 +104,11 @@ def problems(cfg: Any) -> list[str]:
         out.append(
             f"model.attention_window={cfg.attention_window} must be >= 0 and a multiple of model.window_block={cfg.window_block} "
             "(twice it with a window_pattern, whose short windows are half as long)"
+        )
+    if cfg.window_warmup < 0 or (cfg.window_warmup and (not cfg.attention_window or cfg.scan_layers)):
+        out.append(
+            f"model.window_warmup={cfg.window_warmup} must be >= 0 and needs a model.attention_window to grow to in an "
+            "unrolled stack (model.scan_layers=False)"
         )
     if cfg.window_pattern and (len(cfg.window_pattern) != cfg.n_layers or set(cfg.window_pattern.upper()) - {"L", "S"}):
         out.append(f"model.window_pattern={cfg.window_pattern!r} needs one letter L (long) or S (short) per layer")

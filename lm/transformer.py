@@ -63,43 +63,57 @@ class Block(nnx.Module):
 
     def __call__(
         self, x: jax.Array, segment_ids: jax.Array | None = None, order: np.ndarray | None = None,
-        x0: jax.Array | None = None, ve: jax.Array | None = None,
+        x0: jax.Array | None = None, ve: jax.Array | None = None, window_blocks: jax.Array | None = None,
     ):  # fmt: skip
         """``x -> (x', (attention max logits or None, MoE statistics or None))``; tokens attend within their segment.
 
         ``order``: the positions of ``x``'s rows when the sequence is in the zig-zag layout
         (`lm.parallel.context_attention.model_order`), else None (in order). ``x0`` (x0 mixing) and
-        ``ve`` (this block's value embedding) come from `lm.speedrun_blocks.run_blocks`.
+        ``ve`` (this block's value embedding) come from `lm.speedrun_blocks.run_blocks`; ``window_blocks``: the
+        long attention window at this training step (`lm.speedrun_config.window_blocks`), None: the full window.
         """
         max_logits = None
         if self.x0_mixing and x0 is not None:
             lambdas = self.x0_lambdas[...].astype(x.dtype)
             x = lambdas[0] * x + lambdas[1] * x0
         if self.attn is not None:
-            attn_out, max_logits = self.attn(self.attn_norm(x), segment_ids, order, *(() if ve is None else (ve,)))
+            window = {} if window_blocks is None else {"window_blocks": window_blocks}
+            attn_out, max_logits = self.attn(self.attn_norm(x), segment_ids, order, *(() if ve is None else (ve,)), **window)
             x = constrain(x + attn_out, ACTIVATION)
         mlp_out = self.mlp(self.mlp_norm(x))
         mlp_out, moe_stats = mlp_out if isinstance(self.mlp, MoE) else (mlp_out, None)
         x = constrain(x + mlp_out, ACTIVATION)
         return x, (max_logits, moe_stats)
 
-    def decode(self, x: jax.Array, cache: kv_cache.Cache, start: jax.Array) -> tuple[jax.Array, kv_cache.Cache]:
-        """The block on new tokens at ``start ..``, attending over and extending this layer's ``cache``."""
-        attn_out, cache = self.attn.decode(self.attn_norm(x), cache, start)
-        x = x + attn_out
+    def decode(
+        self, x: jax.Array, cache: kv_cache.Cache, start: jax.Array, x0: jax.Array | None = None, ve: jax.Array | None = None
+    ) -> tuple[jax.Array, kv_cache.Cache]:
+        """The block on new tokens at ``start ..``, attending over and extending this layer's ``cache``; ``x0``
+        and ``ve`` as in `__call__` (a block without attention passes its cache through)."""
+        if self.x0_mixing and x0 is not None:
+            lambdas = self.x0_lambdas[...].astype(x.dtype)
+            x = lambdas[0] * x + lambdas[1] * x0
+        if self.attn is not None:
+            attn_out, cache = self.attn.decode(self.attn_norm(x), cache, start, *(() if ve is None else (ve,)))
+            x = x + attn_out
         mlp_out = self.mlp(self.mlp_norm(x))
         return x + (mlp_out[0] if isinstance(self.mlp, MoE) else mlp_out), cache
 
 
-def _block_fn(cfg: ModelConfig, segment_ids: jax.Array | None, order: np.ndarray | None = None, *, straight_line: bool):
-    """``(block, x) -> block(x, segment_ids, order)`` under the config's remat policy (`lm/remat.py`).
+def _block_fn(
+    cfg: ModelConfig, segment_ids: jax.Array | None, order: np.ndarray | None = None, *, straight_line: bool,
+    window_blocks: jax.Array | None = None,
+):  # fmt: skip
+    """``(block, x) -> block(x, segment_ids, order)`` under the config's remat policy (`lm/remat.py`), with
+    ``window_blocks`` (`Block.__call__`) when given.
 
     ``straight_line``: the blocks run as straight-line code (unrolled layers, or a fully unrolled
     scan), where CSE could merge the backward pass's recomputation with the forward pass and undo the
     remat, so it gets prevent_cse's optimisation barriers; a rolled scan body is not merged with its
     neighbours and needs none.
     """
-    call = lambda blk, h, *extra: blk(h, segment_ids, order, *extra)  # noqa: E731
+    kw = {} if window_blocks is None else {"window_blocks": window_blocks}
+    call = lambda blk, h, *extra: blk(h, segment_ids, order, *extra, **kw)  # noqa: E731
     if cfg.remat == "none":
         return call
     return nnx.remat(call, policy=remat_lib.POLICIES[cfg.remat], prevent_cse=straight_line)
@@ -185,7 +199,7 @@ class Transformer(nnx.Module):
         if cfg.unet_skips:
             self.skip_weights = speedrun_blocks.scalars([1.0] * (cfg.n_layers - cfg.n_layers // 2))
 
-    def __call__(self, tokens: jax.Array, *, return_aux: bool = False, model_layout: bool = False):
+    def __call__(self, tokens: jax.Array, *, return_aux: bool = False, model_layout: bool = False, window_blocks: jax.Array | None = None):
         """Logits ``(batch, seq, vocab)`` for ``tokens`` ``(batch, seq)``.
 
         Under a ``context`` split with ring or all-gather attention the sequence runs in zig-zag
@@ -196,16 +210,20 @@ class Transformer(nnx.Module):
         With ``return_aux`` returns ``(logits, aux)``; ``aux["attn_max_logits"]`` is
         ``(n_layers, n_heads)`` when ``track_attn_logits`` is on; ``aux["moe"]`` holds the MoE
         layers' statistics stacked over those layers (`lm.moe.balancing_losses`) in an MoE model.
+        ``window_blocks``: the long attention window at this training step (`features`).
         """
-        features, aux = self.features(tokens)
+        features, aux = self.features(tokens, window_blocks)
         logits = self.head(features)
         order = context_attention.model_order(self.cfg.context_parallel, tokens.shape[1])
         if order is not None and not model_layout:
             logits = constrain(logits[:, np.argsort(order)], ("batch", "seq", "vocab"))
         return (logits, aux) if return_aux else logits
 
-    def features(self, tokens: jax.Array) -> tuple[jax.Array, dict]:
-        """``(RMSNorm(h_L), aux)``: the head's input ``(batch, seq, d_model)`` in the model's layout, and `__call__`'s aux."""
+    def features(self, tokens: jax.Array, window_blocks: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """``(RMSNorm(h_L), aux)``: the head's input ``(batch, seq, d_model)`` in the model's layout, and `__call__`'s aux.
+
+        ``window_blocks``: a traced long window in blocks (`lm.speedrun_config.window_blocks`) for the unrolled stack's
+        windowed attention; None: every window at its full ``model.attention_window``."""
         cfg = self.cfg
         segment_ids = document_segments(cfg, tokens)  # from the tokens in order
         order = context_attention.model_order(cfg.context_parallel, tokens.shape[1])
@@ -218,7 +236,7 @@ class Transformer(nnx.Module):
         elif cfg.scan_layers:
             x, (max_logits, moe_stats) = scan_blocks(cfg, self.blocks, x, segment_ids, order)
         else:
-            run_block = _block_fn(cfg, segment_ids, order, straight_line=True)
+            run_block = _block_fn(cfg, segment_ids, order, straight_line=True, window_blocks=window_blocks)
             if speedrun_config.layer_dependent(cfg):
                 x, per_layer = speedrun_blocks.run_blocks(self, tokens, x, run_block)
             else:
@@ -265,10 +283,13 @@ class Transformer(nnx.Module):
         returned one also holds ``tokens``'. With ``start=0`` and an empty cache this is prefill and
         equals ``__call__``'s logits.
         """
-        if speedrun_config.layer_dependent(self.cfg) or self.cfg.attention_window:
-            raise NotImplementedError("decoding does not yet run the speedrun's block stack or windows (lm/speedrun_blocks.py)")
         x = self._streams(constrain(self.embed(tokens), ACTIVATION))
-        if self.cfg.scan_layers:
+        if speedrun_config.layer_dependent(self.cfg):
+            layer_caches = iter([jax.tree.map(lambda c, i=i: c[i], cache) for i in range(self.cfg.n_layers)])
+            run_block = lambda block, h, x0, ve: block.decode(h, next(layer_caches), start, x0, ve)  # noqa: E731  in layer order
+            x, per_layer = speedrun_blocks.run_blocks(self, tokens, x, run_block)
+            cache = jax.tree.map(lambda *c: jnp.stack(c), *per_layer)
+        elif self.cfg.scan_layers:
             scan = nnx.scan(
                 lambda block, h, layer_cache: block.decode(h, layer_cache, start),
                 in_axes=(0, nnx.Carry, 0),

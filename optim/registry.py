@@ -39,6 +39,7 @@ from optim.sgd import SGD
 from optim.shampoo import Shampoo
 from optim.soap import Soap
 from optim.soap_muon import SoapMuon
+from optim.speedrun_muon import SpeedrunMuon
 
 OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "adamw": AdamW,
@@ -75,6 +76,7 @@ OPTIMIZERS: dict[str, type[spec.Spec]] = {
     "auon": Auon,
     "soap_muon": SoapMuon,
     "mt_dao": MTDAO,
+    "speedrun_muon": SpeedrunMuon,
 }
 
 

@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import backends, varying
-from kernels_pallas.attention import base, mosaic_tpu, reference, triton, window
+from kernels_pallas.attention import base, mosaic_tpu, reference, triton
+from kernels_pallas.attention import window as window_lib
 from kernels_pallas.attention.base import BlockSizes
 from kernels_pallas.backends import platform
 
@@ -52,25 +53,28 @@ _log = logging.getLogger(__name__)
 _LOGGED: set[str] = set()
 
 
-def _forward(q, k, v, segment_ids, backend: str, spec: base.Spec):
-    return varying.call_opaque(lambda *a: BACKENDS[backend].forward(*a, spec), q, k, v, segment_ids)
+def _forward(q, k, v, segment_ids, window_blocks, backend: str, spec: base.Spec):
+    def run(q, k, v, segment_ids, window_blocks):  # a window's traced block count goes to the Triton kernels only
+        return BACKENDS[backend].forward(q, k, v, segment_ids, spec, *(() if window_blocks is None else (window_blocks,)))
+
+    return varying.call_opaque(run, q, k, v, segment_ids, window_blocks)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _flash(q, k, v, segment_ids, backend: str, spec: base.Spec):
-    out, row_max, _ = _forward(q, k, v, segment_ids, backend, spec)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _flash(q, k, v, segment_ids, window_blocks, backend: str, spec: base.Spec):
+    out, row_max, _ = _forward(q, k, v, segment_ids, window_blocks, backend, spec)
     return out, row_max
 
 
-def _flash_fwd(q, k, v, segment_ids, backend: str, spec: base.Spec):
-    out, row_max, residuals = _forward(q, k, v, segment_ids, backend, spec)
+def _flash_fwd(q, k, v, segment_ids, window_blocks, backend: str, spec: base.Spec):
+    out, row_max, residuals = _forward(q, k, v, segment_ids, window_blocks, backend, spec)
     return (out, row_max), residuals
 
 
 def _flash_bwd(backend: str, spec: base.Spec, residuals, cotangents):
     d_out, _ = cotangents  # the row maxima are a statistic (QK-clip's input): no gradient flows through them
     dq, dk, dv = varying.call_opaque(lambda r, d: BACKENDS[backend].backward(r, d, spec), residuals, d_out)
-    return dq, dk, dv, None
+    return dq, dk, dv, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -88,6 +92,9 @@ def flash_attention(
     block_sizes: BlockSizes | None = None,
     interpret: bool | object = False,
     backend: str | None = None,
+    window: int = 0,
+    window_block: int = 1,
+    window_limit: jax.Array | None = None,
 ):
     """Softmax attention without a ``T x T`` buffer in either direction (FlashAttention-2, arXiv:2307.08691).
 
@@ -106,6 +113,10 @@ def flash_attention(
       interpret: run the kernels in Pallas interpret mode (any platform, slow; for tests). The TPU
         backend also takes a `jax.experimental.pallas.tpu.InterpretParams`.
       backend: ``"triton"`` or ``"mosaic_tpu"``; default: the platform's (`kernels_pallas.backends`).
+      window, window_block: > 0: a causal sliding window of ``window`` tokens over blocks of ``window_block``
+        (`window`; the Triton backend only), key blocks outside every query's window skipped.
+      window_limit: a traced window in blocks, ``[1, window / window_block]``, inside that band (a window
+        that grows during training: one compilation); None: the whole band.
 
     Returns:
       ``(batch, seq, heads, v_head_dim)`` in q's dtype, or ``(out, max_logits)``.
@@ -118,18 +129,25 @@ def flash_attention(
     if segment_ids is not None and not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise ValueError(f"segment_ids must be integers; got {segment_ids.dtype}")
     backend = backends.choose("flash_attention", platform(), backend, interpret, tuple(BACKENDS), "use reference.attention")
+    if window or window_limit is not None:
+        window_lib.check_window(window, window_block)
+        if not causal or backend != "triton":
+            raise ValueError(f"a sliding window needs causal=True and the Triton backend, not causal={causal}, {backend}; use window.attention")
     spec = base.Spec(
         causal=causal,
         sm_scale=float(q.shape[-1] ** -0.5 if sm_scale is None else sm_scale),
         block_sizes=block_sizes or BlockSizes(),
         interpret=interpret,
         return_row_max=return_max_logits,
+        window=window,
+        window_block=window_block,
     )
     segment_ids = None if segment_ids is None else segment_ids.astype(jnp.int32)
     q, k, v, segment_ids = varying.unify(q, k, v, segment_ids)
     if interpret:
         varying.check_interpretable("flash_attention", "use model.attention=xla on a CPU", q)
-    out, row_max = _flash(q, k, v, segment_ids, backend, spec)
+    limit = None if window_limit is None else jnp.asarray(window_limit, jnp.int32)
+    out, row_max = _flash(q, k, v, segment_ids, limit, backend, spec)
     if not return_max_logits:
         return out
     return out, jnp.max(row_max, axis=(0, 2))
@@ -394,6 +412,7 @@ def attention(
     training: bool = True,
     window_size: int = 0,
     window_block: int = 1,
+    window_limit: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Causal softmax attention by ``implementation`` (``auto``, ``xla``, ``cudnn`` or ``pallas``).
 
@@ -408,14 +427,16 @@ def attention(
       training: a gradient may be taken through the call (``auto`` then passes over what refuses one);
         False for forward-only calls such as decoding.
       window_size: > 0: sliding-window attention over blocks of ``window_block`` tokens (`windowed`).
+      window_limit: a traced number of key blocks in ``[1, window_size / window_block]`` seen by each query
+        block (a window that grows during training, inside the static band of ``window_size``); None: all.
 
     Returns:
       ``(out, max_logits)``: out ``(batch, seq, heads, head_dim)`` in q's dtype; max_logits is None
       unless tracked.
     """
     if window_size:
-        args = (implementation, window_size, window_block, track_max_logits, sequence_sharded, segment_ids, training)
-        return windowed(q, k, v, *args), None
+        args = (implementation, window_size, window_block, track_max_logits, sequence_sharded, segment_ids, training, window_limit)
+        return windowed(q, k, v, *args, per_shard=per_shard), None
     target = platform()
     gpu = target in _GPU_PLATFORMS
     capability, cudnn = _gpu_versions() if gpu else ("", None)
@@ -434,31 +455,61 @@ def attention(
     return run(q, k, v, segment_ids)
 
 
-def windowed(q, k, v, implementation: str, size: int, block: int, track_max_logits: bool, sequence_sharded: bool, segment_ids, training: bool):
-    """Sliding-window attention (`window`): cuDNN's token window where it serves (``block == 1`` on a GPU
-    cuDNN takes, as `cudnn_unsupported` checks), else the banded XLA computation. The Pallas kernel has
-    no window yet, so ``pallas`` is refused rather than run without one."""
-    if track_max_logits or sequence_sharded or implementation == "pallas":
+def windowed(
+    q, k, v, implementation: str, size: int, block: int, track_max_logits: bool, sequence_sharded: bool, segment_ids, training: bool,
+    limit: jax.Array | None = None, per_shard: Callable[[AttentionFn], AttentionFn] | None = None,
+):  # fmt: skip
+    """Sliding-window attention (`window`) by the first of these that serves (``auto``), or the one named:
+
+    - ``cudnn``: its token window (``block == 1``, a static window, on a GPU cuDNN takes: `cudnn_unsupported`);
+    - ``pallas``: our Triton kernel with the window (on a GPU as `pallas_unsupported` checks, run per shard
+      under ``per_shard``; on a CPU interpreted, when named only); the TPU kernel has none;
+    - ``xla``: the banded computation.
+
+    ``limit``: a traced window in blocks inside the band of ``size`` (a window growing in training), which
+    the kernel and XLA take."""
+    if track_max_logits or sequence_sharded:
         raise ValueError(
-            "windowed attention runs in XLA or cuDNN on whole sequences, without tracked max logits: use model.attention="
-            "auto, xla or cudnn, model.track_attn_logits=False and no context split (or model.attention_window=0)"
+            "windowed attention runs on whole sequences, without tracked max logits: use model.track_attn_logits=False and "
+            "no context split (or model.attention_window=0)"
         )
     target = platform()
-    reason = None
-    if implementation in ("auto", "cudnn"):
-        if block > 1:
-            reason = f"cuDNN's sliding window is per token; a window over blocks of {block} runs in XLA"
-        elif target not in _GPU_PLATFORMS:
-            reason = f"cuDNN needs an NVIDIA GPU, not {target}"
-        else:
-            capability, cudnn = _gpu_versions()
-            call = Call(q, k, v, target, False, False, backends.device_kind(), segment_ids is not None, training, capability, cudnn)
-            reason = cudnn_unsupported(call)
-    if implementation == "cudnn" and reason is not None:
-        raise ValueError(f"model.attention=cudnn cannot run this windowed attention: {reason}; use auto or xla")
-    if implementation != "xla" and reason is None:
-        return window.cudnn(q, k, v, window=size, segment_ids=segment_ids)
-    if implementation == "auto" and target in _GPU_PLATFORMS and reason not in _LOGGED:
-        _LOGGED.add(reason)
-        _log.info("model.attention=auto chose xla for windowed attention: %s", reason)
-    return window.attention(q, k, v, window=size, block=block, segment_ids=segment_ids)
+    gpu = target in _GPU_PLATFORMS
+    call = Call(
+        q, k, v, target, False, False, backends.device_kind() if gpu else "", segment_ids is not None, training,
+        *(_gpu_versions() if gpu else ("", None)),
+    )  # fmt: skip
+    if block > 1:
+        cudnn_reason = f"cuDNN's sliding window is per token; a window over blocks of {block} does not fit it"
+    elif limit is not None:
+        cudnn_reason = "cuDNN's sliding window is static, not one that grows during training"
+    else:
+        cudnn_reason = cudnn_unsupported(call) if gpu else f"cuDNN needs an NVIDIA GPU, not {target}"
+    if target == "tpu":
+        pallas_reason = "the Mosaic TPU kernel has no window"
+    elif not gpu and implementation == "auto":
+        pallas_reason = f"on {target} the kernel runs interpreted only (model.attention=pallas, for tests)"
+    else:
+        pallas_reason = pallas_unsupported(call)
+    reasons = {"cudnn": cudnn_reason, "pallas": pallas_reason, "xla": None}
+    if implementation not in reasons and implementation != "auto":
+        raise ValueError(f"model.attention={implementation!r} must be one of auto, {', '.join(reasons)}")
+    chosen = next(name for name, reason in reasons.items() if reason is None) if implementation == "auto" else implementation
+    if reasons[chosen] is not None:
+        raise ValueError(f"model.attention={chosen} cannot run this windowed attention: {reasons[chosen]}; use auto or xla")
+    if implementation == "auto" and gpu and chosen != "cudnn":
+        passed = "; ".join(f"{name}: {reasons[name]}" for name in ("cudnn", "pallas") if name != chosen and reasons[name])
+        if passed not in _LOGGED:
+            _LOGGED.add(passed)
+            _log.info("model.attention=auto chose %s for windowed attention (%s)", chosen, passed)
+    if chosen == "cudnn":
+        return window_lib.cudnn(q, k, v, window=size, segment_ids=segment_ids)
+    if chosen == "pallas":
+
+        def run(q, k, v, segment_ids=None):
+            kw = {"window": size, "window_block": block, "window_limit": limit, "interpret": target == "cpu"}
+            out = flash_attention(q, k, v, segment_ids=segment_ids, **kw)
+            return out, None
+
+        return (run if per_shard is None else per_shard(run))(q, k, v, segment_ids)[0]
+    return window_lib.attention(q, k, v, window=size, block=block, segment_ids=segment_ids, limit=limit)

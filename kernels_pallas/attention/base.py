@@ -24,6 +24,11 @@ Masked logits take a large *finite* negative value, so a block row with no allow
 garbage by ``exp2(MASK - m) = 0``. Every real query sees at least itself, so nothing survives.
 Sequences are padded to whole blocks by the backends; pairs with a position ``>= seq_len`` are
 masked, so a ragged length is exact (unlike jax issues #27224 and #23819).
+
+A sliding window of ``n`` blocks of ``B`` tokens (`kernels_pallas.attention.window`; ``n`` may be a
+traced count, at most the static ``W / B`` of `Spec.window`) adds ``i // B - j // B < n`` to the causal
+mask; key positions ``[window_start(i), i]`` are then the ones query ``i`` sees, so a backend visits
+only the key blocks that meet that range.
 """
 
 from __future__ import annotations
@@ -80,6 +85,8 @@ class Spec:
     block_sizes: BlockSizes
     interpret: Any  # False, True, or a backend's interpret parameters
     return_row_max: bool
+    window: int = 0  # sliding window in tokens (causal only), the most a traced window may reach; 0: none
+    window_block: int = 1  # the window's granularity in tokens (`kernels_pallas.attention.window`)
 
     @property
     def scale2(self) -> float:
@@ -120,6 +127,16 @@ def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def window_start(q_pos: Any, blocks: Any, block: int) -> Any:
+    """The first key position query ``q_pos`` sees under a window of ``blocks`` blocks of ``block`` tokens."""
+    return jnp.maximum(0, (q_pos // block - (blocks - 1)) * block)
+
+
+def window_end(k_pos: Any, blocks: Any, block: int) -> Any:
+    """One past the last query position that sees key ``k_pos`` under the window (causal: from ``k_pos`` on)."""
+    return (k_pos // block + blocks) * block
+
+
 def allowed(
     q_start: Any,
     block_q: int,
@@ -131,12 +148,14 @@ def allowed(
     positions: bool,
     q_segments: jax.Array | None = None,
     kv_segments: jax.Array | None = None,
+    window_blocks: Any = None,
+    window_block: int = 1,
 ) -> jax.Array | None:
     """Which (query, key) pairs of a ``(block_q, block_kv)`` tile take part, or None for all.
 
-    ``positions`` adds the position part (both inside ``seq_len``; causal order); blocks that a
-    backend knows to lie wholly inside it skip that part. Segment ids, ``(block_q, 1)`` and
-    ``(1, block_kv)``, always apply.
+    ``positions`` adds the position part (both inside ``seq_len``; causal order; inside a window of
+    ``window_blocks`` blocks of ``window_block`` tokens, if any); blocks that a backend knows to lie wholly inside it skip that part. Segment ids,
+    ``(block_q, 1)`` and ``(1, block_kv)``, always apply.
     """
     mask = None
     if positions:
@@ -145,6 +164,8 @@ def allowed(
         mask = (q_pos < seq_len) & (k_pos < seq_len)
         if causal:
             mask = mask & (q_pos >= k_pos)
+        if window_blocks is not None:
+            mask = mask & (q_pos // window_block - k_pos // window_block < window_blocks)
     if q_segments is not None:
         same = q_segments == kv_segments
         mask = same if mask is None else mask & same

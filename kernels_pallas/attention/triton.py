@@ -12,7 +12,11 @@ of `base`:
   written once, without atomics and without a per-query-head copy.
 
 Only tiles that cross the causal diagonal or the end of the sequence build a position mask
-(`base.split_loop`). Sequences are zero-padded to whole blocks and head dims to a power of two
+(`base.split_loop`). With a sliding window (``n`` blocks of ``window_block`` tokens: the record's
+128-token block windows, or a token window; ``n`` a runtime value, so a window that grows during
+training compiles once) the loops start at the first key block a query
+block's window reaches (forward, dQ) and stop after the last query block that sees a key block
+(dK/dV), so the work is ``O(T W)``; tiles that cross the window's edge are masked. Sequences are zero-padded to whole blocks and head dims to a power of two
 (>= 16, what ``tl.dot`` takes); both copies happen only when a size is off and are masked or sliced
 away. ``delta = rowsum(dO * O)`` is one fused XLA reduction.
 
@@ -77,42 +81,54 @@ def _sizes_and_params(spec: base.Spec, dp: int, dvp: int, dtype) -> tuple[base.B
 
 
 def _query_side(
-    q_seg_ref, kv_seg_ref, q_start, block_q: int, block_kv: int, spec: base.Spec, seq_len: int, num_kv_blocks: int
+    q_seg_ref, kv_seg_ref, q_start, block_q: int, block_kv: int, spec: base.Spec, seq_len: int, num_kv_blocks: int, blocks
 ):
-    """For a query block: the segment ids, a tile mask builder and the key-block loop bounds."""
+    """For a query block: the segment ids, a tile mask builder and the key-block loop bounds (``blocks``: the
+    window in blocks, or None)."""
     q_seg = None if q_seg_ref is None else q_seg_ref[...][:, None]
 
     def mask(k_start, masked: bool):
         kv_seg = None if kv_seg_ref is None else kv_seg_ref[pl.ds(k_start, block_kv)][None, :]
         return base.allowed(
             q_start, block_q, k_start, block_kv, seq_len=seq_len, causal=spec.causal, positions=masked,
-            q_segments=q_seg, kv_segments=kv_seg,
+            q_segments=q_seg, kv_segments=kv_seg, window_blocks=blocks, window_block=spec.window_block,
         )
 
     # Key blocks wholly inside the sequence and (causal) wholly at or before the first query need no
-    # position mask; blocks past the diagonal are never visited.
+    # position mask; blocks past the diagonal are never visited. With a window, blocks before the first
+    # query's window are never visited, and those before the last query's window start are masked.
+    lo = full_lo = 0
     full = seq_len // block_kv
     hi = num_kv_blocks
     if spec.causal:
         full = jnp.minimum(full, jax.lax.div(q_start + 1, block_kv))
         hi = jnp.minimum(hi, _cdiv(q_start + block_q, block_kv))
-    return mask, full, hi
+    if blocks is not None:
+        lo = jax.lax.div(base.window_start(q_start, blocks, spec.window_block), block_kv)
+        full_lo = _cdiv(base.window_start(q_start + block_q - 1, blocks, spec.window_block), block_kv)
+    return mask, (lo, full_lo, full, hi)
+
+
+def _window_ref(refs: list, spec: base.Spec) -> tuple[list, object]:
+    """Splits the window's ``(1,)`` block count off ``refs`` (after q, k, v) when the call has a window."""
+    return (refs[1:], refs[0][0]) if spec.window else (refs, None)
 
 
 def _forward_kernel(*refs, spec: base.Spec, seq_len: int, block_q: int, block_kv: int, num_kv_blocks: int, segments: bool):
     q_ref, k_ref, v_ref, *refs = refs
+    refs, blocks = _window_ref(refs, spec)
     q_seg_ref, kv_seg_ref, *outs = refs if segments else (None, None, *refs)
     o_ref, lse_ref, *row_max_ref = outs
     q_start = pl.program_id(0) * block_q
     q = q_ref[...]
-    mask, full, hi = _query_side(q_seg_ref, kv_seg_ref, q_start, block_q, block_kv, spec, seq_len, num_kv_blocks)
+    mask, bounds = _query_side(q_seg_ref, kv_seg_ref, q_start, block_q, block_kv, spec, seq_len, num_kv_blocks, blocks)
 
     def body(j, carry, masked):
         k_start = j * block_kv
         k, v = k_ref[pl.ds(k_start, block_kv), :], v_ref[pl.ds(k_start, block_kv), :]
         return base.online_softmax_step(carry, base.dot_nt(q, k) * spec.scale2, v, mask(k_start, masked))
 
-    m, l, acc = base.split_loop(0, 0, full, hi, body, base.initial_carry(block_q, o_ref.shape[-1]))
+    m, l, acc = base.split_loop(*bounds, body, base.initial_carry(block_q, o_ref.shape[-1]))
     o_ref[...] = (acc / l).astype(o_ref.dtype)
     lse_ref[...] = (m + jnp.log2(l))[:, 0]
     if row_max_ref:
@@ -121,12 +137,13 @@ def _forward_kernel(*refs, spec: base.Spec, seq_len: int, block_q: int, block_kv
 
 def _dq_kernel(*refs, spec: base.Spec, seq_len: int, block_q: int, block_kv: int, num_kv_blocks: int, segments: bool):
     q_ref, k_ref, v_ref, *refs = refs
+    refs, blocks = _window_ref(refs, spec)
     q_seg_ref, kv_seg_ref, *refs = refs if segments else (None, None, *refs)
     do_ref, lse_ref, delta_ref, dq_ref = refs
     q_start = pl.program_id(0) * block_q
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
-    mask, full, hi = _query_side(q_seg_ref, kv_seg_ref, q_start, block_q, block_kv, spec, seq_len, num_kv_blocks)
+    mask, bounds = _query_side(q_seg_ref, kv_seg_ref, q_start, block_q, block_kv, spec, seq_len, num_kv_blocks, blocks)
 
     def body(j, dq, masked):
         k_start = j * block_kv
@@ -135,7 +152,7 @@ def _dq_kernel(*refs, spec: base.Spec, seq_len: int, block_q: int, block_kv: int
         ds = p * (base.dot_nt(do, v) - delta)
         return dq + base.dot_nn(ds.astype(k.dtype), k)
 
-    dq = base.split_loop(0, 0, full, hi, body, jnp.zeros(q.shape, jnp.float32))
+    dq = base.split_loop(*bounds, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * spec.sm_scale).astype(dq_ref.dtype)
 
 
@@ -143,6 +160,7 @@ def _dkdv_kernel(
     *refs, spec: base.Spec, seq_len: int, block_q: int, block_kv: int, num_q_blocks: int, group: int, segments: bool
 ):
     q_ref, k_ref, v_ref, *refs = refs
+    refs, blocks = _window_ref(refs, spec)
     q_seg_ref, kv_seg_ref, *refs = refs if segments else (None, None, *refs)
     do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
     k_start = pl.program_id(0) * block_kv
@@ -152,7 +170,10 @@ def _dkdv_kernel(
     # Query blocks wholly inside the sequence and (causal) wholly at or after the last key need no
     # position mask; query blocks wholly before the first key are never visited.
     lo, full_lo = (jax.lax.div(k_start, block_q), _cdiv(k_start + block_kv - 1, block_q)) if spec.causal else (0, 0)
-    full_hi = seq_len // block_q
+    full_hi, hi = seq_len // block_q, num_q_blocks
+    if blocks is not None:  # query blocks past the last key's window are never visited; those past the first key's are masked
+        hi = jnp.minimum(hi, _cdiv(base.window_end(k_start + block_kv - 1, blocks, spec.window_block), block_q))
+        full_hi = jnp.minimum(full_hi, jax.lax.div(base.window_end(k_start, blocks, spec.window_block), block_q))
 
     def over_heads(g, carry):
         def body(i, carry, masked):
@@ -164,13 +185,13 @@ def _dkdv_kernel(
             q_seg = None if q_seg_ref is None else q_seg_ref[rows][:, None]
             mask = base.allowed(
                 q_start, block_q, k_start, block_kv, seq_len=seq_len, causal=spec.causal, positions=masked,
-                q_segments=q_seg, kv_segments=kv_seg,
+                q_segments=q_seg, kv_segments=kv_seg, window_blocks=blocks, window_block=spec.window_block,
             )
             p = base.probabilities(base.dot_nt(q, k) * spec.scale2, lse, mask)
             ds = p * (base.dot_nt(do, v) - delta)
             return dk + base.dot_tn(ds.astype(q.dtype), q), dv + base.dot_tn(p.astype(do.dtype), do)
 
-        return base.split_loop(lo, full_lo, full_hi, num_q_blocks, body, carry)
+        return base.split_loop(lo, full_lo, full_hi, hi, body, carry)
 
     zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
     dk, dv = jax.lax.fori_loop(0, group, over_heads, zeros)
@@ -189,8 +210,19 @@ def _segment_args(segment_ids, q_len: int, kv_len: int, q_spec: pl.BlockSpec, kv
     return (base.pad_axis(q_ids, 1, q_len), base.pad_axis(kv_ids, 1, kv_len)), [q_spec, kv_spec]
 
 
-def forward(q, k, v, segment_ids, spec: base.Spec):
-    """Returns ``(out, row_max or None, residuals)``; row_max ``(batch, heads, seq)`` in natural units."""
+def _window_args(spec: base.Spec, blocks) -> tuple[tuple, list]:
+    """The window's block count as a ``(1,)`` int32 operand in ``[1, window / window_block]`` (None: all of
+    them), with its block spec; nothing without a window."""
+    if not spec.window:
+        return (), []
+    most = spec.window // spec.window_block
+    count = jnp.clip(jnp.asarray(most if blocks is None else blocks, jnp.int32), 1, most).reshape(1)
+    return (count,), [pl.BlockSpec((1,), lambda *_: (0,))]
+
+
+def forward(q, k, v, segment_ids, spec: base.Spec, window_blocks=None):
+    """Returns ``(out, row_max or None, residuals)``; row_max ``(batch, heads, seq)`` in natural units.
+    ``window_blocks``: a traced window in blocks, at most ``spec.window / spec.window_block`` (None: that)."""
     b, t, h, d = q.shape
     kv_heads, dv = k.shape[2], v.shape[3]
     dp, dvp = _padded_dim(d), _padded_dim(dv)
@@ -206,6 +238,7 @@ def forward(q, k, v, segment_ids, spec: base.Spec):
     seg_args, seg_specs = _segment_args(
         segment_ids, tq, tk, pl.BlockSpec((None, bq), lambda i, bi, hi: (bi, i)), pl.BlockSpec((None, tk), lambda i, bi, hi: (bi, 0))
     )
+    win_args, win_specs = _window_args(spec, window_blocks)
     stat = jax.ShapeDtypeStruct((b, h, tq), jnp.float32)
     out_shape = [jax.ShapeDtypeStruct((b, tq, h, dvp), q.dtype), stat] + [stat] * spec.return_row_max
     out_specs = [pl.BlockSpec((None, bq, None, dvp), q_map)] + [pl.BlockSpec((None, None, bq), stat_map)] * (
@@ -221,6 +254,7 @@ def forward(q, k, v, segment_ids, spec: base.Spec):
             pl.BlockSpec((None, bq, None, dp), q_map),
             pl.BlockSpec((None, tk, None, dp), kv_map),
             pl.BlockSpec((None, tk, None, dvp), kv_map),
+            *win_specs,
             *seg_specs,
         ],
         out_specs=out_specs,
@@ -232,16 +266,18 @@ def forward(q, k, v, segment_ids, spec: base.Spec):
         base.pad_axis(base.pad_axis(q, 1, tq), 3, dp),
         base.pad_axis(base.pad_axis(k, 1, tk), 3, dp),
         base.pad_axis(base.pad_axis(v, 1, tk), 3, dvp),
+        *win_args,
         *seg_args,
     )
     out = out[:, :t, :, :dv]
     row_max = row_max[0][:, :, :t] if row_max else None
-    return out, row_max, (q, k, v, segment_ids, out, lse[:, :, :t])
+    return out, row_max, (q, k, v, segment_ids, out, lse[:, :, :t], *((window_blocks,) if spec.window else ()))
 
 
 def backward(residuals, d_out, spec: base.Spec):
     """``(dq, dk, dv)`` from `forward`'s residuals and the output cotangent."""
-    q, k, v, segment_ids, out, lse = residuals
+    q, k, v, segment_ids, out, lse, *window_blocks = residuals  # the window's count only with spec.window
+    win_args, win_specs = _window_args(spec, window_blocks[0] if window_blocks else None)
     b, t, h, d = q.shape
     kv_heads, dv = k.shape[2], v.shape[3]
     group = h // kv_heads
@@ -271,6 +307,7 @@ def backward(residuals, d_out, spec: base.Spec):
             pl.BlockSpec((None, bq, None, dp), q_map),
             pl.BlockSpec((None, tk, None, dp), kv_map),
             pl.BlockSpec((None, tk, None, dvp), kv_map),
+            *win_specs,
             *seg_specs,
             pl.BlockSpec((None, bq, None, dvp), q_map),
             pl.BlockSpec((None, None, bq), stat_map),
@@ -282,7 +319,7 @@ def backward(residuals, d_out, spec: base.Spec):
         interpret=spec.interpret,
         name="flash_attention_dq",
     )(
-        padded(q, tq, dp), padded(k, tk, dp), padded(v, tk, dvp), *seg_args,
+        padded(q, tq, dp), padded(k, tk, dp), padded(v, tk, dvp), *win_args, *seg_args,
         padded(d_out, tq, dvp), base.pad_axis(lse, 2, tq), base.pad_axis(delta, 2, tq),
     )
 
@@ -306,6 +343,7 @@ def backward(residuals, d_out, spec: base.Spec):
             pl.BlockSpec((None, tq, group, dp), group_map),
             pl.BlockSpec((None, bk, None, dp), kv_map),
             pl.BlockSpec((None, bk, None, dvp), kv_map),
+            *win_specs,
             *seg_specs,
             pl.BlockSpec((None, tq, group, dvp), group_map),
             pl.BlockSpec((None, group, tq), stat_map),
@@ -317,7 +355,7 @@ def backward(residuals, d_out, spec: base.Spec):
         interpret=spec.interpret,
         name="flash_attention_dkdv",
     )(
-        padded(q, tq, dp), padded(k, tk, dp), padded(v, tk, dvp), *seg_args,
+        padded(q, tq, dp), padded(k, tk, dp), padded(v, tk, dvp), *win_args, *seg_args,
         padded(d_out, tq, dvp), base.pad_axis(lse, 2, tq), base.pad_axis(delta, 2, tq),
     )
     return dq[:, :t, :, :d], dk[:, :t, :, :d], dv_[:, :t, :, :dv]

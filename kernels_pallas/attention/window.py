@@ -8,6 +8,10 @@ Query ``i`` sees key ``j`` when, with window ``W`` and block size ``B`` (``W`` a
 modded-nanogpt's block sliding window (FlexAttention block masks of 128 x 128 tiles: a query block
 sees its own block and the ``W / B - 1`` blocks before it). Otherwise as `reference.attention`.
 
+A window that changes during training (modded-nanogpt grows it from one block to ``W / B`` over the
+run) is a traced ``limit`` of key blocks, ``1 <= limit <= W / B``, inside the static band of ``W``: the
+mask becomes ``i // B - j // B < limit`` and nothing recompiles when it changes, at the band's cost.
+
 `attention` splits the queries into chunks of ``C`` rows and multiplies each only with the keys
 ``[start - round_up(W, C), end)`` that can fall in its window, so the work and memory are
 ``O(T (W + C))`` rather than ``O(T^2)``; it is recomputed in the backward pass (`jax.checkpoint`), so
@@ -42,7 +46,7 @@ def check_window(window: int, block: int) -> None:
 
 
 @functools.partial(jax.checkpoint, static_argnums=(4, 5))
-def _banded(q, k, v, segment_ids, window: int, block: int):
+def _banded(q, k, v, segment_ids, window: int, block: int, limit):
     b, t, h, d = q.shape
     kv, dv = k.shape[2], v.shape[-1]
     c = chunk_size(t, block)
@@ -52,7 +56,7 @@ def _banded(q, k, v, segment_ids, window: int, block: int):
     q_pos, k_pos = starts + np.arange(c)[None, :], index - lookback
     pad = ((0, 0), (lookback, 0), (0, 0), (0, 0))
     k_win, v_win = jnp.pad(k, pad)[:, index], jnp.pad(v, pad)[:, index]  # (b, n, lookback + c, kv, d)
-    mask = jnp.asarray(allowed(q_pos[:, :, None], k_pos[:, None, :], window, block))[None, :, None, None]
+    mask = allowed(q_pos[:, :, None], k_pos[:, None, :], window if limit is None else limit * block, block)[None, :, None, None]
     if segment_ids is not None:
         seg_k = jnp.pad(segment_ids, ((0, 0), (lookback, 0)), constant_values=-1)[:, index]
         seg_q = segment_ids.reshape(b, n, c)
@@ -64,11 +68,17 @@ def _banded(q, k, v, segment_ids, window: int, block: int):
     return out.reshape(b, t, h, dv).astype(q.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int, block: int = 1, segment_ids: jax.Array | None = None) -> jax.Array:
-    """Windowed causal attention in XLA, banded over query chunks (module docstring); shapes as `reference.attention`."""
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, window: int, block: int = 1, segment_ids: jax.Array | None = None, limit: jax.Array | None = None
+) -> jax.Array:
+    """Windowed causal attention in XLA, banded over query chunks (module docstring); shapes as `reference.attention`.
+
+    ``limit``: a traced number of key blocks in ``[1, window / block]`` that each query block sees; None: all of them."""
     check_shapes(q, k, v, segment_ids)
     check_window(window, block)
-    return _banded(q, k, v, segment_ids, window, block)
+    if limit is not None:
+        limit = jnp.clip(jnp.asarray(limit, jnp.int32), 1, window // block)
+    return _banded(q, k, v, segment_ids, window, block, limit)
 
 
 def cudnn(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int, segment_ids: jax.Array | None = None) -> jax.Array:

@@ -149,6 +149,32 @@ class PackedBatches:
         self._iter = None
 
 
+def leading_tokens(
+    source: Windows, batch_size: int, tokens: int, *, process_index: int = 0, process_count: int = 1
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The split's first ``tokens`` targets exactly (modded-nanogpt's fixed 10,485,760), as windows in order
+    in batches of ``batch_size``, and per batch a ``(rows, seq_len)`` float32 weight per target: 1 for the
+    requested targets, 0 for the rest of the last window and for the rows that pad the last batch (copies
+    of window 0). The weighted mean of the per-target losses is then the mean over exactly ``tokens``.
+
+    Raises:
+      ValueError: the split holds fewer than ``tokens`` targets in whole windows.
+    """
+    seq_len = source.seq_len
+    needed = -(-tokens // seq_len)
+    if tokens < 1 or len(source) < needed:
+        raise ValueError(
+            f"data.val_tokens={tokens} needs {needed} validation windows of {seq_len + 1} tokens, the split has {len(source)}; "
+            "use more validation data or fewer data.val_tokens"
+        )
+    rows = -(-needed // batch_size) * batch_size
+    weights = (np.arange(rows * seq_len) < tokens).astype(np.float32).reshape(rows, seq_len)
+    picks = np.where(np.arange(rows) < needed, np.arange(rows), 0).reshape(-1, batch_size)
+    local = slice(process_index * (batch_size // process_count), (process_index + 1) * (batch_size // process_count))
+    batches = [np.stack([source[int(w)] for w in row[local]]) for row in picks]
+    return batches, [w[local] for w in weights.reshape(-1, batch_size, seq_len)]
+
+
 def validation_batches(
     source: Windows | np.ndarray,
     seq_len: int,

@@ -6,8 +6,8 @@ by ``experiments.tokenize``) gives the vocabulary, the document separator and th
 bytes of the validation split. Without them the run reads `lm.data.corpus` (byte-level). Either way the
 batches come from `lm.data.batches.PackedBatches`.
 
-Validation is a fixed set: the first ``data.val_tokens`` tokens of the validation split (rounded down
-to whole batches), or with ``val_tokens`` 0, ``eval_batches`` batches of windows spread evenly over
+Validation is a fixed set: the first ``data.val_tokens`` targets of the validation split, exactly (the
+last batch padded, its padding weighted 0: `lm.data.batches.leading_tokens`), or with ``val_tokens`` 0, ``eval_batches`` batches of windows spread evenly over
 it. Bits per byte, the axis on which runs of different tokenizers compare, is the mean loss in bits
 times the split's tokens (one separator per document included) over its UTF-8 bytes:
 
@@ -52,12 +52,14 @@ class DataConfig:
 
 
 class ValidationSet(list):
-    """This process's rows of the fixed validation batches, and the tokens per UTF-8 byte of their text
-    (None when unknown: shards without a manifest)."""
+    """This process's rows of the fixed validation batches, the tokens per UTF-8 byte of their text
+    (None when unknown: shards without a manifest) and, where the set is not whole batches, each batch's
+    ``(rows, seq_len)`` weights per target (`lm.data.batches.leading_tokens`; None: every target counts)."""
 
-    def __init__(self, batches: list[np.ndarray], tokens_per_byte: float | None):
+    def __init__(self, batches: list[np.ndarray], tokens_per_byte: float | None, weights: list[np.ndarray] | None = None):
         super().__init__(batches)
         self.tokens_per_byte = tokens_per_byte
+        self.weights = weights
 
     def bits_per_byte(self, val_loss: float) -> float | None:
         """``val_loss`` (nats per token) in bits per UTF-8 byte."""
@@ -187,8 +189,6 @@ def build(
     """
     seq_len, batch = d.seq_len, batch_size
     num_val = d.val_tokens // (batch * seq_len) if d.val_tokens else eval_batches
-    if d.val_tokens and num_val < 1:
-        raise ValueError(f"data.val_tokens={d.val_tokens} is less than one batch of {batch} x {seq_len} tokens")
     patterns = train_patterns(d)
     if not patterns:
         if d.val_files:
@@ -216,8 +216,9 @@ def build(
         train_iter = batches.PackedBatches(mixed, seq_len, batch, shuffle=False, **shares)
     else:
         train_iter = batches.PackedBatches(sources[0], seq_len, batch, **shares)
-    validation = batches.validation_batches(
-        batches.Windows(val, seq_len), seq_len, batch, num_val,
-        process_index=process_index, process_count=process_count, leading=bool(d.val_tokens),
-    )  # fmt: skip
+    shard = {"process_index": process_index, "process_count": process_count}
+    if d.val_tokens % (batch * seq_len):  # not whole batches: the last one padded and weighted
+        rows, weights = batches.leading_tokens(batches.Windows(val, seq_len), batch, d.val_tokens, **shard)
+        return train_iter, ValidationSet(rows, tokens_per_byte, weights)
+    validation = batches.validation_batches(batches.Windows(val, seq_len), seq_len, batch, num_val, leading=bool(d.val_tokens), **shard)
     return train_iter, ValidationSet(validation, tokens_per_byte)

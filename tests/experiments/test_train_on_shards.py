@@ -1,16 +1,20 @@
 """Training from pre-tokenized shards (`lm.data.input_pipeline` behind `experiments.train`): vocabulary from the
 manifest, bits per byte, exact resume, and bad shards as usage errors."""
 
+import dataclasses
 import json
 import math
 
+import jax
 import numpy as np
 import pytest
 
-from experiments import cli, run_spec, trainer
+from experiments import cli, run_spec, train_lib, trainer
 from experiments.configs import default
 from experiments.metrics_io import read_metrics
+from lm import model as model_lib
 from lm.data import batches, documents, shards, tokenize, tokenizer
+from sharding import partition
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +93,7 @@ def test_loader_resumes_onto_another_process_count(dataset):
         ({"model.vocab_size": 256}, "shard .*train_000000.bin holds token id 257, outside the model's vocabulary of 256"),
         ({"data.train_files": "/no/such/*.bin"}, "data.train_files='/no/such/\\*.bin' matches no files"),
         ({"data.val_files": ""}, "training shards need data.val_files"),
-        ({"data.val_tokens": 100}, "data.val_tokens=100 is less than one batch"),
+        ({"data.val_tokens": 10**6}, "data.val_tokens=1000000 needs 31250 validation windows"),
     ],
 )
 def test_bad_shard_input_is_a_usage_error(dataset, tmp_path, overrides, message):
@@ -107,12 +111,36 @@ def test_corrupt_shard_is_a_usage_error_naming_it(dataset, tmp_path):
 
 
 def test_fixed_validation_set_is_the_leading_val_tokens_for_any_batch_size(dataset):
-    _, val = trainer.load_data(_config(dataset, **{"data.val_tokens": 2 * 8 * 32 + 5}), 384)
-    assert len(val) == 2 and val[0].shape == (8, 33)
+    _, val = trainer.load_data(_config(dataset, **{"data.val_tokens": 2 * 8 * 32}), 384)
+    assert len(val) == 2 and val[0].shape == (8, 33) and val.weights is None
     stream = shards.read(dataset / "val_000000.bin")
     np.testing.assert_array_equal(np.concatenate(val)[:, :-1].reshape(-1), stream[: 2 * 8 * 32])
     _, halves = trainer.load_data(_config(dataset, **{"data.val_tokens": 2 * 8 * 32, "batch_size": 4}), 384)
     np.testing.assert_array_equal(np.concatenate(halves), np.concatenate(val))
+
+
+def test_a_validation_set_of_partial_batches_is_its_exact_token_mean(dataset):
+    """val_tokens = 2 batches + 2 windows + 5 tokens: the third batch is padded and weighted; the trainer's
+    mean equals a NumPy mean over exactly those targets (modded-nanogpt's fixed 10,485,760 is 213 1/3 windows)."""
+    tokens = 2 * 8 * 32 + 2 * 32 + 5
+    config = _config(dataset, **{"data.val_tokens": tokens, "model.n_layers": 1, "model.d_model": 32, "model.mlp_dim": 64})
+    _, val = trainer.load_data(config, 384)
+    assert len(val) == 3 and sum(float(w.sum()) for w in val.weights) == tokens
+    targets = np.concatenate(val)[:, 1:][np.concatenate(val.weights) > 0]
+    np.testing.assert_array_equal(targets, shards.read(dataset / "val_000000.bin")[1 : tokens + 1])  # the leading targets, in order
+    spec = run_spec.build_run(config)
+    params = model_lib.init_params(spec.model_def, 0)
+    chunked = model_lib.define(dataclasses.replace(spec.cfg, loss_chunk="64"))  # the head in 4 chunks of 8 x 8 tokens
+    with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
+        got = [
+            trainer._evaluate(train_lib.jit_eval_step(train_lib.make_weighted_eval_step(m), spec.shardings, weighted=True), params, val, spec.shardings)
+            for m in (spec.model_def, chunked)
+        ]
+    windows = np.concatenate(val)[: -(-tokens // 32)]
+    logits = np.asarray(jax.jit(lambda t: model_lib.apply(spec.model_def, params, t))(windows[:, :-1]), np.float64)
+    logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True)) - logits.max(-1, keepdims=True)
+    nll = -np.take_along_axis(logp, windows[:, 1:, None], axis=-1)[..., 0].reshape(-1)
+    np.testing.assert_allclose(got, [np.mean(nll[:tokens])] * 2, rtol=1e-5)
 
 
 def test_mixture_run_reports_each_sources_token_share(dataset, tmp_path):

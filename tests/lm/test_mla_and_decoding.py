@@ -177,14 +177,10 @@ def test_cached_greedy_generation_equals_argmax_of_the_full_forward():
 
 @pytest.mark.parametrize("preset", list(config_lib.PRESETS))
 def test_generation_traces_for_every_preset(preset):
-    """Abstractly (no allocation): the cache and the decode loop fit every preset's shapes; the speedrun's
-    block stack (value embeddings, U-net skips, windows) has no decoding yet and says so."""
+    """Abstractly (no allocation): the cache and the decode loop fit every preset's shapes, the speedrun's
+    block stacks (value embeddings, U-net skips, windows) included."""
     model_def = model_lib.define(config_lib.from_preset(preset, dtype="bfloat16"))
     generate = sampling.make_generate(model_def, max_new_tokens=3, temperature=0.8, top_p=0.9)
     prompt = jax.ShapeDtypeStruct((2, 5), jnp.int32)
-    if preset.startswith("speedrun-"):
-        with pytest.raises(NotImplementedError, match="decoding does not yet run the speedrun's block stack"):
-            jax.eval_shape(generate, model_def.abstract_params, prompt, jax.random.key(0))
-        return
     out = jax.eval_shape(generate, model_def.abstract_params, prompt, jax.random.key(0))
     assert out.shape == (2, 8) and out.dtype == jnp.int32

@@ -16,8 +16,8 @@ import pytest
 from kernels_pallas.attention import api as attention_api
 from kernels_pallas.attention import window as window_lib
 from lm import config as config_lib
+from lm import kv_cache, speedrun_config
 from lm import model as model_lib
-from lm import speedrun_config
 
 CFG = config_lib.ModelConfig(
     vocab_size=64, embed_vocab_size=60, d_model=32, n_layers=4, n_heads=2, n_kv_heads=2, head_dim=16, mlp_dim=48,
@@ -138,10 +138,29 @@ def test_windowed_attention_choice():
     q = jnp.zeros((1, 8, 2, 8))
     out, _ = jax.jit(lambda x: attention_api.attention(x, x, x, implementation="auto", window_size=4, window_block=2))(q)
     assert out.shape == q.shape
-    with pytest.raises(ValueError, match="model.attention=auto, xla or cudnn"):
-        attention_api.attention(q, q, q, implementation="pallas", window_size=4)
-    with pytest.raises(ValueError, match="cannot run this windowed attention"):
+    with pytest.raises(ValueError, match="without tracked max logits"):
+        attention_api.attention(q, q, q, implementation="pallas", window_size=4, track_max_logits=True)
+    with pytest.raises(ValueError, match="cudnn cannot run this windowed attention: cuDNN needs an NVIDIA GPU"):
         attention_api.attention(q, q, q, implementation="cudnn", window_size=4)
+    with pytest.raises(ValueError, match="cudnn cannot run this windowed attention: cuDNN's sliding window is static"):
+        attention_api.attention(q, q, q, implementation="cudnn", window_size=4, window_limit=jnp.int32(2))
+
+
+def test_windowed_attention_hands_the_kernel_its_window_per_shard(monkeypatch):
+    """``pallas`` (interpreted on a CPU) gets the window, its block and the traced limit, and is called per shard
+    without segment ids as `lm.attention` calls it; the kernel's numerics: tests/kernels_pallas/attention."""
+    calls = []
+
+    def kernel(q, k, v, *, segment_ids, window, window_block, window_limit, interpret):
+        calls.append((segment_ids, window, window_block, int(window_limit), interpret))
+        return window_lib.attention(q, k, v, window=window, block=window_block, limit=window_limit)
+
+    monkeypatch.setattr(attention_api, "flash_attention", kernel)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 8, 2, 8)), jnp.float32)
+    per_shard = lambda run: lambda q, k, v, segment_ids=None: run(q, k, v)  # noqa: E731
+    out, _ = attention_api.attention(x, x, x, implementation="pallas", window_size=4, window_block=2, window_limit=jnp.int32(1), per_shard=per_shard)
+    assert calls == [(None, 4, 2, 1, True)]
+    np.testing.assert_array_equal(out, window_lib.attention(x, x, x, window=4, block=2, limit=1))
 
 
 def test_option_errors_name_the_fix():
@@ -163,3 +182,50 @@ def test_speedrun_preset_has_the_records_parameter_count():
     blocks = (layers - 1) * attention + layers * (mlp + 2)  # no attention in block 7; Block.lambdas (2,)
     record = embed + value_embeds + blocks + layers // 2 + padded * d  # skip_weights, lm_head
     assert model_lib.param_counts(config_lib.from_preset("speedrun-124m")).total == record == 275_598_388
+
+
+def test_window_warmup_gives_the_records_windows():
+    """Record 21: ``window_size = next_multiple_of_n(1728 * step / 1770, n=128)`` (long), ``// 2`` blocks (short),
+    where a block mask of 0 blocks still keeps the diagonal block (``clamp_min(..., 1)`` in ``build_bm``)."""
+    cfg = dataclasses.replace(config_lib.from_preset("speedrun-124m"), window_warmup=1770)
+    steps = np.arange(1771)
+    record = np.array([next(x for x in range(128, int(1728 * s / 1770) + 1 + 128, 128) if x >= 1728 * s / 1770) for s in steps])
+    long = np.asarray(speedrun_config.window_blocks(cfg, steps))
+    np.testing.assert_array_equal(long * 128, record)
+    assert record[[0, 125, 250, 1180, 1770]].tolist() == [128, 128, 256, 1152, 1792]
+    assert np.asarray(speedrun_config.window_blocks(cfg, 5000)) == 14  # full after the warmup
+    short = np.asarray(speedrun_config.layer_window_blocks(cfg, 1, jnp.asarray(long)))  # layer 1 is an S
+    np.testing.assert_array_equal(short, np.maximum(record // 128 // 2, 1))
+    np.testing.assert_array_equal(speedrun_config.layer_window_blocks(cfg, 0, jnp.asarray(long)), long)  # an L
+
+
+def test_a_traced_window_inside_the_band_matches_the_masked_definition():
+    q, k, v = (jnp.asarray(np.random.default_rng(i).normal(size=(2, 32, 2, 8)), jnp.float32) for i in range(3))
+    segments = jnp.asarray(np.repeat([[0, 1], [0, 0]], [20, 12], axis=1))
+    run = jax.jit(lambda q, k, v, limit: window_lib.attention(q, k, v, window=12, block=4, segment_ids=segments, limit=limit))
+    for limit in (1, 3):  # one compilation, two windows
+        np.testing.assert_allclose(run(q, k, v, limit), _dense_window(q, k, v, 4 * limit, 4, segments), rtol=1e-5, atol=1e-6)
+
+
+def test_the_model_at_a_grown_window_equals_the_static_window(model):
+    model_def, _, params = model
+    run = jax.jit(lambda p, t, w: model_lib.apply(model_def, p, t, window_blocks=w))
+    one_block = dataclasses.replace(CFG, window_pattern="SSSS")  # at n = 1 the L and S windows are both 1 block
+    np.testing.assert_allclose(np.asarray(run(params, TOKENS, 1)), _numpy_logits(one_block, params, TOKENS), rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(run(params, TOKENS, 2)), _numpy_logits(CFG, params, TOKENS), rtol=2e-4, atol=2e-4)
+
+
+def test_prefill_and_step_by_step_decode_equal_the_full_forward(model):
+    """The speedrun stack decodes from a KV cache (value embeddings, U-net skips, x0 mixing, a block without
+    attention, long/short block windows), against the NumPy transcription; no separator in the tokens
+    (decoding masks no documents)."""
+    model_def, _, params = model
+    tokens = np.where(TOKENS == CFG.document_separator, 6, TOKENS)
+    full = _numpy_logits(CFG, params, tokens)
+    decode = jax.jit(lambda p, t, c, s: model_lib.decode(model_def, p, t, c, s))
+    logits, cache = decode(params, tokens[:, :5], kv_cache.init(CFG, 2, 16), jnp.int32(0))
+    steps = [logits]
+    for t in range(5, 16):
+        logits, cache = decode(params, tokens[:, t : t + 1], cache, jnp.int32(t))
+        steps.append(logits)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=2e-4, atol=2e-4)

@@ -57,7 +57,7 @@ DEVICE = jax.devices()[0]
 OVERRIDES = {
     "shampoo": {"precondition_every": 2},
     "soap": {"precondition_frequency": 3},
-    **{name: {"ns_batching": "same_shape"} for name in ("muon", "normuon", "mars_muon", "muon_clip")},
+    **{name: {"ns_batching": "same_shape"} for name in ("muon", "normuon", "mars_muon", "muon_clip", "speedrun_muon")},
     "lopt": {"num_steps": 100},  # the run's length, which the registry gives it in training
 }
 

@@ -14,9 +14,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from lm import lightning
+from lm import lightning, speedrun_config
 from lm import model as model_lib
-from lm import speedrun_config
 from lm.config import ModelConfig
 from lm.model import param_counts
 from lm.parallel import vocab_parallel
@@ -106,13 +105,13 @@ def weighted_nll(
         raise ValueError("a validation set of partial batches needs the whole vocabulary per device; set data.val_tokens to whole batches")
     inputs, targets = tokens[:, :-1], model_lib.in_model_layout(model_def, tokens[:, 1:])
     weights = model_lib.in_model_layout(model_def, weights).astype(jnp.float32)
-    n = loss_chunks(cfg, *inputs.shape)
+    n = loss_chunks(cfg, *inputs.shape, _token_shards())
     if n == 1:
         nll = _token_nll(model_lib.apply(model_def, params, inputs, model_layout=True), targets)
     else:
         h, (head, vocab_first), _ = model_lib.features(model_def, params, inputs)
         w = head.astype(h.dtype)
-        chunk = lambda xs: _token_nll(_chunk_logits(xs[0], w, vocab_first), xs[1])  # noqa: E731
+        chunk = lambda xs: _token_nll(_chunk_logits(xs[0], w, vocab_first), xs[1])
         nll = _from_chunks(jax.lax.map(chunk, (_to_chunks(h, n), _to_chunks(targets, n))))
     return jnp.sum(weights * nll), jnp.sum(weights)
 

@@ -29,7 +29,12 @@ arXiv:2509.02046) and AlgoPerf (Dahl et al., arXiv:2306.07179):
    reaches the target gets no speedup, only a bound ("<1.00x (not reached)");
 5. per optimizer, at its best setting: state bytes per parameter (``jax.eval_shape`` of ``init``, no
    allocation) and the time of one jitted ``update`` + ``apply_updates`` on the model's parameters,
-   relative to the baseline's (median of round-robin calls).
+   relative to the baseline's (median of round-robin calls);
+6. with ``--target_val_loss=T``, the fewest-steps table (the modded-nanogpt optimizer track's measure):
+   per seed, the first evaluated step whose validation loss is <= T (no interpolation: its resolution
+   is ``eval_every``), and their mean in steps and tokens when every seed reached T, else "not reached"
+   by how many; then that mean over the baseline's. The target is a flag, not a rerun: every
+   invocation re-reads the finished runs.
 
 Each run is an ordinary ``experiments.train`` run in ``<workdir>/runs/<name>``. Re-running on the same
 ``--workdir`` skips finished runs (their ``summary.json`` exists) and resumes an interrupted one from
@@ -292,8 +297,9 @@ def optimizer_costs(configs: dict[str, ml_collections.ConfigDict], repeats: int)
     return costs
 
 
-def compare(config: ml_collections.ConfigDict, workdir: str | Path, *, log=print) -> dict:
-    """Runs the comparison described by ``config`` into ``workdir``; returns (and writes) the results."""
+def compare(config: ml_collections.ConfigDict, workdir: str | Path, *, log=print, target_val_loss: float | None = None) -> dict:
+    """Runs the comparison described by ``config`` into ``workdir``; returns (and writes) the results.
+    ``target_val_loss`` adds the steps each optimizer needs to reach it (protocol item 6)."""
     workdir = Path(workdir)
     grid = parse_grid(config)
     for name, settings in grid.items():  # bad settings fail here, before any training
@@ -312,7 +318,7 @@ def compare(config: ml_collections.ConfigDict, workdir: str | Path, *, log=print
     costs = optimizer_costs(
         {name: run_config(config, name, record["setting"], first) for name, record in best.items()}, config.compare.update_timing_repeats
     )
-    results = summarize(config, runs, best, costs)
+    results = summarize(config, runs, best, costs, target_val_loss)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "results.json").write_text(json.dumps(results, indent=1))
     (workdir / "results.md").write_text(markdown(results))
@@ -320,8 +326,11 @@ def compare(config: ml_collections.ConfigDict, workdir: str | Path, *, log=print
     return results
 
 
-def summarize(config: ml_collections.ConfigDict, runs: dict[str, list[dict]], best: dict[str, dict], costs: dict) -> dict:
-    """Per-optimizer rows (best setting, seeds' mean and spread, speedups, costs) and every run."""
+def summarize(
+    config: ml_collections.ConfigDict, runs: dict[str, list[dict]], best: dict[str, dict], costs: dict, target_val_loss: float | None = None
+) -> dict:
+    """Per-optimizer rows (best setting, seeds' mean and spread, speedups, steps to ``target_val_loss``,
+    costs) and every run."""
     baseline = config.compare.baseline
     rows = []
     for name, records in runs.items():
@@ -341,6 +350,7 @@ def summarize(config: ml_collections.ConfigDict, runs: dict[str, list[dict]], be
             "seconds_curve": speedup.mean_curve([[(p["seconds"], p["val_loss"]) for p in r["curve"]] for r in seeds]) if seeds else [],
             "final_val_losses": finals,
             "seed_curves": [[(p["tokens"], p["val_loss"]) for p in r["curve"]] for r in seeds],
+            "steps_to_target": _steps_to_target([r["curve"] for r in seeds], target_val_loss),
             **costs[name],
         }
         rows.append(row)
@@ -352,6 +362,9 @@ def summarize(config: ml_collections.ConfigDict, runs: dict[str, list[dict]], be
         test = None if row is base else seed_stats.welch(row["final_val_losses"], base_finals)
         row["welch_vs_baseline"] = None if test is None else dataclasses.asdict(test)
         row["update_vs_baseline"] = row["update_seconds"] / base["update_seconds"]
+        if row["steps_to_target"] is not None:
+            mine, theirs = row["steps_to_target"]["mean_steps"], (base["steps_to_target"] or {}).get("mean_steps")
+            row["steps_to_target"]["vs_baseline"] = mine / theirs if mine is not None and theirs else None
         for axis in ("tokens", "seconds"):
             if base[f"{axis}_curve"] and row[f"{axis}_curve"]:
                 s = speedup.speedup(base[f"{axis}_curve"], row[f"{axis}_curve"])
@@ -365,7 +378,9 @@ def summarize(config: ml_collections.ConfigDict, runs: dict[str, list[dict]], be
         "baseline": baseline,
         "model": config.model.preset,
         "steps": config.steps,
+        "eval_every": config.eval_every,
         "tokens_per_run": config.steps * config.batch_size * config.data.seq_len,
+        "target_val_loss": target_val_loss,
         "backend": jax.default_backend(),
         "device": jax.devices()[0].device_kind,
         "optimizers": rows,
@@ -396,6 +411,55 @@ def _tokens_to_target(curves: list[list[tuple[float, float]]], target: float | N
     if len(reached) == len(per_seed):
         out |= dataclasses.asdict(seed_stats.t_interval(reached))
     return out
+
+
+def _steps_to_target(curves: list[list[dict]], target: float | None) -> dict | None:
+    """Per seed, the first evaluated step (and its tokens) whose validation loss is <= ``target`` (None:
+    never); their means when every seed reached it, else ``mean_steps`` None."""
+    if target is None or not curves:
+        return None
+    firsts = [next((p for p in curve if p["val_loss"] <= target), None) for curve in curves]
+    reached = [p for p in firsts if p is not None]
+    everyone = len(reached) == len(firsts)
+    return {
+        "target": target,
+        "per_seed_steps": [None if p is None else p["step"] for p in firsts],
+        "reached": len(reached),
+        "seeds": len(firsts),
+        "mean_steps": statistics.fmean(p["step"] for p in reached) if everyone else None,
+        "mean_tokens": statistics.fmean(p["tokens"] for p in reached) if everyone else None,
+    }
+
+
+def _fewest_steps_key(row: dict) -> tuple:
+    """Every seed at the target first, by fewest mean steps; then most seeds at it."""
+    reach = row["steps_to_target"]
+    mean = reach["mean_steps"] if reach["mean_steps"] is not None else math.inf
+    return (reach["mean_steps"] is None, -reach["reached"], mean)
+
+
+def steps_table(results: dict) -> list[str]:
+    """The fewest-steps table (markdown lines): steps and tokens to ``results["target_val_loss"]``."""
+    base, target = results["baseline"], results["target_val_loss"]
+    lines = [
+        (
+            f"Steps to validation loss <= {target:g}: per seed the first evaluation at or below it (every "
+            f"{results['eval_every']} steps), the mean over seeds when every seed reached it."
+        ),
+        "",
+        f"| optimizer | best setting | steps to {target:g} (mean) | tokens (mean) | steps per seed | steps (x {base}) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in sorted((r for r in results["optimizers"] if r["steps_to_target"]), key=_fewest_steps_key):
+        reach = row["steps_to_target"]
+        per_seed = ", ".join("never" if s is None else str(s) for s in reach["per_seed_steps"])
+        if reach["mean_steps"] is None:
+            steps, tokens = f"not reached ({reach['reached']}/{reach['seeds']} seeds)", "-"
+        else:
+            steps, tokens = f"{reach['mean_steps']:,.1f}", f"{reach['mean_tokens']:,.0f}"
+        ratio = "-" if reach["vs_baseline"] is None else f"{reach['vs_baseline']:.2f}"
+        lines.append(f"| {row['optimizer']} | {_setting_text(row['best_setting'])} | {steps} | {tokens} | {per_seed} | {ratio} |")
+    return lines
 
 
 def _rank_key(row: dict) -> tuple:
@@ -462,6 +526,8 @@ def markdown(results: dict) -> str:
             "A best value marked (low edge) / (high edge) is the smallest / largest of its grid: the optimum may lie "
             "outside it, so that optimizer may be under-tuned; widen compare.grid.<optimizer> past it and rerun.",
         ]
+    if results.get("target_val_loss") is not None:
+        lines += ["", *steps_table(results)]
     first = results["runs"][0]["seed"] if results["runs"] else 0
     lines += ["", f"| run (seed {first}) | final val loss |", "|---|---|"]
     best = {row["optimizer"]: row["best_setting"] for row in results["optimizers"]}
@@ -497,6 +563,7 @@ def define_flags(argv: list[str]) -> flags.FlagHolder:
     """Flags; ``--quick`` makes `compare_quick.py` the default config (``--config.*`` still apply)."""
     flags.DEFINE_string("workdir", None, "Output folder; re-running on it skips finished runs. Default: a fresh folder under ./runs/.")
     flags.DEFINE_string("seeds", None, "Seeds, e.g. 0,1,2 (the first runs the grid); default: the config's compare.seeds.")
+    flags.DEFINE_float("target_val_loss", None, "Adds the fewest-steps table: steps each optimizer needs to reach this validation loss.")
     flags.DEFINE_bool("quick", False, f"The reduced comparison of {QUICK_CONFIG} (12 runs of 80 steps: about 7 minutes on 2 CPU cores).")
     cli.define_verbose_flag()
     default = QUICK_CONFIG if any(a in ("--quick", "--quick=true", "--quick=True") for a in argv[1:]) else FULL_CONFIG
@@ -514,7 +581,7 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
         config.compare.seeds = flags.FLAGS.seeds
     workdir = flags.FLAGS.workdir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-compare-{config.model.preset}"
     try:
-        results = compare(config, workdir, log=functools.partial(print, flush=True))
+        results = compare(config, workdir, log=functools.partial(print, flush=True), target_val_loss=flags.FLAGS.target_val_loss)
     except cli.UsageError as e:
         if flags.FLAGS.verbose:
             raise

@@ -121,14 +121,31 @@ def test_protocol_picks_by_final_loss_adds_seeds_and_measures_speedups(tmp_path,
     assert "the optimum may lie outside it" in table and rows["lion"]["grid_edges"] == {}  # one value: no edge
     assert "| sgd-lr10-seed0 | diverged |" in table and "| adamw-lr0.001-seed0 * | 2.0000 |" in table
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+    assert results["target_val_loss"] is None and "Steps to validation loss" not in table  # no target, no table
 
     third = FakeTrain()
     monkeypatch.setattr(trainer, "run", third)
     costs = {r["optimizer"]: {k: r[k] for k in ("state_bytes_per_param", "update_seconds")} for r in results["optimizers"]}
     monkeypatch.setattr(compare_optimizers, "optimizer_costs", lambda configs, repeats: costs)
-    again = compare_optimizers.compare(_config(), tmp_path, log=lambda line: None)
-    assert third.calls == []
+    again = compare_optimizers.compare(_config(), tmp_path, log=lambda line: None, target_val_loss=2.2)
+    assert third.calls == []  # a target is read off the finished runs
     assert [r["speedup_tokens"] for r in again["optimizers"]] == [r["speedup_tokens"] for r in results["optimizers"]]
+    # Fewest steps to val loss <= 2.2, first evaluation at or below it: AdamW's seed 0 is at 2.2 at step 30, seed 1
+    # (2.21) only at step 40; Lion's seeds at step 20 (2.0, 2.01); SGD never.
+    steps = {r["optimizer"]: r["steps_to_target"] for r in again["optimizers"]}
+    assert steps["adamw"] == {
+        "target": 2.2, "per_seed_steps": [30, 40], "reached": 2, "seeds": 2, "mean_steps": 35, "mean_tokens": 35 * 256, "vs_baseline": 1.0
+    }
+    assert steps["lion"]["mean_steps"] == 20 and steps["lion"]["vs_baseline"] == pytest.approx(20 / 35)
+    assert steps["sgd"]["reached"] == 0 and steps["sgd"]["mean_steps"] is None and steps["sgd"]["vs_baseline"] is None
+    assert compare_optimizers.steps_table(again)[2:] == [
+        "| optimizer | best setting | steps to 2.2 (mean) | tokens (mean) | steps per seed | steps (x adamw) |",
+        "|---|---|---|---|---|---|",
+        "| lion | lr 0.0001 | 20.0 | 5,120 | 20, 20 | 0.57 |",
+        "| adamw | lr 0.001 | 35.0 | 8,960 | 30, 40 | 1.00 |",
+        "| sgd | lr 0.1 | not reached (0/2 seeds) | - | never, never | - |",
+    ]
+    assert "Steps to validation loss <= 2.2: per seed the first evaluation at or below it (every 10 steps)" in (tmp_path / "results.md").read_text()
 
     other_family = _config()
     other_family.optimizer.muon.beta = 0.5  # no run here uses Muon: its block does not count
@@ -186,6 +203,7 @@ def test_quick_cli_end_to_end(tmp_path):
         "--config.compare.grid.sgd.learning_rate=0.3",
         "--seeds=0,1",
         "--config.compare.update_timing_repeats=2",
+        "--target_val_loss=100",  # above any loss: every seed is there at the first evaluation
     ]
     result = _cli(tmp_path, *small)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -200,6 +218,8 @@ def test_quick_cli_end_to_end(tmp_path):
     for row in results["optimizers"]:
         assert row["final_val_loss_mean"] > 0 and row["speedup_tokens"]["text"].endswith(("x", "(not reached)"))
     assert "| sgd | lr 0.3 |" in (tmp_path / "results.md").read_text()
+    assert rows["sgd"]["steps_to_target"]["per_seed_steps"] == [3, 3] and rows["sgd"]["steps_to_target"]["vs_baseline"] == 1.0
+    assert "| sgd | lr 0.3 | 3.0 | 384 | 3, 3 | 1.00 |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "curves.png").is_file()
     assert (tmp_path / "runs" / "sgd-lr0.3-seed0" / "summary.json").is_file()
 

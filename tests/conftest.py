@@ -166,8 +166,10 @@ _FAST_XLA_FLAG = "--xla_cpu_use_fusion_emitters=false"
 
 
 def _fast_compile_options(*args, **kwargs):
+    """`jax._src.compiler.get_compile_options`, the emitters off where the passes are, unless the call names them."""
     options = _get_compile_options_upstream(*args, **kwargs)
-    if _compiler._DISABLE_MOST_OPTIMIZATIONS.value:
+    named = {name for name, _ in options.env_option_overrides}
+    if _compiler._DISABLE_MOST_OPTIMIZATIONS.value and "xla_cpu_use_fusion_emitters" not in named:
         options.env_option_overrides = [*options.env_option_overrides, ("xla_cpu_use_fusion_emitters", False)]
     return options
 

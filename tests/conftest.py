@@ -194,6 +194,12 @@ if _PLATFORMS == "cpu" and _fusion_emitters_can_be_switched_off():
 
 
 @pytest.fixture
+def default_emitters() -> dict[str, bool]:
+    """Compile options for a test whose program or rounding is XLA's own: XLA:CPU's default (fusion) emitters."""
+    return {"xla_cpu_use_fusion_emitters": True} if _PLATFORMS == "cpu" else {}
+
+
+@pytest.fixture
 def optimized_subprocess_env() -> dict[str, str]:
     """Environment overrides for a process that runs many steps: all of XLA's passes, and its default emitters."""
     flags = os.environ.get("XLA_FLAGS", "").replace(_FAST_XLA_FLAG, "").strip()

@@ -68,7 +68,7 @@ def test_bad_profile_steps_name_the_fix(text):
         trainer._profile_steps(text)
 
 
-def test_rolled_layer_loop_moves_only_the_carry_and_attentions_layout():
+def test_rolled_layer_loop_moves_only_the_carry_and_attentions_layout(default_emitters):
     """The scanned step (one block per iteration, as on accelerators) under full remat: the forward loop
     writes one stack (each layer's input) and the backward loop none; activation-sized copies per
     iteration stay at the loop carry plus K and V laid out head-major for XLA's attention (3).
@@ -87,7 +87,7 @@ def test_rolled_layer_loop_moves_only_the_carry_and_attentions_layout():
     state = {"params": model_def.abstract_params, "opt_state": jax.eval_shape(tx.init, model_def.abstract_params), **counters}
     step = jax.jit(train_lib.make_train_step(model_def, tx))
     # XLA's own emitters (the suite's fast compiles use the legacy ones, which leave two more loops)
-    compiled = step.lower(state, jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)).compile({"xla_cpu_use_fusion_emitters": True})
+    compiled = step.lower(state, jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)).compile(default_emitters)
     forward, backward = hlo_bytes.loop_buffer_moves(compiled.as_text(), (batch, seq))
     assert forward["stack_writes"] == 1 and backward["stack_writes"] == 0
     assert forward["copies"] <= 3 and backward["copies"] <= 3

@@ -323,7 +323,7 @@ def test_train_step_skips_a_step_whose_optimizer_state_overflows(monkeypatch):
     while its update stays finite (m / sqrt(inf) = 0): the train step skips the step. The step's
     logic runs on a bigram model standing in for the LM (which would only add compile time)."""
 
-    def bigram(model_def, params, tokens, return_aux=False, model_layout=False):
+    def bigram(model_def, params, tokens, return_aux=False, model_layout=False, window_blocks=None):
         logits = params["embed"]["embedding"][tokens] @ params["head"]["kernel"]
         return (logits, {}) if return_aux else logits
 

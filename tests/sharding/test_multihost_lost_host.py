@@ -5,6 +5,7 @@ SkyPilot's variables), resumes it from the last committed step and stops as if p
 one process finishes it. Its losses (training and validation, read from llm.c shards by the Grain loader,
 each process its rows) equal an uninterrupted run's, step for step."""
 
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -102,8 +103,12 @@ def _logs(procs: list[subprocess.Popen], cluster: str, port: int) -> None:
 def test_job_killed_mid_save_resumes_as_a_new_job_and_on_another_process_count_with_the_uninterrupted_losses(tmp_path):
     overrides = TINY | _shards(tmp_path)
     port, procs = _slurm_job(tmp_path / "run", overrides)
-    trainer.run(_config(overrides), tmp_path / "straight")  # meanwhile, the uninterrupted reference on 2 devices of this process
-    seen = _kill_during_a_save(procs, tmp_path / "run" / "checkpoints", after=4)
+    # The job is watched from its start (a watch begun after the reference run found, on a loaded machine,
+    # the job already past its last save before STOP); meanwhile, the uninterrupted reference on 2 devices here.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        watch = pool.submit(_kill_during_a_save, procs, tmp_path / "run" / "checkpoints", after=4)
+        trainer.run(_config(overrides), tmp_path / "straight")
+        seen = watch.result()
     _logs(procs, "slurm", port)
     assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
     committed = sorted(int(e) for e in os.listdir(tmp_path / "run" / "checkpoints") if e.isdigit())

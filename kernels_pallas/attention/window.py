@@ -25,7 +25,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kernels_pallas.attention.reference import check_shapes
 
@@ -51,9 +50,10 @@ def _banded(q, k, v, segment_ids, window: int, block: int, limit):
     kv, dv = k.shape[2], v.shape[-1]
     c = chunk_size(t, block)
     n, lookback = t // c, -(-window // c) * c
-    starts = np.arange(n)[:, None] * c
-    index = starts + np.arange(lookback + c)[None, :]  # rows of the left-padded keys, (n, lookback + c)
-    q_pos, k_pos = starts + np.arange(c)[None, :], index - lookback
+    iota = lambda shape, axis: jax.lax.broadcasted_iota(jnp.int32, shape, axis)  # computed, not constants of the program
+    starts = iota((n, 1), 0) * c
+    index = starts + iota((1, lookback + c), 1)  # rows of the left-padded keys, (n, lookback + c)
+    q_pos, k_pos = starts + iota((1, c), 1), index - lookback
     pad = ((0, 0), (lookback, 0), (0, 0), (0, 0))
     k_win, v_win = jnp.pad(k, pad)[:, index], jnp.pad(v, pad)[:, index]  # (b, n, lookback + c, kv, d)
     mask = allowed(q_pos[:, :, None], k_pos[:, None, :], window if limit is None else limit * block, block)[None, :, None, None]

@@ -22,25 +22,9 @@ import ml_collections
 import numpy as np
 from etils import epath
 
-from experiments import (
-    checkpointing,
-    hardware,
-    metrics_io,
-    profiling,
-    restore,
-    storage,
-    train_lib,
-)
+from experiments import checkpointing, hardware, metrics_io, profiling, restore, storage, train_lib
 from experiments.cli import UsageError
-from experiments.run_spec import (
-    RunSpec,
-    balancing,
-    build_run,
-    data_config,
-    resolve,
-    run_meta,
-    upgrade_meta,
-)
+from experiments.run_spec import RunSpec, balancing, build_run, data_config, resolve, run_meta, upgrade_meta
 from lm import hf, speedrun_config
 from lm.data import batches as batches_lib
 from lm.data import input_pipeline

@@ -5,8 +5,6 @@ files copied into a workdir in object storage when the writer closes)."""
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -53,8 +51,8 @@ class MetricsWriter:
         self._tb = SummaryWriter(str(workdir / "tensorboard"))
         if wandb and wandb.get("project"):
             # wandb writes local files only: into object storage they go through a local folder, copied on close.
-            self._wandb_dir = tempfile.mkdtemp(prefix="spmdlab-wandb-") if storage.is_remote(workdir) else str(workdir)
-            self._wandb = start_wandb(workdir, wandb, self.hparams, self._wandb_dir)
+            self._wandb_staging = storage.staging_folder(workdir, "spmdlab-wandb-")
+            self._wandb = start_wandb(workdir, wandb, self.hparams, self._wandb_staging or str(workdir))
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -86,9 +84,8 @@ class MetricsWriter:
             self._tb.close()
             if self._wandb is not None:
                 self._wandb.finish()
-                if self._wandb_dir != str(self.path.parent):
-                    storage.copy_tree(self._wandb_dir, self.path.parent)
-                    shutil.rmtree(self._wandb_dir)
+                if self._wandb_staging:
+                    storage.publish(self._wandb_staging, self.path.parent)
 
 
 def flat_hparams(config: Mapping, prefix: str = "") -> dict[str, bool | int | float | str]:

@@ -28,8 +28,6 @@ import dataclasses
 import gzip
 import json
 import re
-import shutil
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -78,7 +76,7 @@ class StepTrace:
         """Starts the trace at ``START``; returns the step's annotation (a null context outside the trace)."""
         if self.steps and step == self.steps[0] and not self.active:
             jax.block_until_ready(state)
-            self._local = tempfile.mkdtemp(prefix="spmdlab-trace-") if storage.is_remote(self.workdir) else None
+            self._local = storage.staging_folder(self.workdir, "spmdlab-trace-")
             jax.profiler.start_trace(self._local or str(self.workdir), create_perfetto_trace=True)
             self.active = True
         return jax.profiler.StepTraceAnnotation("train", step_num=step) if self.active else contextlib.nullcontext()
@@ -94,8 +92,7 @@ class StepTrace:
             jax.profiler.stop_trace()
             self.active = False
             if self._local:
-                storage.copy_tree(self._local, self.workdir)
-                shutil.rmtree(self._local)
+                storage.publish(self._local, self.workdir)
 
 
 def trace_file(path: str | Path) -> Path:

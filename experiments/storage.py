@@ -6,13 +6,15 @@ config, metrics, summary and plots (`etils.epath`'s fsspec backend: ``pip instal
 checkpoints (orbax takes the same path; its arrays go through tensorstore's own GCS driver). Object
 stores have no append: a file that grows (``metrics.jsonl``, an events file) is rewritten whole. What a
 library writes only to local files (jax's profiler traces) is written to a local folder first and
-copied into the workdir whole (`copy_tree`).
+copied into the workdir whole (`staging_folder`, `publish`).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import shutil
+import tempfile
 
 from etils import epath
 
@@ -39,8 +41,15 @@ def check_checkpoints(path: epath.Path) -> None:
         )
 
 
-def copy_tree(local: str | os.PathLike, destination: epath.Path) -> None:
-    """Copies every file under the local folder ``local`` to the same relative path under ``destination``."""
+def staging_folder(workdir: epath.Path, prefix: str) -> str | None:
+    """A fresh local folder for a library that writes local files only, when ``workdir`` is in object storage
+    (None: it writes into ``workdir`` itself); `publish` copies it over."""
+    return tempfile.mkdtemp(prefix=prefix) if is_remote(workdir) else None
+
+
+def publish(local: str | os.PathLike, destination: epath.Path) -> None:
+    """Copies every file under the local folder ``local`` to the same relative path under ``destination``, then
+    removes ``local``."""
     for root, _, files in os.walk(local):
         for name in files:
             source = os.path.join(root, name)
@@ -48,6 +57,7 @@ def copy_tree(local: str | os.PathLike, destination: epath.Path) -> None:
             target.parent.mkdir(parents=True, exist_ok=True)
             with open(source, "rb") as f:
                 target.write_bytes(f.read())
+    shutil.rmtree(local)
 
 
 class _ObjectRecordWriter:

@@ -25,16 +25,17 @@
 #   OPTIMIZERS=adamw OPTIMIZER_TREE=tiny MAIN_FLAGS="--config.steps=2 --config.eval_every=2 --config.optimizer.warmup_steps=1" \
 #   KERNEL_FLAGS="--shapes=1x40x2x32 --implementations=xla --dtype=float32 --gmm_shapes=2x40x16x16 \
 #   --quantized_shapes=2x32x64 --quantized_variants=fp32 --warmup=0 --iters=1" bash experiments/gpu_check.sh
+# (NO_WHEELS=1 where .whl/ holds the device's wheels), SPEEDRUN_PRESET=speedrun-tiny SPEEDRUN_SEQ=256 SPEEDRUN_STEPS=2.
 # DRY_RUN=1 prints the steps without running them.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 WORK=${WORK:-/tmp/gpu_check_work}  # the steps' JSON and the main job's run directory (not returned)
-BUDGET_S=${BUDGET_S:-450}
+BUDGET_S=${BUDGET_S:-470}
 PRESET=${PRESET:-gpt2-124m} LLAMA=${LLAMA:-llama-1b} MOE=${MOE:-moe-small}
 BATCH=${BATCH:-16x1024} LLAMA_BATCH=${LLAMA_BATCH:-8x2048} DTYPE=${DTYPE:-bfloat16}
 REPEATS=${REPEATS:-3} STEPS=${STEPS:-5}
-TESTS=${TESTS:-tests/kernels_pallas tests/lm} TEST_WORKERS=${TEST_WORKERS:-6} TEST_PLATFORMS=${TEST_PLATFORMS:-cuda,cpu}
-OPTIMIZERS=${OPTIMIZERS:-adamw,muon,lion,soap} OPTIMIZER_TREE=${OPTIMIZER_TREE:-$PRESET}
+TESTS=${TESTS:-tests/kernels_pallas tests/lm} TEST_WORKERS=${TEST_WORKERS:-8} TEST_PLATFORMS=${TEST_PLATFORMS:-cuda,cpu}
+OPTIMIZERS=${OPTIMIZERS:-adamw,muon,dion,soap} OPTIMIZER_TREE=${OPTIMIZER_TREE:-$PRESET}
 mkdir -p "$OUT" "$WORK"
 START=$SECONDS
 
@@ -82,31 +83,43 @@ throughput() {  # throughput NAME EXPECTED LIMIT PRESET BATCH [--config.* ...]: 
 
 # By priority (the budget skips from the end).
 throughput step_"$PRESET"_auto 35 75 "$PRESET" "$BATCH" --config.model.attention=auto
-throughput step_"$PRESET"_pallas 35 75 "$PRESET" "$BATCH" --config.model.attention=pallas
 step torch_twin 60 120 "$WORK/torch_twin.json" python3 -m experiments.bench_cpu_peer --device="${TWIN_DEVICE:-cuda}" \
   --presets="$PRESET" --batch_shapes="$BATCH" --sweep_batches= --products=false --warmup=2 --repeats="$REPEATS" \
   --steps="$STEPS" --json_out="$WORK/torch_twin.json"
-step kernels 70 110 "$WORK/kernels.json" python3 -m experiments.bench_kernels --sections=attention,gmm,quantized_update \
-  ${KERNEL_FLAGS:-} --json_out="$WORK/kernels.json"
 step optimizers 90 150 "$WORK/optimizers.json" python3 -m experiments.bench_optimizer_step --optimizers="$OPTIMIZERS" \
   --trees="$OPTIMIZER_TREE" --train_batch="$BATCH" --train_dtype="$DTYPE" --repeats="$REPEATS" --out="$WORK/optimizers.json"
-throughput step_"$LLAMA" 40 75 "$LLAMA" "$LLAMA_BATCH" --config.model.attention=auto
+# Where the step's time goes: a trace of three steps of a short run, summarised into profile.txt.
+step profile 45 90 "" bash -c "python3 -m experiments.train --workdir='$WORK/profile' --config.model.preset='$PRESET' \
+  --config.batch_size='${BATCH%x*}' --config.data.seq_len='${BATCH#*x}' --config.model.dtype='$DTYPE' --config.steps=6 \
+  --config.profile=3:5 --config.eval_every=1000 --config.checkpoint_every=1000 ${PROFILE_FLAGS:-} \
+  && python3 -m experiments.profile_summary '$WORK/profile' --top=25 > '$OUT/profile.txt'"
 throughput step_"$PRESET"_fp8 35 75 "$PRESET" "$BATCH" --config.model.attention=auto --config.model.fp8=hybrid
-throughput step_"$LLAMA"_fp8 40 75 "$LLAMA" "$LLAMA_BATCH" --config.model.attention=auto --config.model.fp8=hybrid
+# The speedrun on one GPU for a fixed number of steps: the record's per-GPU load (one 48Ki-token sequence),
+# on byte-level stdlib shards (no FineWeb here), no target; tokens/s and MFU without compilation.
+step speedrun 60 110 "$WORK/speedrun/speedrun.json" python3 -m experiments.speedrun \
+  --config=experiments/configs/speedrun.py:tiny --workdir="$WORK/speedrun" --shards="$WORK/speedrun_shards" --max_files=600 \
+  --config.model.preset="${SPEEDRUN_PRESET:-speedrun-124m}" --config.batch_size=1 --config.data.seq_len="${SPEEDRUN_SEQ:-49152}" \
+  --config.steps="${SPEEDRUN_STEPS:-40}" --config.eval_every="${SPEEDRUN_STEPS:-40}" --config.data.val_tokens="${SPEEDRUN_SEQ:-49152}" \
+  --config.target_val_loss=0.01
 throughput step_"$MOE" 30 60 "$MOE" "$BATCH" --config.model.attention=auto
+throughput step_"$LLAMA" 40 75 "$LLAMA" "$LLAMA_BATCH" --config.model.attention=auto
+throughput step_"$PRESET"_pallas 35 75 "$PRESET" "$BATCH" --config.model.attention=pallas
+step kernels 70 110 "$WORK/kernels.json" python3 -m experiments.bench_kernels --sections=attention,gmm,quantized_update \
+  ${KERNEL_FLAGS:-} --json_out="$WORK/kernels.json"
+throughput step_"$LLAMA"_fp8 40 75 "$LLAMA" "$LLAMA_BATCH" --config.model.attention=auto --config.model.fp8=hybrid
 
 # The tests beside the main job: both share the GPU, so neither takes its memory up front.
 TESTS_CMD=(env SPMDLAB_TEST_PLATFORMS="$TEST_PLATFORMS" SPMDLAB_TEST_CPU_DEVICES=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
   python3 -m pytest -o addopts= -n "$TEST_WORKERS" -q -p no:cacheprovider -r fEs $TESTS)
 MAIN_CMD=(env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m experiments.train --workdir="$WORK/main_job" ${MAIN_FLAGS:-})
 if [ -n "${DRY_RUN:-}" ]; then
-  echo "tests (background, timeout 200): ${TESTS_CMD[*]}"
+  echo "tests (background, timeout ${TESTS_TIMEOUT:-170}): ${TESTS_CMD[*]}"
   echo "main_job (timeout 120): ${MAIN_CMD[*]}"
   run_steps
   exit 0
 fi
 
-if compgen -G ".whl/*.whl" > /dev/null; then  # the line ../shared/tools/gpu-wheels prints
+if [ -z "${NO_WHEELS:-}" ] && compgen -G ".whl/*.whl" > /dev/null; then  # the line ../shared/tools/gpu-wheels prints
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit;
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -124,7 +137,7 @@ for p in ("jax", "jaxlib", "flax", "optax", "torch", "triton", "nvidia-cudnn-cu1
 } > "$OUT/env.txt"
 
 start=$SECONDS
-timeout -k 10 200 "${TESTS_CMD[@]}" > "$OUT/tests.txt" 2>&1 &
+timeout -k 10 ${TESTS_TIMEOUT:-170} "${TESTS_CMD[@]}" > "$OUT/tests.txt" 2>&1 &
 tests_pid=$!
 echo "== main_job (timeout 120): ${MAIN_CMD[*]}" >> "$OUT/log.txt"
 status=0

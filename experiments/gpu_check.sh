@@ -88,8 +88,9 @@ step torch_twin 60 120 "$WORK/torch_twin.json" python3 -m experiments.bench_cpu_
   --steps="$STEPS" --json_out="$WORK/torch_twin.json"
 step optimizers 90 150 "$WORK/optimizers.json" python3 -m experiments.bench_optimizer_step --optimizers="$OPTIMIZERS" \
   --trees="$OPTIMIZER_TREE" --train_batch="$BATCH" --train_dtype="$DTYPE" --repeats="$REPEATS" --out="$WORK/optimizers.json"
-# Where the step's time goes: a trace of three steps of a short run, summarised into profile.txt.
-step profile 45 90 "" bash -c "python3 -m experiments.train --workdir='$WORK/profile' --config.model.preset='$PRESET' \
+# Where the step's time goes: a trace of three steps of a short run, summarised into profile.txt. Without
+# CUDA command buffers, whose kernels carry the buffer's name (command_buffer_159) instead of their HLO op's.
+step profile 45 90 "" bash -c "XLA_FLAGS='--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}' python3 -m experiments.train --workdir='$WORK/profile' --config.model.preset='$PRESET' \
   --config.batch_size='${BATCH%x*}' --config.data.seq_len='${BATCH#*x}' --config.model.dtype='$DTYPE' --config.steps=6 \
   --config.profile=3:5 --config.eval_every=1000 --config.checkpoint_every=1000 ${PROFILE_FLAGS:-} \
   && python3 -m experiments.profile_summary '$WORK/profile' --top=25 > '$OUT/profile.txt'"

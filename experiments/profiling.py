@@ -43,7 +43,7 @@ CATEGORIES = ("matrix products", "attention", "copies", "collectives", "reductio
 _RULES = (
     ("attention", r"fmha|flash|attention|_mha|mha_|cudnn\$|splash"),
     ("collectives", r"all-reduce|all-gather|reduce-scatter|collective|all-to-all|nccl|send|recv|psum"),
-    ("matrix products", r"gemm|dot|matmul|convolution|cublas|cutlass|sm\d+_xmma|ynn_fusion|xnn_fusion|onednn|ragged|gmm|triton_gemm"),
+    ("matrix products", r"gemm|dot|matmul|convolution|cublas|cutlass|nvjet|sm\d+_xmma|ynn_fusion|xnn_fusion|onednn|ragged|gmm|triton_gemm"),
     ("copies", r"copy|memcpy|memset|dynamic-update-slice|dynamic_update_slice|transpose|concatenate"),
     ("reductions", r"reduce|reduction|argmax|argmin|softmax"),
     ("elementwise", r"fusion|loop_|elementwise|convert|multiply|add|subtract|exp|select|broadcast|compare|negate|tanh|rsqrt|divide"),

@@ -36,7 +36,8 @@ def _gpu_trace(path):
         {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
     ]
     kernels = [  # (name, hlo_op, start, duration): 10 us idle between the copy and the reduction
-        ("sm90_xmma_gemm_bf16bf16_bf16f32", "custom-call.3", 0, 40),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32", "custom-call.3", 0, 30),
+        ("nvjet_sm90_tss_128x128_64x6_1x2_h_badd_NTT", "command_buffer_7", 30, 10),  # cuBLAS 12.9+'s gemms, bias-add epilogue
         ("cudnn_generated_fmha_sm90_fprop", "custom-call.9", 40, 20),
         ("input_dynamic_update_slice_fusion", "dynamic-update-slice.2", 60, 10),
         ("loop_convert_fusion", "convert.1", 70, 5),
@@ -60,6 +61,7 @@ def test_gpu_trace_categories_and_idle(tmp_path):
     got = {c: t for c, (t, _) in summary.by_category.items() if t}
     assert got == {"matrix products": 40, "attention": 20, "copies": 10, "elementwise": 5, "reductions": 5, "collectives": 10, "idle": 10}
     assert summary.steps == 1 and summary.top[0][:3] == ("sm90_xmma_gemm_bf16bf16_bf16f32", "custom-call.3", "matrix products")
+    assert ("nvjet_sm90_tss_128x128_64x6_1x2_h_badd_NTT", "command_buffer_7", "matrix products") in [t[:3] for t in summary.top]
 
 
 @pytest.mark.parametrize("text", ["3", "0:2", "5:4", "a:b"])

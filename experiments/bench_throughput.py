@@ -12,7 +12,8 @@ r"""Training-step throughput (tokens/s) and model FLOPs utilisation for presets 
         --config.model.fp8=hybrid
 
 Each case is the real training step of `experiments.train` (forward, backward, optimizer update,
-non-finite check), jitted with the run's shardings, on random tokens (no input pipeline). The first
+non-finite check), jitted with the run's shardings, on random tokens (no input pipeline; ``--tokens=zipf``
+repeats ids as text does, which is what the embedding's gradient scatter feels). The first
 ``--warmup`` steps (compilation included) are not timed; then ``--repeats`` times, ``--steps``
 consecutive steps are timed to the last result. Reported: the median tokens/s over the repeats with
 the slowest and fastest, and two MFUs, median tokens/s x `lm.loss.flops_per_token` over
@@ -46,9 +47,11 @@ from lm import model as model_lib
 from lm.loss import flops_per_token
 
 
-def benchmark(config: ml_collections.ConfigDict, *, warmup: int, repeats: int, steps: int, seed: int = 0) -> dict[str, Any]:
-    """Times the training step of ``config``; see the module docstring."""
-    spec, run = train_steps.compile_train_steps(config, seed)
+def benchmark(
+    config: ml_collections.ConfigDict, *, warmup: int, repeats: int, steps: int, seed: int = 0, tokens: str = "uniform"
+) -> dict[str, Any]:
+    """Times the training step of ``config`` on ``tokens``-distributed random tokens; see the module docstring."""
+    spec, run = train_steps.compile_train_steps(config, seed, tokens)
     tokens_per_step = config.batch_size * config.data.seq_len
     warmup_seconds = run(warmup)
     rates = [steps * tokens_per_step / run(steps) for _ in range(repeats)]
@@ -65,6 +68,7 @@ def benchmark(config: ml_collections.ConfigDict, *, warmup: int, repeats: int, s
         "mesh": dict(spec.mesh.shape),
         "rules": config.rules,
         "optimizer": config.optimizer.name,
+        "tokens": tokens,
         "devices": spec.mesh.size,
         "num_params": model_lib.count_params(spec.model_def).total,
         "tokens_per_second": median,
@@ -142,7 +146,7 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
             file=sys.stderr,
             flush=True,
         )
-        cases.append(benchmark(config, warmup=f.warmup, repeats=f.repeats, steps=f.steps))
+        cases.append(benchmark(config, warmup=f.warmup, repeats=f.repeats, steps=f.steps, tokens=f.tokens))
     device = jax.devices()[0]
     print(f"{device.platform}: {device.device_kind}, {len(jax.devices())} devices; median of {f.repeats} x {f.steps} steps")
     for source in dict.fromkeys(c["peak_source"] for c in cases):
@@ -165,6 +169,10 @@ def define_flags() -> flags.FlagHolder:
     flags.DEFINE_integer("warmup", 2, "Untimed steps first (compilation included).")
     flags.DEFINE_integer("repeats", 5, "Timed repeats (median, min and max reported).")
     flags.DEFINE_integer("steps", 3, "Steps per timed repeat.")
+    flags.DEFINE_enum(
+        "tokens", "uniform", list(train_steps.TOKEN_DISTRIBUTIONS),
+        "Random tokens' distribution: uniform, or zipf (text-like repeats: the embedding gradient's scatter adds many rows into one).",
+    )  # fmt: skip
     flags.DEFINE_integer("cpu_devices", 0, "Split the CPU into this many devices (CPU backend only); 0: leave as is.")
     flags.DEFINE_string("json_out", None, "Also write every case as JSON here.")
     cli.define_verbose_flag()

@@ -59,8 +59,24 @@ class TrainSteps(NamedTuple):
     run: Callable[[int], float]
 
 
-def compile_train_steps(config: ml_collections.ConfigDict, seed: int = 0) -> TrainSteps:
-    """The real jitted training step of ``config`` on one fixed batch of random tokens.
+TOKEN_DISTRIBUTIONS = ("uniform", "zipf")
+
+
+def random_tokens(vocab_size: int, shape: tuple[int, ...], distribution: str = "uniform", seed: int = 0) -> np.ndarray:
+    """Token ids of ``shape``: ``uniform`` over the vocabulary, or ``zipf`` (id ``k`` with probability
+    proportional to ``1 / (k + 1)``, as words in text: the most frequent is ~8% of GPT-2-vocabulary tokens),
+    whose repeated ids make the embedding's backward pass add many rows into one, as real data does."""
+    rng = np.random.default_rng(seed)
+    if distribution == "uniform":
+        return rng.integers(0, vocab_size, shape, dtype=np.int32)
+    if distribution == "zipf":
+        weights = 1.0 / np.arange(1, vocab_size + 1)
+        return rng.choice(vocab_size, size=shape, p=weights / weights.sum()).astype(np.int32)
+    raise ValueError(f"token distribution {distribution!r} is not one of {TOKEN_DISTRIBUTIONS}")
+
+
+def compile_train_steps(config: ml_collections.ConfigDict, seed: int = 0, tokens: str = "uniform") -> TrainSteps:
+    """The real jitted training step of ``config`` on one fixed batch of `random_tokens` (``tokens``: their distribution).
 
     The state is carried (and donated) from call to call, so consecutive steps count up like a
     training run's (what Shampoo's and SOAP's refresh schedules key on). Compilation happens in
@@ -68,7 +84,7 @@ def compile_train_steps(config: ml_collections.ConfigDict, seed: int = 0) -> Tra
     """
     spec = run_spec.build_run(config)
     shardings = spec.shardings
-    rows = np.random.default_rng(seed).integers(0, spec.cfg.vocab_size, (config.batch_size, config.data.seq_len + 1), dtype=np.int32)
+    rows = random_tokens(spec.cfg.vocab_size, (config.batch_size, config.data.seq_len + 1), tokens, seed)
     with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
         carried = [train_lib.init_state(spec.model_def, spec.tx, seed, shardings)]
         step = train_lib.jit_train_step(train_lib.make_train_step(spec.model_def, spec.tx), shardings)

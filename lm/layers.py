@@ -1,4 +1,4 @@
-"""Building blocks: RMSNorm, rotary position embeddings, the SwiGLU MLP, and a logically-named Linear."""
+"""Building blocks: RMSNorm, rotary position embeddings, the SwiGLU MLP, a logically-named Linear, and the token Embed."""
 
 from __future__ import annotations
 
@@ -11,6 +11,22 @@ from flax import nnx
 
 from lm import fp8
 from sharding.partition import constrain
+
+
+class Embed(nnx.Embed):
+    """`nnx.Embed` that gathers rows of the float32 table and casts them to ``dtype``.
+
+    ``nnx.Embed`` casts the whole table to ``dtype`` and gathers from that, so the backward pass adds up a
+    token's gradient over its occurrences in ``dtype``: a frequent token's thousands of bf16 rows summed in
+    bf16. Here ``d table[v] = sum_{t: x_t = v} dy_t`` accumulates in float32, as PyTorch's fp32 embedding
+    does under autocast; the forward values are the same (rounding commutes with the gather).
+    """
+
+    def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+        if out_sharding is not None or not jnp.issubdtype(inputs.dtype, jnp.integer) or self.num_embeddings == 1:
+            return super().__call__(inputs, out_sharding=out_sharding)
+        rows = jnp.take(self.embedding[...], inputs, axis=0)
+        return rows if self.dtype is None else rows.astype(self.dtype)
 
 
 def linear(

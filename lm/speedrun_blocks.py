@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lm import fp8, speedrun_config
-from lm.layers import RMSNorm, linear, rms_norm
+from lm.layers import Embed, RMSNorm, linear, rms_norm
 from sharding.partition import constrain
 
 
@@ -89,7 +89,7 @@ def value_tables(cfg, rngs: nnx.Rngs) -> nnx.List:
     rows = cfg.embed_vocab_size or cfg.vocab_size
     init = nnx.with_partitioning(nnx.initializers.normal(cfg.d_model**-0.5), ("vocab", "embed"))
     return nnx.List([
-        nnx.Embed(rows, cfg.d_model, dtype=cfg.compute_dtype, param_dtype=jnp.float32, embedding_init=init, rngs=rngs)
+        Embed(rows, cfg.d_model, dtype=cfg.compute_dtype, param_dtype=jnp.float32, embedding_init=init, rngs=rngs)
         for _ in range(cfg.value_embeddings)
     ])
 

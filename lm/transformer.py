@@ -23,7 +23,7 @@ from lm import fp8, kv_cache, lightning, parscale, speedrun_blocks, speedrun_con
 from lm import remat as remat_lib
 from lm.attention import Attention
 from lm.config import ModelConfig
-from lm.layers import SwiGLU, linear
+from lm.layers import Embed, SwiGLU, linear
 from lm.mla import MultiHeadLatentAttention
 from lm.moe import MoE
 from lm.parallel import context_attention, pipeline
@@ -165,7 +165,7 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         dtype = cfg.compute_dtype
-        self.embed = nnx.Embed(
+        self.embed = Embed(
             cfg.embed_vocab_size or cfg.vocab_size,
             cfg.d_model,
             dtype=dtype,

@@ -20,7 +20,7 @@ def test_two_meshes_end_to_end(tmp_path):
     out = tmp_path / "throughput.json"
     result = _cli(
         "--batch_shapes=2x32", "--dtypes=float32", "--cpu_devices=2", "--mesh=data:1", "--mesh=fsdp:2",
-        "--warmup=1", "--repeats=2", "--steps=1", f"--json_out={out}", "--config.model.remat=full",
+        "--warmup=1", "--repeats=2", "--steps=1", f"--json_out={out}", "--config.model.remat=full", "--tokens=zipf",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     cases = json.loads(out.read_text())["cases"]
@@ -33,6 +33,7 @@ def test_two_meshes_end_to_end(tmp_path):
         assert c["mfu_measured_matmul"] == pytest.approx(c["tokens_per_second"] * c["flops_per_token"] / c["matmul_flops"])
         assert c["peak_source"].startswith("measured matmul rate (cpu device")  # CPUs have no datasheet peak
         assert c["model_options"] == "remat=full"  # --config.* overrides reach every case
+        assert c["tokens"] == "zipf"
     assert cases[1]["peak_flops"] == pytest.approx(2 * cases[0]["peak_flops"])  # the denominator scales with the mesh
     assert "| tiny | remat=full | 2x32 | float32 | fsdp:2 |" in result.stdout
     assert "MFU (peak) against the measured matmul rate (cpu device" in result.stdout

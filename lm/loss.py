@@ -21,8 +21,13 @@ from lm.model import param_counts
 from lm.parallel import vocab_parallel
 from sharding.partition import auto_axes, constrain, logical_mesh_axes
 
-# `model.loss_chunk=auto`: the most float32 logits bytes one chunk may hold; smaller steps run whole.
+# `model.loss_chunk=auto`: the most float32 logits bytes one chunk may hold, a fraction of the device's memory
+# (where it reports one; AUTO_CHUNK_BYTES where not, as a CPU, or if more); smaller steps run whole. Chunks cost
+# time (each adds the head's float32 gradient, V x d, into the running sum): on one H200 (141 GB) gpt2-124m
+# 16x1024 ran at 401k tokens/s whole, 380k in 4 chunks, 372k in 16; llama-1b 8x2048 61.2k whole, 58.3k in 4,
+# 55.9k in 32 (docs/benchmarks.md 23), so they are kept for logits that would take a real share of memory.
 AUTO_CHUNK_BYTES = 256 * 2**20
+AUTO_MEMORY_FRACTION = 1 / 16
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, *, z_loss: float = 0.0) -> tuple[jax.Array, dict]:
@@ -48,19 +53,31 @@ def _nll_and_z_term(logits: jax.Array, targets: jax.Array, z_loss: float) -> tup
     return jnp.mean(log_z - target_logit), z_loss * jnp.mean(jnp.square(log_z))
 
 
-def loss_chunks(cfg: ModelConfig, batch: int, seq: int, token_shards: int = 1) -> int:
+def loss_chunks(cfg: ModelConfig, batch: int, seq: int, token_shards: int = 1, device_memory: int | None = None) -> int:
     """How many chunks the head + loss of ``batch x seq`` tokens runs in under ``cfg.loss_chunk`` (1: whole).
 
     A chunk takes every row of the batch and ``seq / n`` positions, so ``n`` divides ``seq``: the
     smallest such ``n`` whose chunks hold at most ``loss_chunk`` tokens on each device (``auto``: as many
-    tokens as `AUTO_CHUNK_BYTES` of float32 logits hold), the tokens split over ``token_shards`` devices.
+    tokens as `auto_chunk_bytes` of float32 logits hold), the tokens split over ``token_shards`` devices.
     Counted per device, not per step: a step over 128 devices whose chunks held the limit in all would
     run 128 times the loop trips, each reducing the head's whole gradient across devices.
     """
     if cfg.loss_chunk == "none" or cfg.logit_softcap:  # the fused head has no soft-cap: whole logits
         return 1
-    limit = AUTO_CHUNK_BYTES // (4 * cfg.vocab_size) if cfg.loss_chunk == "auto" else int(cfg.loss_chunk)
+    limit = auto_chunk_bytes(device_memory) // (4 * cfg.vocab_size) if cfg.loss_chunk == "auto" else int(cfg.loss_chunk)
     return next((n for n in range(1, seq + 1) if seq % n == 0 and batch * (seq // n) <= limit * token_shards), seq)
+
+
+def auto_chunk_bytes(device_memory: int | None) -> int:
+    """Float32 logits bytes per chunk under ``loss_chunk=auto``: `AUTO_MEMORY_FRACTION` of ``device_memory``
+    (bytes), at least `AUTO_CHUNK_BYTES` (all of it where the memory is unknown)."""
+    return max(AUTO_CHUNK_BYTES, int(AUTO_MEMORY_FRACTION * (device_memory or 0)))
+
+
+def _device_memory() -> int | None:
+    """Bytes of memory of this process's first device, if it reports them (GPUs and TPUs do, CPUs do not)."""
+    stats = jax.local_devices()[0].memory_stats()
+    return (stats or {}).get("bytes_limit")
 
 
 def _token_shards() -> int:
@@ -83,7 +100,7 @@ def next_token_loss(
     ``window_blocks``: the attention window at this training step (`lm.speedrun_config.window_blocks`).
     """
     inputs, targets = tokens[:, :-1], model_lib.in_model_layout(model_def, tokens[:, 1:])
-    n = loss_chunks(model_def.config, *inputs.shape, _token_shards())
+    n = loss_chunks(model_def.config, *inputs.shape, _token_shards(), _device_memory())
     if vocab_parallel.active(model_def.config):  # the head's vocabulary split over `stage` (lm/parallel/vocab_parallel.py)
         h, (head, vocab_first), aux = model_lib.features(model_def, params, inputs, window_blocks)
         return *vocab_parallel.cross_entropy(h, head, targets, z_loss=z_loss, vocab_first=vocab_first), aux
@@ -105,7 +122,7 @@ def weighted_nll(
         raise ValueError("a validation set of partial batches needs the whole vocabulary per device; set data.val_tokens to whole batches")
     inputs, targets = tokens[:, :-1], model_lib.in_model_layout(model_def, tokens[:, 1:])
     weights = model_lib.in_model_layout(model_def, weights).astype(jnp.float32)
-    n = loss_chunks(cfg, *inputs.shape, _token_shards())
+    n = loss_chunks(cfg, *inputs.shape, _token_shards(), _device_memory())
     if n == 1:
         nll = _token_nll(model_lib.apply(model_def, params, inputs, model_layout=True), targets)
     else:

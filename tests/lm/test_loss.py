@@ -72,6 +72,8 @@ def test_loss_chunks_setting():
     n = loss_lib.loss_chunks(gpt2, 16, 1024)  # 3.3 GB of float32 logits whole
     assert n > 1 and 16 * 1024 // n * 50304 * 4 <= loss_lib.AUTO_CHUNK_BYTES
     assert loss_lib.loss_chunks(config_lib.from_preset("tiny"), 16, 128) == 1  # 2 MiB: whole
+    assert loss_lib.loss_chunks(gpt2, 16, 1024, device_memory=141 * 10**9) == 1  # an H200: 3.3 GB is 1/43 of it
+    assert loss_lib.loss_chunks(gpt2, 16, 1024, device_memory=16 * 2**30) == 4  # 16 GiB: chunks of at most 1 GiB
     assert loss_lib.loss_chunks(config_lib.from_preset("tiny", loss_chunk="none"), 4096, 4096) == 1
     assert loss_lib.loss_chunks(config_lib.from_preset("tiny", loss_chunk=100), 4, 60) == 3  # 4 x 20 <= 100
     with pytest.raises(ValueError, match="model.loss_chunk"):

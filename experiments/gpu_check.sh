@@ -78,7 +78,8 @@ run_steps() {
 throughput() {  # throughput NAME EXPECTED LIMIT PRESET BATCH [--config.* ...]: one training-step row
   local name=$1 expected=$2 limit=$3 preset=$4 batch=$5; shift 5
   step "$name" "$expected" "$limit" "$WORK/$name.json" python3 -m experiments.bench_throughput --presets="$preset" \
-    --batch_shapes="$batch" --dtypes="$DTYPE" --warmup=2 --repeats="$REPEATS" --steps="$STEPS" --json_out="$WORK/$name.json" "$@"
+    --batch_shapes="$batch" --dtypes="$DTYPE" --tokens="${TOKENS:-zipf}" --warmup=2 --repeats="$REPEATS" --steps="$STEPS" \
+    --json_out="$WORK/$name.json" "$@"
 }
 
 # By priority (the budget skips from the end).
@@ -111,10 +112,10 @@ throughput step_"$LLAMA"_fp8 40 75 "$LLAMA" "$LLAMA_BATCH" --config.model.attent
 
 # The tests beside the main job: both share the GPU, so neither takes its memory up front.
 TESTS_CMD=(env SPMDLAB_TEST_PLATFORMS="$TEST_PLATFORMS" SPMDLAB_TEST_CPU_DEVICES=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-  python3 -m pytest -o addopts= -n "$TEST_WORKERS" -q -p no:cacheprovider -r fEs $TESTS)
+  python3 -m pytest -o addopts= -n "$TEST_WORKERS" -v -p no:cacheprovider -r fEs $TESTS)  # -v: each outcome as it comes
 MAIN_CMD=(env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m experiments.train --workdir="$WORK/main_job" ${MAIN_FLAGS:-})
 if [ -n "${DRY_RUN:-}" ]; then
-  echo "tests (background, timeout ${TESTS_TIMEOUT:-170}): ${TESTS_CMD[*]}"
+  echo "tests (background, timeout ${TESTS_TIMEOUT:-240}): ${TESTS_CMD[*]}"
   echo "main_job (timeout 120): ${MAIN_CMD[*]}"
   run_steps
   exit 0
@@ -138,7 +139,7 @@ for p in ("jax", "jaxlib", "flax", "optax", "torch", "triton", "nvidia-cudnn-cu1
 } > "$OUT/env.txt"
 
 start=$SECONDS
-timeout -k 10 ${TESTS_TIMEOUT:-170} "${TESTS_CMD[@]}" > "$OUT/tests.txt" 2>&1 &
+timeout -k 10 ${TESTS_TIMEOUT:-240} "${TESTS_CMD[@]}" > "$OUT/tests.txt" 2>&1 &
 tests_pid=$!
 echo "== main_job (timeout 120): ${MAIN_CMD[*]}" >> "$OUT/log.txt"
 status=0

@@ -34,6 +34,7 @@ import ml_collections
 from absl import app, flags
 
 from experiments import cli, hlo_bytes, run_spec, train_lib
+from lm import loss as loss_lib
 from lm import model as model_lib
 from lm.parallel import context_attention
 from sharding import axes, partition
@@ -78,7 +79,8 @@ def plan(config: ml_collections.ConfigDict, hbm_bytes: float, *, compile_step: b
         if compile_step:
             batch = jax.ShapeDtypeStruct((config.batch_size, config.data.seq_len + 1), jax.numpy.int32, sharding=shardings.batch)
             step_fn = train_lib.make_train_step(spec.model_def, spec.tx, grad_accum_steps=config.grad_accum_steps)
-            compiled = train_lib.jit_train_step(step_fn, shardings).lower(state, batch).compile()
+            with loss_lib.assume_device_memory(hbm_bytes):  # loss chunks as the planned device would size them
+                compiled = train_lib.jit_train_step(step_fn, shardings).lower(state, batch).compile()
     params = _state_bytes(state["params"])
     counts = model_lib.count_params(spec.model_def)
     report = {

@@ -8,8 +8,11 @@ bf16 and 3.3 GiB in float32, more than all the layers' saved activations togethe
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -74,8 +77,26 @@ def auto_chunk_bytes(device_memory: int | None) -> int:
     return max(AUTO_CHUNK_BYTES, int(AUTO_MEMORY_FRACTION * (device_memory or 0)))
 
 
+_ASSUMED_DEVICE_MEMORY: contextvars.ContextVar[int | None] = contextvars.ContextVar("assumed_device_memory", default=None)
+
+
+@contextlib.contextmanager
+def assume_device_memory(nbytes: int) -> Iterator[None]:
+    """Size ``loss_chunk=auto``'s chunks inside this block for devices of ``nbytes`` memory, not this process's
+    (a plan for another machine compiled on fake CPU devices: `experiments.plan`)."""
+    token = _ASSUMED_DEVICE_MEMORY.set(int(nbytes))
+    try:
+        yield
+    finally:
+        _ASSUMED_DEVICE_MEMORY.reset(token)
+
+
 def _device_memory() -> int | None:
-    """Bytes of memory of this process's first device, if it reports them (GPUs and TPUs do, CPUs do not)."""
+    """Bytes of memory per device: `assume_device_memory`'s, else this process's first device's if it reports
+    them (GPUs and TPUs do, CPUs do not)."""
+    assumed = _ASSUMED_DEVICE_MEMORY.get()
+    if assumed is not None:
+        return assumed
     stats = jax.local_devices()[0].memory_stats()
     return (stats or {}).get("bytes_limit")
 

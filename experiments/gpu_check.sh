@@ -6,6 +6,7 @@
 #
 #   env.txt       GPU, driver, Python packages, commit
 #   tests.txt     the kernel and model tests on the GPU (SPMDLAB_TEST_PLATFORMS=cuda,cpu, one device)
+#   profile_*.txt where the gpt2-124m and moe-small steps' time goes (experiments.profile_summary)
 #   log.txt       every command's output
 #   results.jsonl one line per step: name, exit status, seconds, and the step's JSON (or why it was skipped)
 #
@@ -86,12 +87,17 @@ throughput step_"$PRESET"_auto 35 75 "$PRESET" "$BATCH" --config.model.attention
 step torch_twin 110 150 "$WORK/torch_twin.json" python3 -m experiments.bench_cpu_peer --device="${TWIN_DEVICE:-cuda}" \
   --presets="$PRESET" --batch_shapes="$BATCH" --sweep_batches= --products=false --warmup=2 --repeats="$REPEATS" \
   --steps="$STEPS" --json_out="$WORK/torch_twin.json"
-# Where the step's time goes: a trace of three steps of a short run, summarised into profile.txt. Without
+# Where a step's time goes: a trace of three steps of a short run, summarised into profile_NAME.txt. Without
 # CUDA command buffers, whose kernels carry the buffer's name (command_buffer_159) instead of their HLO op's.
-step profile 45 90 "" bash -c "XLA_FLAGS='--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}' python3 -m experiments.train --workdir='$WORK/profile' --config.model.preset='$PRESET' \
-  --config.batch_size='${BATCH%x*}' --config.data.seq_len='${BATCH#*x}' --config.model.dtype='$DTYPE' --config.steps=6 \
-  --config.profile=3:5 --config.eval_every=1000 --config.checkpoint_every=1000 ${PROFILE_FLAGS:-} \
-  && python3 -m experiments.profile_summary '$WORK/profile' --top=25 > '$OUT/profile.txt'"
+profile() {  # profile NAME EXPECTED LIMIT PRESET BATCH [--config.* ...]
+  local name=$1 expected=$2 limit=$3 preset=$4 batch=$5; shift 5
+  step profile_"$name" "$expected" "$limit" "" bash -c "XLA_FLAGS='--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}' \
+    python3 -m experiments.train --workdir='$WORK/profile_$name' --config.model.preset='$preset' --config.batch_size='${batch%x*}' \
+    --config.data.seq_len='${batch#*x}' --config.model.dtype='$DTYPE' --config.steps=6 --config.profile=3:5 --config.eval_every=1000 \
+    --config.checkpoint_every=1000 $* && python3 -m experiments.profile_summary '$WORK/profile_$name' --top=25 > '$OUT/profile_$name.txt'"
+}
+profile "$PRESET" 45 90 "$PRESET" "$BATCH" ${PROFILE_FLAGS:-}
+profile "$MOE" 45 90 "$MOE" "$BATCH"  # issue 44 item 5: where moe-small's 12% MFU goes (router, sort, permute, gmm, combine)
 # The layer loop's copies (issue 44 item 2; 8.6 ms of a 48 ms step on the H200): unrolled, two blocks per
 # iteration, and XLA:GPU's while-loop double buffering.
 throughput step_"$PRESET"_unrolled 45 80 "$PRESET" "$BATCH" --config.model.attention=auto --config.model.scan_layers=false

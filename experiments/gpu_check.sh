@@ -6,7 +6,7 @@
 #
 #   env.txt       GPU, driver, Python packages, commit
 #   tests.txt     the kernel and model tests on the GPU (SPMDLAB_TEST_PLATFORMS=cuda,cpu, one device)
-#   profile_*.txt where the gpt2-124m and moe-small steps' time goes (experiments.profile_summary)
+#   profile_*.txt where the gpt2-124m (AdamW, Muon) and moe-small steps' time goes (experiments.profile_summary)
 #   log.txt       every command's output
 #   results.jsonl one line per step: name, exit status, seconds, and the step's JSON (or why it was skipped)
 #
@@ -98,6 +98,7 @@ profile() {  # profile NAME EXPECTED LIMIT PRESET BATCH [--config.* ...]
 }
 profile "$PRESET" 45 90 "$PRESET" "$BATCH" ${PROFILE_FLAGS:-}
 profile "$MOE" 45 90 "$MOE" "$BATCH"  # issue 44 item 5: where moe-small's 12% MFU goes (router, sort, permute, gmm, combine)
+profile muon 45 90 "$PRESET" "$BATCH" --config.optimizer.name=muon  # issue 44 item 4: Muon's 1.12x AdamW, kernel by kernel
 # The layer loop's copies (issue 44 item 2; 8.6 ms of a 48 ms step on the H200): unrolled, two blocks per
 # iteration, and XLA:GPU's while-loop double buffering.
 throughput step_"$PRESET"_unrolled 45 80 "$PRESET" "$BATCH" --config.model.attention=auto --config.model.scan_layers=false

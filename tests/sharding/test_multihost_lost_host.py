@@ -1,8 +1,8 @@
-"""A lost host: a 2-process job started by the Slurm recipe (experiments/launch/slurm.sbatch, run with the
+"""A lost host: a 4-process job started by the Slurm recipe (experiments/launch/slurm.sbatch, run with the
 environment ``srun`` sets and the CPU stand-in for GPUs) is SIGKILLed in the middle of an asynchronous
-checkpoint save; a second 2-process job, started by the SkyPilot recipe (experiments/launch/skypilot.yaml,
-SkyPilot's variables), resumes it from the last committed step and stops as if preempted after step 6;
-one process finishes it. Its losses (training and validation, read from llm.c shards by the Grain loader,
+checkpoint save; a second job of 2 processes, started by the SkyPilot recipe (experiments/launch/skypilot.yaml,
+SkyPilot's variables), resumes it from the last committed step on half the hosts and stops as if preempted
+after step 6; one process finishes it. Its losses (training and validation, read from llm.c shards by the Grain loader,
 each process its rows) equal an uninterrupted run's, step for step."""
 
 import concurrent.futures
@@ -29,7 +29,7 @@ TINY = {
     "steps": 8, "batch_size": 4, "data.seq_len": 16, "eval_every": 4, "eval_batches": 1, "log_every": 1,
     "checkpoint_every": 2, "optimizer.warmup_steps": 1,
 }  # fmt: skip
-MESH = "data:2,fsdp:-1"  # the recipes' data:<nodes>,fsdp:-1 on 2 nodes of one device each
+MESH = "data:2,fsdp:-1"  # the recipes' data:<nodes>,fsdp:-1 on 2 nodes of one device each (the reference's)
 STOP = 6  # the second job stops here (the SIGTERM path: checkpoint, exit 143)
 
 
@@ -42,31 +42,33 @@ def _shards(root: Path) -> dict:
     return {"data.train_files": str(root / "shards" / "train_*.bin"), "data.val_files": str(root / "shards" / "val_*.bin"), "data.bos_aligned": True}
 
 
-def _job(cluster: str, script: str, recipe: Path, workdir: Path, overrides: dict, *extra: str) -> tuple[int, list[subprocess.Popen]]:
-    """The 2 processes of a job that ``cluster`` starts: ``script`` (bash, ``$0`` the recipe, the trainer's extra
-    flags in ``$@``) with the cluster's variables."""
+def _job(
+    cluster: str, script: str, recipe: Path, workdir: Path, overrides: dict, *extra: str, tasks: int
+) -> tuple[int, list[subprocess.Popen]]:
+    """The ``tasks`` processes of a job that ``cluster`` starts: ``script`` (bash, ``$0`` the recipe, the trainer's
+    extra flags in ``$@``) with the cluster's variables."""
     port = cluster_env.free_port()
     flags = [*(f"--config.{k}={v}" for k, v in overrides.items()), *extra]
     procs = [
         subprocess.Popen(
-            ["bash", "-c", script, str(recipe), *flags], cwd=cluster_env.REPO, env=cluster_env.environ(cluster, rank, 2, port)
+            ["bash", "-c", script, str(recipe), *flags], cwd=cluster_env.REPO, env=cluster_env.environ(cluster, rank, tasks, port)
             | {"WORKDIR": str(workdir), "JAX_DISABLE_MOST_OPTIMIZATIONS": "true"},
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
-        for rank in range(2)
+        for rank in range(tasks)
     ]  # fmt: skip
     return port, procs
 
 
-def _slurm_job(workdir: Path, overrides: dict) -> tuple[int, list[subprocess.Popen]]:
+def _slurm_job(workdir: Path, overrides: dict, tasks: int) -> tuple[int, list[subprocess.Popen]]:
     """The sbatch script with ``srun`` running its command (exec: the task's pid is the trainer's)."""
-    return _job("slurm", 'srun() { exec "$@"; }; . "$0" "$@"', LAUNCH / "slurm.sbatch", workdir, overrides)
+    return _job("slurm", 'srun() { exec "$@"; }; . "$0" "$@"', LAUNCH / "slurm.sbatch", workdir, overrides, tasks=tasks)
 
 
-def _skypilot_job(workdir: Path, overrides: dict, *extra: str) -> tuple[int, list[subprocess.Popen]]:
+def _skypilot_job(workdir: Path, overrides: dict, *extra: str, tasks: int) -> tuple[int, list[subprocess.Popen]]:
     """The task's ``run`` script, the flags appended to its command; a later ``--workdir`` replaces the bucket."""
     run = yaml.safe_load((LAUNCH / "skypilot.yaml").read_text())["run"].rstrip()
-    return _job("skypilot", f'{run} "$@"', LAUNCH / "skypilot.yaml", workdir, overrides, f"--workdir={workdir}", *extra)
+    return _job("skypilot", f'{run} "$@"', LAUNCH / "skypilot.yaml", workdir, overrides, f"--workdir={workdir}", *extra, tasks=tasks)
 
 
 def _kill_during_a_save(procs: list[subprocess.Popen], checkpoints: Path, after: int) -> list[str]:
@@ -96,13 +98,13 @@ def _logs(procs: list[subprocess.Popen], cluster: str, port: int) -> None:
     """Waits for the job; each process logged its start through ``cluster``."""
     for rank, p in enumerate(procs):
         log = p.communicate(timeout=600)[1]
-        assert cluster_env.start_line(cluster, rank, 2, port) in log, log[-2000:]
+        assert cluster_env.start_line(cluster, rank, len(procs), port) in log, log[-2000:]
 
 
 @pytest.mark.devices(2)
 def test_job_killed_mid_save_resumes_as_a_new_job_and_on_another_process_count_with_the_uninterrupted_losses(tmp_path):
     overrides = TINY | _shards(tmp_path)
-    port, procs = _slurm_job(tmp_path / "run", overrides)
+    port, procs = _slurm_job(tmp_path / "run", overrides, tasks=4)  # data:4: one row of the batch per process
     # The job is watched from its start (a watch begun after the reference run found, on a loaded machine,
     # the job already past its last save before STOP); meanwhile, the uninterrupted reference on 2 devices here.
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -110,12 +112,12 @@ def test_job_killed_mid_save_resumes_as_a_new_job_and_on_another_process_count_w
         trainer.run(_config(overrides), tmp_path / "straight")
         seen = watch.result()
     _logs(procs, "slurm", port)
-    assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
+    assert [p.returncode for p in procs] == [-signal.SIGKILL] * 4
     committed = sorted(int(e) for e in os.listdir(tmp_path / "run" / "checkpoints") if e.isdigit())
     partial = sorted({int(e.split(".")[0]) for e in seen if not e.isdigit()} - set(committed))
     assert committed and committed[-1] < STOP and all(step > committed[-1] for step in partial), (seen, committed)
 
-    port, procs = _skypilot_job(tmp_path / "run", overrides, f"--stop_after={STOP}")
+    port, procs = _skypilot_job(tmp_path / "run", overrides, f"--stop_after={STOP}", tasks=2)  # data:2 from data:4's checkpoint
     _logs(procs, "skypilot", port)
     assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2
     assert (tmp_path / "run" / "checkpoints" / str(STOP)).is_dir()

@@ -130,6 +130,22 @@ def _attention_case(dims: tuple[int, int], dtype) -> tuple[Callable, tuple]:
     return _forward_and_backward(lambda q, k, v: flash_attention(q, k, v, causal=True)), (q, k, v)
 
 
+def _masked_case(dtype, window: bool) -> tuple[Callable, tuple]:
+    """Head_dim 128 with documents masked by segment ids (`data.document_mask`) and, with ``window``,
+    `speedrun-124m`'s attention: a 1792-token window over 128-token blocks whose count is traced."""
+    q = k = v = jax.ShapeDtypeStruct((1, 4096, 2, 128), dtype)
+    segment_ids, limit = jax.ShapeDtypeStruct((1, 4096), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)
+    options = {"window": 1792, "window_block": 128} if window else {}
+
+    def step(q, k, v, segment_ids, limit):
+        attend = lambda q, k, v: flash_attention(  # noqa: E731
+            q, k, v, causal=True, segment_ids=segment_ids, window_limit=limit if window else None, **options
+        )
+        return _forward_and_backward(attend)(q, k, v)
+
+    return step, (q, k, v, segment_ids, limit)
+
+
 def _gmm_case(dtype) -> tuple[Callable, tuple]:
     groups, m, k, n = GMM_SHAPE
     lhs, rhs = jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((groups, k, n), dtype)
@@ -168,6 +184,8 @@ def cases(sections: list[str]) -> dict[str, tuple[Callable, tuple]]:
         for dtype in DTYPES:
             for name, dims in ATTENTION_HEAD_DIMS.items():
                 out[f"attention {dtype} {name}"] = _attention_case(dims, jnp.dtype(dtype))
+            out[f"attention {dtype} d128 segments"] = _masked_case(jnp.dtype(dtype), window=False)
+            out[f"attention {dtype} d128 segments+window"] = _masked_case(jnp.dtype(dtype), window=True)
     if "gmm" in sections:
         for dtype in DTYPES:
             out[f"gmm {dtype} {'x'.join(map(str, GMM_SHAPE))}"] = _gmm_case(jnp.dtype(dtype))

@@ -22,8 +22,8 @@ away. ``delta = rowsum(dO * O)`` is one fused XLA reduction.
 
 Default tiles and warps follow the bytes of one padded head row (`default_block_sizes`): wider rows
 take smaller tiles, so that every default configuration (head_dim 64, 128, 256, MLA's 192 / 128, in
-bf16 and fp32) compiles for sm_90a within the H100's 227 KiB of shared memory and without register
-spills (``experiments/check_sm90.py``). Operands of ``2**31`` or more elements are refused: the kernels
+bf16 and fp32, with and without segment ids or a window) compiles for sm_90a within the H100's 227 KiB
+of shared memory and without register spills (``experiments/check_sm90.py``). Operands of ``2**31`` or more elements are refused: the kernels
 address them with int32 offsets.
 """
 
@@ -43,17 +43,19 @@ _MIN_BLOCK = 16  # tl.dot needs every matmul dimension >= 16
 _INT32_FIX = "split the batch or the heads into smaller calls, or use model.attention=xla"
 
 
-def default_block_sizes(head_dim: int, v_head_dim: int, dtype) -> base.BlockSizes:
+def default_block_sizes(head_dim: int, v_head_dim: int, dtype, masked: bool = False) -> base.BlockSizes:
     """The Triton defaults for padded head dims ``head_dim`` / ``v_head_dim`` and ``dtype`` (module docstring).
 
     Row bytes ``r = max(head_dim, v_head_dim) * itemsize``: up to 256, query / key blocks of 128 / 64
     (forward) and 64 / 64 (backward), 4 warps up to 128 bytes and 8 beyond; up to 512 (bf16 head_dim 256
     or MLA, fp32 head_dim 128), 64 / 64, 64 / 32 and 32 / 32; wider (fp32 head_dim 256 or MLA), 32
-    everywhere. Two pipeline stages.
+    everywhere. Two pipeline stages. ``masked`` (segment ids or a sliding window): the dK/dV kernel's
+    query blocks of 32 for rows of 129-256 bytes (bf16 head_dim 128, fp32 64), whose bf16 64-row tiles sit at 255
+    registers unmasked and spilled 16 / 28 bytes with the masks' extra registers (triton 3.6, sm_90a).
     """
     row = max(head_dim, v_head_dim) * jnp.dtype(dtype).itemsize
     if row <= 256:
-        blocks = (128, 64, 64, 64, 64, 64)
+        blocks = (128, 64, 64, 64, 32 if masked and row > 128 else 64, 64)
     elif row <= 512:
         blocks = (64, 64, 64, 32, 32, 32)
     else:
@@ -75,8 +77,8 @@ def _cdiv(a, b: int):
     return jax.lax.div(a + b - 1, b)
 
 
-def _sizes_and_params(spec: base.Spec, dp: int, dvp: int, dtype) -> tuple[base.BlockSizes, plgpu.CompilerParams]:
-    sizes = spec.block_sizes.with_defaults(default_block_sizes(dp, dvp, dtype))
+def _sizes_and_params(spec: base.Spec, dp: int, dvp: int, dtype, masked: bool = False) -> tuple[base.BlockSizes, plgpu.CompilerParams]:
+    sizes = spec.block_sizes.with_defaults(default_block_sizes(dp, dvp, dtype, masked))
     return sizes, plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages)
 
 
@@ -282,7 +284,7 @@ def backward(residuals, d_out, spec: base.Spec):
     kv_heads, dv = k.shape[2], v.shape[3]
     group = h // kv_heads
     dp, dvp = _padded_dim(d), _padded_dim(dv)
-    sizes, params = _sizes_and_params(spec, dp, dvp, q.dtype)
+    sizes, params = _sizes_and_params(spec, dp, dvp, q.dtype, masked=segment_ids is not None or bool(spec.window))
     delta = base.row_delta(out, d_out)
 
     def padded(x, seq, dim):

@@ -110,6 +110,10 @@ def test_triton_defaults_shrink_blocks_for_wide_rows():
     assert (mla.block_q, mla.block_kv_dq, mla.block_q_dkv, mla.num_warps) == (64, 32, 32, 8)
     assert wide.block_q == wide.block_kv_dkv == 32
     assert triton.default_block_sizes(64, 64, jnp.float32).num_warps == 8  # 4 warps spilled in fp32
+    # bf16 head_dim 128 with segment ids or a window: the dK/dV kernel's 64-row query tiles spilled
+    assert triton.default_block_sizes(128, 128, jnp.bfloat16).block_q_dkv == 64
+    assert triton.default_block_sizes(128, 128, jnp.bfloat16, masked=True).block_q_dkv == 32
+    assert triton.default_block_sizes(64, 64, jnp.bfloat16, masked=True).block_q_dkv == 64
 
 
 def test_operands_past_int32_offsets_are_refused():

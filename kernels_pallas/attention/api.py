@@ -307,7 +307,9 @@ IMPLEMENTATIONS = {
     "xla": Implementation(_xla, lambda call: None),
     "cudnn": Implementation(_cudnn, cudnn_unsupported),
     "pallas": Implementation(_pallas, pallas_unsupported, per_shard=True),
-    "tokamax": Implementation(tokamax_op.run, tokamax_op.unsupported, per_shard=True),
+    "tokamax": Implementation(
+        tokamax_op.run, lambda call: tokamax_op.unsupported(call.q, call.k, call.v, sequence_sharded=call.sequence_sharded), per_shard=True
+    ),
 }
 # What ``auto`` tries, in order, per platform; the last entry of each serves every call.
 ORDER = {
@@ -499,7 +501,7 @@ def windowed(
     if block > 1 or limit is not None:
         tokamax_reason = "tokamax's local window is a static token window (model.window_block=1, no growing window)"
     else:
-        tokamax_reason = tokamax_op.unsupported(call)
+        tokamax_reason = tokamax_op.unsupported(q, k, v, sequence_sharded=False)
     reasons = {"cudnn": cudnn_reason, "pallas": pallas_reason, "xla": None, "tokamax": tokamax_reason}
     if implementation not in reasons and implementation != "auto":
         raise ValueError(f"model.attention={implementation!r} must be one of auto, {', '.join(reasons)}")

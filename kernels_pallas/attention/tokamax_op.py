@@ -26,16 +26,11 @@ Conventions, read from tokamax's ``ops/attention/base.py`` and matched to `refer
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 
 from kernels_pallas import extras
 from kernels_pallas.attention import reference
-
-if TYPE_CHECKING:
-    from kernels_pallas.attention.api import Call
 
 WHAT = "model.attention=tokamax"
 
@@ -62,8 +57,8 @@ def windowed(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int, segment_i
     )
 
 
-def unsupported(call: Call) -> str | None:
-    """Why tokamax cannot serve ``call`` (None when it can).
+def unsupported(q: jax.Array, k: jax.Array, v: jax.Array, *, sequence_sharded: bool) -> str | None:
+    """Why tokamax cannot serve attention over q, k, v (arrays or `jax.ShapeDtypeStruct`; None when it can).
 
     tokamax's dispatch ends in its XLA path, which takes any float q, k, v, so what is left is: the
     package imports; q, k, v floating and of one dtype (its Mosaic GPU backward raises ``ValueError``,
@@ -72,9 +67,8 @@ def unsupported(call: Call) -> str | None:
     """
     if (reason := extras.tokamax_missing()) is not None:
         return reason
-    if call.sequence_sharded:
+    if sequence_sharded:
         return "the sequence is sharded (context parallelism) and tokamax's kernels need whole sequences"
-    dtypes = {jnp.dtype(x.dtype) for x in (call.q, call.k, call.v)}
-    if len(dtypes) > 1 or not jnp.issubdtype(call.q.dtype, jnp.floating):
-        return f"tokamax attention takes floating q, k, v of one dtype, not {'/'.join(str(x.dtype) for x in (call.q, call.k, call.v))}"
+    if len({jnp.dtype(x.dtype) for x in (q, k, v)}) > 1 or not jnp.issubdtype(q.dtype, jnp.floating):
+        return f"tokamax attention takes floating q, k, v of one dtype, not {q.dtype}/{k.dtype}/{v.dtype}"
     return None

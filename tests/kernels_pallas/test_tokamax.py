@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 
-from experiments import train_lib
+from experiments import bench_kernels, train_lib
 from kernels_pallas import extras
 from kernels_pallas.attention import api, reference
 from kernels_pallas.attention import window as window_lib
@@ -27,6 +27,7 @@ from sharding import partition
 from sharding import rules as rules_lib
 
 needs_tokamax = pytest.mark.skipif(extras.tokamax_missing() is not None, reason=str(extras.tokamax_missing()))
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="tokamax's Pallas kernels need a GPU (a CPU takes its XLA path)")
 # Packed documents whose ids repeat out of order (1 after 2): equality, not contiguous runs, defines the mask.
 _SEGMENTS = jnp.array([[0] * 5 + [1] * 6 + [2] * 3 + [1] * 2, [3] * 16], jnp.int32)
 
@@ -134,3 +135,34 @@ def test_a_missing_tokamax_is_named_when_chosen_and_skipped_by_auto(monkeypatch,
     _assert_close(out, reference.attention(q, k, v, causal=True))
     assert [r.getMessage() for r in caplog.records] == [f"model.attention=auto chose xla: {reason}"]
     assert api.block_implementation("tokamax", "cpu", jnp.float32) == "xla"  # no log-sum-exp for ring attention
+
+
+def _bf16(*arrays):
+    return tuple(x.astype(jnp.bfloat16) for x in arrays)
+
+
+@needs_tokamax
+@on_gpu
+def test_bf16_attention_on_a_gpu_runs_a_tokamax_kernel():
+    """On a GPU tokamax takes a Pallas kernel (Mosaic GPU on sm90+, else Triton), forward and backward, with
+    segment ids; against the float32 reference of the same bf16 inputs."""
+    segments = jnp.array([[0] * 100 + [1] * 156, [2] * 256], jnp.int32)
+    q, k, v, cotangent = _bf16(*_qkv(seed=3, t=256, d=64))
+    attend = jax.jit(lambda q, k, v: api.attention(q, k, v, implementation="tokamax", segment_ids=segments)[0])
+    assert bench_kernels.tokamax_kernels(attend, q, k, v) not in ("", "DotProductAttention")
+    got = _out_and_grads(attend, q, k, v, cotangent)
+    f32 = (x.astype(jnp.float32) for x in (q, k, v))
+    want = _out_and_grads(lambda q, k, v: reference.attention(q, k, v, causal=True, segment_ids=segments), *f32, cotangent)
+    _assert_close(jax.tree.map(lambda x: x.astype(jnp.float32), got), want, tol=6e-2)
+
+
+@needs_tokamax
+@on_gpu
+def test_bf16_grouped_matmul_on_a_gpu_runs_a_tokamax_kernel():
+    keys = jax.random.split(jax.random.key(4), 2)
+    lhs, rhs = _bf16(jax.random.normal(keys[0], (512, 128)), jax.random.normal(keys[1], (4, 128, 256)))
+    sizes = jnp.array([100, 0, 250, 130], jnp.int32)
+    matmul = jax.jit(lambda a, b: gmm_api.grouped_matmul("tokamax")[0](a, b, sizes))
+    assert bench_kernels.tokamax_kernels(matmul, lhs, rhs) not in ("", "RaggedDot")
+    want = jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
+    _assert_close(matmul(lhs, rhs).astype(jnp.float32), want, tol=0.5)  # bf16 outputs of 128-term sums of O(1) products

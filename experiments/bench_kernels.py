@@ -15,6 +15,10 @@ Implementations (causal self-attention, ``(batch, seq, heads, head_dim)``):
 - ``cudnn`` / ``xla``: `jax.nn.dot_product_attention(..., implementation=...)`.
 - ``jax_triton``: the Pallas GPU kernel that ships with JAX, `jax.experimental.pallas.ops.gpu.attention.mha`
   (default block sizes; sequence lengths must be multiples of 128).
+- ``tokamax``: ``model.attention=tokamax`` (`kernels_pallas.attention.tokamax_op`; a default row where the
+  optional package imports): tokamax's own choice among Mosaic GPU (sm90+), its Triton kernel and XLA. The ``kernel``
+  column names the tokamax op the compiled program holds (e.g. ``PallasMosaicGpuFlashAttention``; XLA's is
+  ``DotProductAttention``).
 
 Each row is one implementation x shape x mode (``fwd``, or ``fwd_bwd``: the forward pass and the pullback
 of a fixed random cotangent to q, k, v). After ``--warmup`` calls (compilation included), ``--iters``
@@ -32,12 +36,15 @@ Triton on GPU, Mosaic on TPU, Triton in interpret mode on CPU) against ``jax.lax
 (seeded). FLOPs: ``2 M K N`` forward, three times that forward+backward (dlhs and drhs). ``vs_ragged_dot``
 is ragged_dot's time over the row's; ``max_err`` is against the ragged_dot row. The default shape is a
 dropless MoE layer's up-projection (E=8, 16k token slots, 768 -> 2048); its GPU figures are not yet measured.
+``--gmm_implementations`` picks the rows (default: ``pallas``, ``ragged_dot`` and, where the package imports,
+``tokamax``: ``model.moe_matmul=tokamax``, `kernels_pallas.gmm.tokamax_op`), a tokamax row's ``kernel`` the tokamax op chosen (``PallasMosaicGpuRaggedDot``, ``PallasTritonRaggedDot``, XLA's ``RaggedDot``).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import re
 from collections.abc import Callable
 
 import jax
@@ -46,13 +53,16 @@ import numpy as np
 from absl import app, flags
 
 from experiments import bench_quantized_update, timing
+from kernels_pallas import extras
 from kernels_pallas import gmm as gmm_lib
 from kernels_pallas.attention import BlockSizes, flash_attention
+from kernels_pallas.attention import api as attention_api
 from kernels_pallas.gmm import Tiling
 from kernels_pallas.gmm import api as gmm_api
+from kernels_pallas.gmm import tokamax_op as gmm_tokamax
 
 DEFAULT_SHAPES = ["16x1024x12x64", "4x4096x16x128", "1x16384x8x128"]
-IMPLEMENTATIONS = ("pallas", "cudnn", "xla", "jax_triton")
+IMPLEMENTATIONS = ("pallas", "cudnn", "xla", "jax_triton", "tokamax")
 
 SECTIONS = ("attention", "gmm", "quantized_update")
 BLOCK_FLAGS = ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_q_dkv", "block_kv_dkv", "num_warps", "num_stages")
@@ -96,7 +106,17 @@ def implementation(name: str, *, block_sizes: BlockSizes | None, interpret: bool
         return lambda q, k, v: jax_gpu_attention.mha(
             q, k, v, segment_ids=None, sm_scale=q.shape[-1] ** -0.5, causal=True, interpret=interpret
         )
+    if name == "tokamax":
+        if (reason := extras.tokamax_missing()) is not None:
+            raise NotImplementedError(reason)
+        return lambda q, k, v: attention_api.attention(q, k, v, implementation="tokamax")[0]
     raise app.UsageError(f"unknown implementation {name!r}; use {', '.join(IMPLEMENTATIONS)}")
+
+
+def tokamax_kernels(step, *args) -> str:
+    """The tokamax ops in ``step``'s program (tokamax names a scope after each op it runs), e.g. ``RaggedDot``."""
+    text = step.lower(*args).as_text(debug_info=True)
+    return ", ".join(sorted(set(re.findall(r"tokamax\._src\.ops\.\w+\.\w+\.(\w+)", text))))
 
 
 def _inputs(shape, dtype, seed=0):
@@ -140,6 +160,8 @@ def bench(
                 if out is None:
                     continue
                 results[name, mode] = out
+                if name == "tokamax":
+                    row["kernel"] = tokamax_kernels(step, *args)
                 tflops = attention_flops(shape, mode) / (row["ms"] * 1e-3) / 1e12
                 row.update(tflops=tflops, peak_fraction=tflops / peak_tflops)
         for row in shape_rows:
@@ -154,11 +176,17 @@ def bench(
 _TIMES_AND_RATE = {**timing.TIME_COLUMNS, "TFLOP/s": lambda r: f"{r['tflops']:.1f}"}
 
 
+def _kernel_column(rows: list[dict]) -> dict:
+    """A ``kernel`` column (the tokamax op that ran) where a row has one."""
+    return {"kernel": lambda r: r.get("kernel", "")} if any("kernel" in r for r in rows) else {}
+
+
 def format_table(rows: list[dict]) -> str:
     return timing.markdown_table(
         rows,
         ["shape", "implementation", "mode"],
         {
+            **_kernel_column(rows),
             **_TIMES_AND_RATE,
             "% of peak": lambda r: f"{100 * r['peak_fraction']:.1f}",
             "vs cuDNN": lambda r: timing.optional(r["vs_cudnn"], ".2f"),
@@ -168,7 +196,12 @@ def format_table(rows: list[dict]) -> str:
     )
 
 
-GMM_IMPLEMENTATIONS = ("pallas", "ragged_dot")
+GMM_IMPLEMENTATIONS = ("pallas", "ragged_dot", "tokamax")
+
+
+def installed(names: tuple[str, ...]) -> list[str]:
+    """``names`` less ``tokamax`` where it does not import: the default rows of each table."""
+    return [name for name in names if name != "tokamax" or extras.tokamax_missing() is None]
 
 
 def bench_gmm(
@@ -180,14 +213,22 @@ def bench_gmm(
     iters: int = 20,
     tiling: Tiling | None = None,
     interpret: bool | None = None,
+    implementations: list[str] | None = None,
 ) -> list[dict]:
-    """One dict per gmm implementation x shape x mode: ms, ms_min, tflops, vs_ragged_dot, max_err."""
+    """One dict per gmm implementation x shape x mode: ms, ms_min, tflops, vs_ragged_dot, max_err.
+
+    ``implementations``: from `GMM_IMPLEMENTATIONS`; default: those installed."""
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
     backend = gmm_api.PLATFORM_BACKENDS.get(jax.default_backend(), "triton")
     impls = {
         "pallas": lambda a, b, g: gmm_lib.gmm(a, b, g, backend=backend, interpret=interpret, tiling=tiling),
         "ragged_dot": jax.lax.ragged_dot,
+        "tokamax": gmm_tokamax.ragged_dot,
     }
+    unknown = sorted(set(implementations or ()) - set(impls))
+    if unknown:
+        raise app.UsageError(f"unknown gmm implementation(s) {unknown}; use {', '.join(GMM_IMPLEMENTATIONS)}")
+    impls = {name: impls[name] for name in implementations or installed(GMM_IMPLEMENTATIONS)}
     rows = []
     for groups, m, k, n in shapes:
         keys = jax.random.split(jax.random.key(0), 3)
@@ -199,6 +240,9 @@ def bench_gmm(
             for name, fn in impls.items():
                 row = {"shape": f"{groups}x{m}x{k}x{n}", "implementation": name, "mode": mode, "dtype": dtype}
                 shape_rows.append(row)
+                if name == "tokamax" and (reason := extras.tokamax_missing()) is not None:
+                    row["unavailable"] = reason
+                    continue
                 if mode == "fwd":
                     step = jax.jit(lambda a, b, fn=fn: fn(a, b, sizes))
                 else:
@@ -207,6 +251,8 @@ def bench_gmm(
                 if out is None:
                     continue
                 results[name] = out
+                if name == "tokamax":
+                    row["kernel"] = tokamax_kernels(step, lhs, rhs)
                 row["tflops"] = 2.0 * m * k * n * (1 if mode == "fwd" else 3) / (row["ms"] * 1e-3) / 1e12
             baseline = next((r for r in shape_rows if r["implementation"] == "ragged_dot" and "ms" in r), None)
             for row in shape_rows:
@@ -222,6 +268,7 @@ def format_gmm_table(rows: list[dict]) -> str:
         rows,
         ["shape", "implementation", "mode"],
         {
+            **_kernel_column(rows),
             **_TIMES_AND_RATE,
             "vs ragged_dot": lambda r: timing.optional(r["vs_ragged_dot"], ".2f"),
             "max err vs ragged_dot": lambda r: timing.optional(r["max_err"], ".2e"),
@@ -271,7 +318,7 @@ def main(argv: list[str]) -> None:
         chosen = {name: f[f"gmm_{name}"].value for name in GMM_TILING_FLAGS if f[f"gmm_{name}"].value}
         tiling = Tiling(**chosen) if chosen else None  # None: the backend's default tiles
         shapes = [parse_shape(s) for s in f.gmm_shapes]
-        gmm_rows = bench_gmm(shapes, f.modes, dtype=f.dtype, warmup=f.warmup, iters=f.iters, tiling=tiling)
+        gmm_rows = bench_gmm(shapes, f.modes, dtype=f.dtype, warmup=f.warmup, iters=f.iters, tiling=tiling, implementations=f.gmm_implementations)
         print(f"{heading}, {f.dtype}: grouped matmul")
         print(format_gmm_table(gmm_rows))
         out["gmm_rows"] = gmm_rows
@@ -283,7 +330,7 @@ def main(argv: list[str]) -> None:
 def define_flags() -> None:
     flags.DEFINE_list("sections", ["attention", "gmm"], f"From {', '.join(SECTIONS)}.")
     flags.DEFINE_list("shapes", DEFAULT_SHAPES, "BATCHxSEQxHEADSxHEAD_DIM, causal self-attention.")
-    flags.DEFINE_list("implementations", list(IMPLEMENTATIONS), f"From {', '.join(IMPLEMENTATIONS)}.")
+    flags.DEFINE_list("implementations", installed(IMPLEMENTATIONS), f"From {', '.join(IMPLEMENTATIONS)} (default: those installed).")
     flags.DEFINE_list("modes", ["fwd", "fwd_bwd"], "fwd and/or fwd_bwd.")
     flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Input dtype (attention and gmm).")
     flags.DEFINE_integer("warmup", 3, "Untimed calls first (compilation included).")
@@ -293,6 +340,7 @@ def define_flags() -> None:
     flags.DEFINE_list("quantized_shapes", bench_quantized_update.GPT2_124M_MATRICES, "Parameter shapes (AxBxC) of the quantized-update section.")
     flags.DEFINE_list("quantized_variants", list(bench_quantized_update.VARIANTS), "Rows of the quantized-update section.")
     flags.DEFINE_list("gmm_shapes", ["8x16384x768x2048"], "GROUPSxMxKxN grouped matmuls.")
+    flags.DEFINE_list("gmm_implementations", installed(GMM_IMPLEMENTATIONS), f"From {', '.join(GMM_IMPLEMENTATIONS)} (default: those installed).")
     for name in GMM_TILING_FLAGS:
         flags.DEFINE_integer(f"gmm_{name}", 0, f"Tiling.{name} of the gmm kernel (0: default).")
     for name in BLOCK_FLAGS:

@@ -2,7 +2,7 @@
 
 Query head ``h`` reads kv head ``h // (n_heads // n_kv_heads)`` (GQA, Ainslie et al.,
 arXiv:2305.13245). `attend` asks the attention op (`kernels_pallas.attention.api.attention`) for
-``model.attention`` (``auto``, ``xla``, ``cudnn`` or ``pallas``; the op owns the choice, its fallbacks
+``model.attention`` (``auto``, ``xla``, ``cudnn``, ``pallas`` or ``tokamax``; the op owns the choice, its fallbacks
 and their log lines). What it adds is the mesh: whether the sequence is sharded (over a ``context``
 axis: `lm.parallel.context_attention`'s all-gather, ring or Ulysses attention), and for the Pallas
 kernel a per-shard run (`sharding.partition.logical_shard_map`) in which batch and heads may be
@@ -72,7 +72,7 @@ def attend(
 
     Args:
       q: ``(batch, seq, n_heads, head_dim)``; k, v: ``(batch, seq, n_kv_heads, head_dim)``.
-      implementation: ``auto``, ``xla``, ``cudnn`` or ``pallas``.
+      implementation: ``auto``, ``xla``, ``cudnn``, ``pallas`` or ``tokamax``.
       track_max_logits: also return the maximum pre-softmax logit of each query head over the
         batch and the causal (query, key) pairs, shape ``(n_heads,)``.
       segment_ids: ``(batch, seq)`` int or None; a query sees only keys of its own segment (document).

@@ -12,11 +12,11 @@ from lm import remat as remat_lib
 from lm import speedrun_config
 from lm.data import tokenizer
 
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")  # see lm/attention.py
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas", "tokamax")  # see lm/attention.py
 CONTEXT_PARALLEL = ("all_gather", "ring", "ulysses")  # see lm/parallel/context_attention.py
 ATTENTION_TYPES = ("gqa", "mla", "lightning")  # lightning: lm/lightning.py
 ROPE_SCALINGS = ("none", "linear", "dynamic", "llama3", "yarn")  # see lm/rope.py
-MOE_MATMULS = ("auto", "ragged_dot", "gmm")  # see lm/moe.py  # grouped-query (lm/attention.py) or multi-head latent (lm/mla.py)
+MOE_MATMULS = ("auto", "ragged_dot", "gmm", "tokamax")  # see lm/moe.py  # grouped-query (lm/attention.py) or multi-head latent (lm/mla.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,7 @@ class ModelConfig:
     remat: str = "none"  # what the backward pass recomputes, a policy in lm/remat.py (true: "full")
     loss_chunk: str = "auto"  # logits rows (tokens) per chunk of the fused LM head + loss; auto | none | N (lm/loss.py)
     track_attn_logits: bool = False  # report per-layer, per-head max pre-softmax logits
-    attention: str = "auto"  # auto | xla | cudnn | pallas (lm/attention.py)
+    attention: str = "auto"  # auto | xla | cudnn | pallas | tokamax (lm/attention.py)
     # Parallel modes (lm/parallel/): how the model runs over the `context` and `stage` mesh axes (sharding/axes.py).
     # None changes the parameters, so a resumed run may change any of them (experiments/run_spec.py).
     context_parallel: str = "all_gather"  # all_gather | ring | ulysses, over a `context` mesh axis (lm/parallel/context_attention.py)
@@ -76,7 +76,7 @@ class ModelConfig:
     router_groups: int = 1  # experts in this many contiguous groups; top-k only within the best groups (DeepSeek's n_group)
     router_topk_groups: int = 0  # groups kept per token, ranked by their best expert score; 0: every group (topk_group)
     capacity_factor: float = 0.0  # <= 0: dropless
-    moe_matmul: str = "auto"  # auto | ragged_dot | gmm: the dropless dispatch's grouped matmuls (lm/moe.py)
+    moe_matmul: str = "auto"  # auto | ragged_dot | gmm | tokamax: the dropless dispatch's grouped matmuls (lm/moe.py)
     # Multi-head latent attention (lm/mla.py); with it head_dim is the per-head query/key width without
     # RoPE, and n_kv_heads is unused (every head reads its keys and values from the shared latent).
     attention_type: str = "gqa"  # gqa | mla

@@ -22,7 +22,8 @@ Dispatch (the expert weights are stacked ``(experts, embed, mlp)``):
   grouped matmuls, and the outputs are unsorted and combined with the gate weights. Nothing is
   dropped. ``model.moe_matmul`` picks the grouped matmul: ``ragged_dot`` (`jax.lax.ragged_dot`,
   partitioned by GSPMD), ``gmm`` (the Pallas kernel `kernels_pallas.gmm.gmm`, run per shard inside
-  `jax.shard_map`; on a CPU in interpret mode, slow, for tests) or ``auto``; the op chooses
+  `jax.shard_map`; on a CPU in interpret mode, slow, for tests), ``tokamax`` (`tokamax.ragged_dot`, the
+  optional package, per shard too) or ``auto``; the op chooses
   (`kernels_pallas.gmm.api.grouped_matmul`). The Triton kernel has not yet been compiled
   or timed on a GPU (docs/benchmarks.md, section 8): set ``ragged_dot`` if it fails there.
 - capacity (``capacity_factor > 0``): expert ``e`` takes at most ``C = ceil(cf T k / E)`` slots, in

@@ -11,6 +11,9 @@
 - ``pallas``: `flash_attention` below (Triton on GPUs, Mosaic on TPUs, interpret mode on a CPU: correct
   but slow, for tests); max logits from the kernel's row maxima. GSPMD cannot partition a Pallas call,
   so the caller may pass ``per_shard`` to run it inside a `jax.shard_map`.
+- ``tokamax``: `tokamax.dot_product_attention` with tokamax's own choice of kernel (Mosaic GPU on sm90+,
+  its Triton kernel, XLA; `tokamax_op`), where the optional package is installed. Named only: ``auto``
+  does not try it until GPU timings place it in `ORDER`.
 
 ``auto`` tries the platform's `ORDER` (platform of the mesh in context, `kernels_pallas.backends`) and
 takes the first implementation whose ``unsupported`` check gives no reason; the reasons for passing
@@ -38,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import backends, varying
-from kernels_pallas.attention import base, mosaic_tpu, reference, triton
+from kernels_pallas.attention import base, mosaic_tpu, reference, tokamax_op, triton
 from kernels_pallas.attention import window as window_lib
 from kernels_pallas.attention.base import BlockSizes
 from kernels_pallas.backends import platform
@@ -304,6 +307,9 @@ IMPLEMENTATIONS = {
     "xla": Implementation(_xla, lambda call: None),
     "cudnn": Implementation(_cudnn, cudnn_unsupported),
     "pallas": Implementation(_pallas, pallas_unsupported, per_shard=True),
+    "tokamax": Implementation(
+        tokamax_op.run, lambda call: tokamax_op.unsupported(call.q, call.k, call.v, sequence_sharded=call.sequence_sharded), per_shard=True
+    ),
 }
 # What ``auto`` tries, in order, per platform; the last entry of each serves every call.
 ORDER = {
@@ -372,18 +378,18 @@ def _gpu_versions() -> tuple[str, int | None]:
         return capability, None
 
 
-_NO_LSE = (
-    "cuDNN's fused attention (jax.nn.dot_product_attention) returns no log-sum-exp, which ring attention needs to "
-    "merge its blocks"
-)
+_NO_LSE = {
+    "cudnn": "cuDNN's fused attention (jax.nn.dot_product_attention) returns no log-sum-exp",
+    "tokamax": "tokamax.dot_product_attention returns no log-sum-exp",
+}
 
 
 def block_implementation(implementation: str, platform: str, dtype) -> str:
     """Which per-block attention with log-sum-exp (`partial`: ``xla`` or ``pallas``) serves ``implementation``.
 
-    Ring attention merges blocks by their lse: ``pallas`` and ``xla`` return it, cuDNN cannot, so
-    ``cudnn`` falls back (logged once) to what ``auto`` takes: the kernel on TPUs and for bf16/fp16 on
-    GPUs, XLA otherwise.
+    Ring attention merges blocks by their lse: ``pallas`` and ``xla`` return it, cuDNN and tokamax's public
+    call cannot, so ``cudnn`` and ``tokamax`` fall back (logged once) to what ``auto`` takes: the kernel on
+    TPUs and for bf16/fp16 on GPUs, XLA otherwise.
     """
     if implementation not in ("auto", *IMPLEMENTATIONS):
         raise ValueError(f"unknown attention implementation {implementation!r}; use one of auto, {', '.join(IMPLEMENTATIONS)}")
@@ -391,11 +397,11 @@ def block_implementation(implementation: str, platform: str, dtype) -> str:
         return implementation
     kernel = platform == "tpu" or (platform in _GPU_PLATFORMS and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
     chosen = "pallas" if kernel else "xla"
-    if implementation == "cudnn":
-        reason = f"{_NO_LSE}; using {chosen} per ring block"
+    if implementation in _NO_LSE:
+        reason = f"{_NO_LSE[implementation]}, which ring attention needs to merge its blocks; using {chosen} per ring block"
         if reason not in _LOGGED:
             _LOGGED.add(reason)
-            _log.warning("model.attention=cudnn: %s", reason)
+            _log.warning("model.attention=%s: %s", implementation, reason)
     return chosen
 
 
@@ -414,7 +420,7 @@ def attention(
     window_block: int = 1,
     window_limit: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Causal softmax attention by ``implementation`` (``auto``, ``xla``, ``cudnn`` or ``pallas``).
+    """Causal softmax attention by ``implementation`` (``auto``, ``xla``, ``cudnn``, ``pallas`` or ``tokamax``).
 
     Args:
       q: ``(batch, seq, heads, head_dim)``; k, v: ``(batch, seq, kv_heads, head_dim)``.
@@ -464,7 +470,8 @@ def windowed(
     - ``cudnn``: its token window (``block == 1``, a static window, on a GPU cuDNN takes: `cudnn_unsupported`);
     - ``pallas``: our Triton kernel with the window (on a GPU as `pallas_unsupported` checks, run per shard
       under ``per_shard``; on a CPU interpreted, when named only); the TPU kernel has none;
-    - ``xla``: the banded computation.
+    - ``xla``: the banded computation;
+    - ``tokamax``: its token window (``block == 1``, static; named only, `tokamax_op.windowed`).
 
     ``limit``: a traced window in blocks inside the band of ``size`` (a window growing in training), which
     the kernel and XLA take."""
@@ -491,7 +498,11 @@ def windowed(
         pallas_reason = f"on {target} the kernel runs interpreted only (model.attention=pallas, for tests)"
     else:
         pallas_reason = pallas_unsupported(call)
-    reasons = {"cudnn": cudnn_reason, "pallas": pallas_reason, "xla": None}
+    if block > 1 or limit is not None:
+        tokamax_reason = "tokamax's local window is a static token window (model.window_block=1, no growing window)"
+    else:
+        tokamax_reason = tokamax_op.unsupported(q, k, v, sequence_sharded=False)
+    reasons = {"cudnn": cudnn_reason, "pallas": pallas_reason, "xla": None, "tokamax": tokamax_reason}
     if implementation not in reasons and implementation != "auto":
         raise ValueError(f"model.attention={implementation!r} must be one of auto, {', '.join(reasons)}")
     chosen = next(name for name, reason in reasons.items() if reason is None) if implementation == "auto" else implementation
@@ -504,9 +515,11 @@ def windowed(
             _log.info("model.attention=auto chose %s for windowed attention (%s)", chosen, passed)
     if chosen == "cudnn":
         return window_lib.cudnn(q, k, v, window=size, segment_ids=segment_ids)
-    if chosen == "pallas":
+    if chosen in ("pallas", "tokamax"):
 
         def run(q, k, v, segment_ids=None):
+            if chosen == "tokamax":
+                return tokamax_op.windowed(q, k, v, window=size, segment_ids=segment_ids), None
             kw = {"window": size, "window_block": block, "window_limit": limit, "interpret": target == "cpu"}
             out = flash_attention(q, k, v, segment_ids=segment_ids, **kw)
             return out, None

@@ -8,9 +8,10 @@ interpret mode (the default there), which is how the tests check them; ``mosaic_
 TPU interpreter. Backward: ``dlhs`` is the forward kernel with ``rhs`` transposed in place, ``drhs``
 the ``tgmm`` kernel; no gradient flows to ``group_sizes``.
 
-`grouped_matmul` owns the MoE layer's choice (``model.moe_matmul``: ``auto``, ``ragged_dot``, ``gmm``):
-``auto`` tries the platform's `MATMUL_ORDER` (the Pallas kernel where the platform compiles one: GPU,
-TPU; ``ragged_dot`` elsewhere) and logs each reason for passing one over once.
+`grouped_matmul` owns the MoE layer's choice (``model.moe_matmul``: ``auto``, ``ragged_dot``, ``gmm``,
+``tokamax``): ``auto`` tries the platform's `MATMUL_ORDER` (the Pallas kernel where the platform compiles
+one: GPU, TPU; ``ragged_dot`` elsewhere) and logs each reason for passing one over once. ``tokamax``
+(`tokamax_op`, where the optional package is installed) is named only until GPU timings place it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 
 from kernels_pallas import varying
 from kernels_pallas.backends import PLATFORM_BACKENDS, platform
-from kernels_pallas.gmm import mosaic_tpu, reference, triton
+from kernels_pallas.gmm import mosaic_tpu, reference, tokamax_op, triton
 from kernels_pallas.gmm.base import Tiling
 
 KERNELS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
@@ -107,7 +108,11 @@ def _gmm_unsupported(target: str) -> str | None:
     return None
 
 
-MATMULS: dict[str, Callable[[str], str | None]] = {"ragged_dot": lambda target: None, "gmm": _gmm_unsupported}
+MATMULS: dict[str, Callable[[str], str | None]] = {
+    "ragged_dot": lambda target: None,
+    "gmm": _gmm_unsupported,
+    "tokamax": tokamax_op.unsupported,
+}
 # What ``auto`` tries, in order, per platform (``ragged_dot`` on one not listed); the last always serves.
 MATMUL_ORDER = {target: ("gmm", "ragged_dot") for target in PLATFORM_BACKENDS}
 
@@ -117,7 +122,8 @@ def grouped_matmul(implementation: str) -> tuple[GroupedMatmul, bool]:
 
     ``matmul`` has `jax.lax.ragged_dot`'s signature. ``is_kernel``: it is a Pallas call, which GSPMD
     cannot partition, so the caller must run it per shard. Named ``gmm`` on a CPU, the kernel runs in
-    interpret mode (slow, for tests).
+    interpret mode (slow, for tests). Named ``tokamax`` where it is not installed: a ValueError naming
+    the install command.
     """
     target = platform()
     if implementation == "auto":
@@ -133,6 +139,10 @@ def grouped_matmul(implementation: str) -> tuple[GroupedMatmul, bool]:
             _log.info("model.moe_matmul=auto chose %s: %s", implementation, message)
     if implementation == "ragged_dot":
         return jax.lax.ragged_dot, False
+    if implementation == "tokamax":
+        if (reason := tokamax_op.unsupported(target)) is not None:
+            raise ValueError(f"{tokamax_op.WHAT}: {reason}; or use model.moe_matmul=auto")
+        return tokamax_op.ragged_dot, True
     if implementation != "gmm":
         raise ValueError(f"unknown model.moe_matmul {implementation!r}; use one of auto, {', '.join(MATMULS)}")
     backend = PLATFORM_BACKENDS.get(target)

@@ -60,7 +60,9 @@ def test_quantized_update_section_rows_on_cpu():
 
 @cpu_only
 def test_tiny_cpu_gmm_rows_check_against_ragged_dot():
-    rows = bench_kernels.bench_gmm([(3, 40, 16, 16)], ["fwd"], dtype="float32", warmup=0, iters=1, tiling=Tiling(16, 16, 16))
+    rows = bench_kernels.bench_gmm(
+        [(3, 40, 16, 16)], ["fwd"], dtype="float32", warmup=0, iters=1, tiling=Tiling(16, 16, 16), implementations=["pallas", "ragged_dot"]
+    )  # fmt: skip
     by = {r["implementation"]: r for r in rows}
     assert set(by) == {"pallas", "ragged_dot"}
     assert by["pallas"]["max_err"] < 1e-4 and by["ragged_dot"]["max_err"] == 0
@@ -73,7 +75,7 @@ def test_cli_runs_the_chosen_sections_and_writes_json(tmp_path):
     args = [
         sys.executable, "-m", "experiments.bench_kernels", "--sections=attention,gmm", "--shapes=1x40x2x32",
         "--implementations=pallas,xla", "--modes=fwd", "--dtype=float32", "--warmup=0", "--iters=1",
-        "--gmm_shapes=2x40x16x16", "--gmm_block_m=16", "--gmm_block_k=16", "--gmm_block_n=16", f"--json_out={out}",
+        "--gmm_shapes=2x40x16x16", "--gmm_implementations=pallas,ragged_dot", "--gmm_block_m=16", "--gmm_block_k=16", "--gmm_block_n=16", f"--json_out={out}",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "JAX_PLATFORMS": "cpu"}
     result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)

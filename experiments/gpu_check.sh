@@ -10,6 +10,13 @@
 #   log.txt       every command's output
 #   results.jsonl one line per step: name, exit status, seconds, and the step's JSON (or why it was skipped)
 #
+# The device has no package registry: fetch the wheels once here and carry .whl/ (pytest for the tests;
+# tokamax and its dependencies for the tokamax rows and tests, pinned as docs/benchmarks.md 24 verified):
+#   ../shared/tools/gpu-wheels pytest pytest-xdist execnet pluggy iniconfig hypothesis sortedcontainers attrs \
+#     safetensors tokenizers tokamax==0.0.12 einshape==1.0 jaxtyping==0.3.11 wadler-lindig==0.1.8 pydantic==2.14.4 \
+#     pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 qwix==0.1.8 \
+#     typeguard==2.13.3 immutabledict==4.3.1
+#
 # Order: the wheels (the line ../shared/tools/gpu-wheels prints, where the tree carries .whl/), the
 # environment, then the tests in the background while the README main job runs, then one step at a
 # time by priority (the list below). A step starts only if its expected time fits

@@ -14,13 +14,17 @@ WHEELS_LINE = (
     "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl "
     "&& export PYTHONPATH=/tmp/site:$PWD || exit;"
 )
-PRIORITY = ["step_gpt2-124m_auto", "step_gpt2-124m_pallas", "torch_twin", "kernels", "optimizers", "step_llama-1b", "step_gpt2-124m_fp8", "step_llama-1b_fp8", "step_moe-small"]
+PRIORITY = [
+    "step_gpt2-124m_auto", "torch_twin", "profile_gpt2-124m", "profile_moe-small", "profile_muon", "step_gpt2-124m_unrolled",
+    "step_gpt2-124m_unroll2", "step_gpt2-124m_double_buffer", "step_gpt2-124m_fp8", "speedrun", "optimizers", "step_moe-small",
+    "step_llama-1b", "step_gpt2-124m_pallas", "kernels", "step_llama-1b_fp8",
+]  # fmt: skip
 # Records each call; runs `python3 -c` (results.jsonl lines) with the real Python; sleeps as long as
 # $SLEEP_<module> says; fails the pallas row; writes the JSON a benchmark was asked for.
 FAKE_PYTHON = f"""#!/bin/bash
 if [ "$1" = -c ]; then exec {sys.executable} "$@"; fi
 echo "$(date +%s) PYTHONPATH=${{PYTHONPATH:-}} $*" >> "$CALLS"
-case "$*" in *pytest*) sleep "${{SLEEP_TESTS:-0}}" ;; *experiments.train*) sleep 1 ;; esac
+case "$*" in *pytest*) sleep "${{SLEEP_TESTS:-0}}" ;; *main_job*) sleep 1 ;; esac
 case "$*" in *attention=pallas*) exit 1 ;; esac
 for arg in "$@"; do case "$arg" in --json_out=*|--out=*) echo '{{"ok": 1}}' > "${{arg#*=}}" ;; esac; done
 """
@@ -50,13 +54,15 @@ def test_dry_run_lists_the_steps_by_priority_within_eight_minutes(tmp_path):
     result, _ = _run(tmp_path, DRY_RUN="1")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("tests (background, timeout 200): env SPMDLAB_TEST_PLATFORMS=cuda,cpu SPMDLAB_TEST_CPU_DEVICES=1")
+    assert lines[0].startswith("tests (background, timeout 240): env SPMDLAB_TEST_PLATFORMS=cuda,cpu SPMDLAB_TEST_CPU_DEVICES=1")
+    assert " -v " in lines[0]  # each outcome as it comes: a run cut by its timeout still names its failures
     assert lines[1].startswith("main_job (timeout 120): env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m experiments.train")
     assert [line.split(":")[0] for line in lines[2:]] == PRIORITY
-    assert "--config.model.attention=auto" in lines[2] and "--config.model.attention=pallas" in lines[3]
-    assert "experiments.bench_cpu_peer --device=cuda --presets=gpt2-124m --batch_shapes=16x1024" in lines[4]
+    assert "--config.model.attention=auto" in lines[2] and "--tokens=zipf" in lines[2]
+    assert "experiments.bench_cpu_peer --device=cuda --presets=gpt2-124m --batch_shapes=16x1024" in lines[3]
+    assert "--xla_gpu_enable_command_buffer=" in lines[4] and "--config.optimizer.name=muon" in lines[6]
     expected = [int(re.search(r": expected (\d+) s", line).group(1)) for line in lines[2:]]
-    assert 200 + sum(expected[:3]) <= 450  # the tests, then the step rows and the twin fit in the budget
+    assert 240 + sum(expected[:3]) <= 470  # the tests, then the step row, the twin and the profile fit in the budget
 
 
 def test_one_run_writes_at_most_8_files_tests_beside_the_main_job_and_skips_past_the_budget(tmp_path):
@@ -72,10 +78,16 @@ def test_one_run_writes_at_most_8_files_tests_beside_the_main_job_and_skips_past
     assert int(main[0]) - int(tests[0]) < 2  # started together: the tests run while the main job does
     steps = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == ["main_job", "tests", *PRIORITY]
-    assert steps[2]["exit"] == 0 and steps[2]["result"] == {"ok": 1}
-    assert steps[3]["exit"] == 1  # the failing pallas row loses nothing else
-    assert steps[4]["exit"] == 0
-    skipped = [s["step"] for s in steps if str(s["exit"]).startswith("skipped: budget")]
-    assert "optimizers" in skipped and PRIORITY[:4] == [s["step"] for s in steps[2:6]]  # 90 s expected, under 80 s left
+    by_name = {s["step"]: s for s in steps}
+    assert by_name["step_gpt2-124m_auto"]["exit"] == 0 and by_name["step_gpt2-124m_auto"]["result"] == {"ok": 1}
+    skipped = {s["step"]: s["exit"] for s in steps if str(s["exit"]).startswith("skipped: budget")}
+    assert {"torch_twin", "optimizers"} <= set(skipped)  # 110 s and 90 s expected, never 80 s left
+    for name, reason in skipped.items():  # skipped only where its expected time passed what was left
+        left, expected = map(int, re.search(r"\((\d+) s left, expected (\d+) s\)", reason).groups())
+        assert left < expected, (name, reason)
+    ran = [s for s in steps[2:] if s["step"] not in skipped]
+    assert "profile_gpt2-124m" in {s["step"] for s in ran}  # third in line: 45 s expected, about 75 s left
+    assert all(s["exit"] == (1 if s["step"] == "step_gpt2-124m_pallas" else 0) for s in ran)  # a failing row loses nothing else
     assert len(os.listdir(out)) <= 8 and all((out / f).is_file() for f in os.listdir(out))
-    assert sorted(os.listdir(out)) == ["env.txt", "log.txt", "results.jsonl", "tests.txt"]
+    profiles = [f"{s['step']}.txt" for s in ran if s["step"].startswith("profile_")]
+    assert sorted(os.listdir(out)) == sorted(["env.txt", "log.txt", *profiles, "results.jsonl", "tests.txt"])

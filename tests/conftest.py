@@ -26,8 +26,17 @@ import shutil
 import sys
 import tempfile
 
-import jax
 import pytest
+
+# jaxlib's CPU LAPACK kernels (triangular solves, eigh, qr, svd: PSGD-Kron, Shampoo, SOAP, Dion, ...) call
+# scipy's OpenBLAS, and NumPy references call NumPy's. With more than one OpenBLAS thread, calls from several
+# devices' threads at once queue on its thread server and its threads busy-wait for work (`exec_blas_async`,
+# `blas_thread_server` were 94% of the CPU of PSGD-Kron's step on `fsdp:8`: 3.3 CPU-seconds a step, 0.26 with
+# one thread). The suite's matrices are small; one OpenBLAS thread per calling thread. Set before NumPy or jax
+# loads OpenBLAS (it reads the count once); subprocesses of tests inherit it.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import jax  # after the OpenBLAS thread count is set
 
 _CACHE = os.environ.get("SPMDLAB_TEST_XLA_CACHE", "")
 if not _CACHE:  # the session's first pytest process (a plain run, or pytest-xdist's controller)

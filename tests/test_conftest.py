@@ -74,3 +74,34 @@ def test_fast_compiles_turn_the_fusion_emitters_off_only_without_xla_passes(opti
         jax.config.update("jax_disable_most_optimizations", True)
     assert "--xla_cpu_use_fusion_emitters=false" in os.environ["XLA_FLAGS"]
     assert "fusion_emitters" not in optimized_subprocess_env["XLA_FLAGS"]
+
+
+def _openblas_threads() -> dict[str, int]:
+    """``{library: threads}`` of every OpenBLAS loaded in this process (NumPy's and the one jaxlib's LAPACK calls)."""
+    import ctypes
+
+    getters = ("openblas_get_num_threads", "openblas_get_num_threads64_", "scipy_openblas_get_num_threads", "scipy_openblas_get_num_threads64_")
+    paths = {line.split()[-1] for line in pathlib.Path("/proc/self/maps").read_text().splitlines() if "openblas" in line.lower()}
+    threads = {}
+    for path in sorted(paths):
+        library = ctypes.CDLL(path)
+        for name in getters:
+            if hasattr(library, name):
+                threads[pathlib.Path(path).name] = getattr(library, name)()
+    return threads
+
+
+def test_openblas_runs_one_thread_per_caller():
+    """The conftest sets OpenBLAS's thread count before NumPy or jaxlib loads it: jaxlib's CPU LAPACK kernels,
+    called from several devices' threads at once, left OpenBLAS's own threads busy-waiting."""
+    import jax
+    import jax.numpy as jnp
+    import pytest
+
+    if not pathlib.Path("/proc/self/maps").exists():
+        pytest.skip("finds the loaded libraries through /proc (Linux)")
+    jax.scipy.linalg.solve_triangular(jnp.eye(3), jnp.ones(3)).block_until_ready()  # jaxlib's LAPACK is loaded
+    threads = _openblas_threads()
+    if not threads:
+        pytest.skip("no OpenBLAS in this process (NumPy and jaxlib use another BLAS)")
+    assert set(threads.values()) == {int(os.environ["OPENBLAS_NUM_THREADS"])}, threads  # "1" unless the caller set it

@@ -29,7 +29,7 @@ def test_fsdp_plan_has_an_eighth_of_the_state_per_device():
     assert report["gradients_bytes"] == report["params_bytes"]
     assert report["optimizer_state_bytes"] >= 2 * report["params_bytes"]  # AdamW: two moments (+ a counter)
     assert report["fits"] and report["peak_bytes"] > report["params_bytes"] + report["optimizer_state_bytes"]
-    replicated = plan.plan(_config("data:8"), 16 * plan.GiB)
+    replicated = plan.plan(_config("data:8"), 16 * plan.GiB, compile_step=False)  # parameter bytes: from the shardings
     assert replicated["params_bytes"] == total_param_bytes
 
 

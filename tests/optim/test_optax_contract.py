@@ -269,13 +269,12 @@ def test_inject_hyperparams_gives_the_direct_updates(name, default_emitters):
     and COSMOS's ``1 - b1`` rounded differently in double precision. COSMOS at rank 2 (below the
     gradients' rank), where its subspace Adam does not divide rounding error by ``eps``. Compiled as XLA
     compiles by default: the suite's fast legacy emitters round COSMOS's two programs apart (1.3e-9 on a
-    1.8e-7 entry)."""
+    1.8e-7 entry); every other optimizer meets the bound under them, and compiles in half the time."""
     fields = {"rank": 2} if name == "cosmos" else {}
     tx, inj = build(name, **fields), injected(name, **fields)
     p = params()
-    step, step_inj = (
-        jax.jit(lambda g, s, p, t=t: t.update(g, s, p, **extra_args(name)), compiler_options=default_emitters) for t in (tx, inj)
-    )
+    options = default_emitters if name == "cosmos" else None
+    step, step_inj = (jax.jit(lambda g, s, p, t=t: t.update(g, s, p, **extra_args(name)), compiler_options=options) for t in (tx, inj))
     state, state_inj = tx.init(p), inj.init(p)
     for seed in range(2):  # one program per transform, not per step
         g = grads_like(p, seed)

@@ -1,5 +1,7 @@
 """One config, any mesh: the same losses on 1 device and on 8 under every parallelism."""
 
+import functools
+
 import jax
 import numpy as np
 import optax
@@ -54,9 +56,15 @@ def single_device_tiny():
     return train_losses("tiny", "data:1", "fsdp", steps=10, devices=jax.devices()[:1])[0]
 
 
+@pytest.fixture(scope="module")
+def tiny_run():
+    """``(losses, final state)`` of `tiny`'s 10-step run on a mesh, once per mesh for the module's tests."""
+    return functools.cache(lambda spec, rules_name: train_losses("tiny", spec, rules_name, steps=10))
+
+
 @pytest.mark.parametrize("spec, rules_name", MESHES)
-def test_tiny_losses_match_single_device(single_device_tiny, spec, rules_name):
-    losses, _ = train_losses("tiny", spec, rules_name, steps=10)
+def test_tiny_losses_match_single_device(single_device_tiny, tiny_run, spec, rules_name):
+    losses, _ = tiny_run(spec, rules_name)
     np.testing.assert_allclose(losses, single_device_tiny, rtol=1e-5)
     assert losses[-1] < losses[0] - 1.0  # it trained
 
@@ -81,8 +89,8 @@ def _total_bytes(tree):
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def test_fsdp_holds_an_eighth_of_params_and_optimizer_state_per_device():
-    _, state = train_losses("tiny", "fsdp:8", "fsdp", steps=1)
+def test_fsdp_holds_an_eighth_of_params_and_optimizer_state_per_device(tiny_run):
+    _, state = tiny_run("fsdp:8", "fsdp")  # after training: the step keeps the layout
     assert partition.per_device_bytes(state["params"]) * 8 == _total_bytes(state["params"])
     moments = [leaf for leaf in jax.tree.leaves(state["opt_state"]) if leaf.ndim > 0]
     assert partition.per_device_bytes(moments) * 8 == _total_bytes(moments)
@@ -90,8 +98,8 @@ def test_fsdp_holds_an_eighth_of_params_and_optimizer_state_per_device():
         assert len(leaf.sharding.device_set) == 8 and not leaf.sharding.is_fully_replicated
 
 
-def test_tensor_parallel_splits_heads_and_mlp():
-    _, state = train_losses("tiny", "tensor:2,fsdp:4", "tp", steps=1)
+def test_tensor_parallel_splits_heads_and_mlp(tiny_run):
+    _, state = tiny_run("tensor:2,fsdp:4", "tp")
     blocks = state["params"]["blocks"]
     assert blocks["attn"]["q_proj"]["kernel"].sharding.spec == jax.P(None, "fsdp", "tensor")
     assert blocks["mlp"]["down_proj"]["kernel"].sharding.spec == jax.P(None, "tensor", "fsdp")

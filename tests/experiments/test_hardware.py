@@ -56,3 +56,16 @@ def test_matmul_rate_times_back_to_back_calls_of_random_inputs(monkeypatch):
     assert hardware.measure_matmul_flops(jax.local_devices()[0], repeats=2, calls=3) > 0
     assert len(reads) == 2 * 2
     assert len(placed) == 2 and all(float(jax.numpy.std(x)) > 0.5 for x in placed)
+
+
+def test_matmul_rate_is_measured_once_per_process_and_not_kept_on_disk(monkeypatch, tmp_path):
+    """A rate sampled while the machine was busy must not become every later run's MFU denominator."""
+    monkeypatch.setenv("SPMDLAB_CACHE", str(tmp_path))
+    samples = []
+    monkeypatch.setattr(hardware, "measure_matmul_flops", lambda device, **kwargs: samples.append(device) or 5e10)
+    hardware.matmul_flops_per_device.cache_clear()
+    try:
+        assert hardware.matmul_flops_per_device() == hardware.matmul_flops_per_device() == 5e10
+    finally:
+        hardware.matmul_flops_per_device.cache_clear()
+    assert samples == [jax.local_devices()[0]] and not list(tmp_path.iterdir())

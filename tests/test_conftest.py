@@ -54,7 +54,8 @@ def test_cpu_profile_sums_per_file_costliest_first():
 
 def test_fast_compiles_turn_the_fusion_emitters_off_only_without_xla_passes(optimized_subprocess_env):
     """The conftest's compile options: XLA:CPU's legacy emitters where the passes are off (this test's default),
-    XLA's own choice where they are on; processes the tests start inherit the flag unless they ask otherwise."""
+    XLA's own emitters and LLVM at level 1 where they are on; processes the tests start inherit the flag unless
+    they ask otherwise."""
     import jax
     import pytest
     from jax._src import compiler
@@ -70,10 +71,12 @@ def test_fast_compiles_turn_the_fusion_emitters_off_only_without_xla_passes(opti
     jax.config.update("jax_disable_most_optimizations", False)
     try:
         assert "xla_cpu_use_fusion_emitters" not in overrides()
+        assert overrides().get("xla_backend_optimization_level") == 1
     finally:
         jax.config.update("jax_disable_most_optimizations", True)
     assert "--xla_cpu_use_fusion_emitters=false" in os.environ["XLA_FLAGS"]
     assert "fusion_emitters" not in optimized_subprocess_env["XLA_FLAGS"]
+    assert "--xla_backend_optimization_level=1" in optimized_subprocess_env["XLA_FLAGS"].split()
 
 
 def _openblas_threads() -> dict[str, int]:

@@ -28,6 +28,7 @@ import ml_collections
 from absl import app, flags
 
 from experiments import cli, hlo_bytes, trainer
+from sharding import cpu_devices
 
 # name -> config overrides; "sync_every" is H for the amortisation of conditional collectives.
 ROWS: dict[str, dict[str, Any]] = {
@@ -140,7 +141,7 @@ if __name__ == "__main__":
 
     def _main(argv):
         if flags.FLAGS.cpu_devices:
-            jax.config.update("jax_num_cpu_devices", flags.FLAGS.cpu_devices)
+            cpu_devices.use(flags.FLAGS.cpu_devices)
         # Each row's step is compiled for its HLO and again by the training run: let the second one hit a cache.
         jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="bench_comm-xla-"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -50,8 +50,8 @@ from lm import attention as attention_lib
 from lm import loss as loss_lib
 from lm import model as model_lib
 from lm.parallel import context_attention
+from sharding import cpu_devices, partition
 from sharding import mesh as mesh_lib
-from sharding import partition
 from sharding import rules as rules_lib
 
 SECTIONS = ("memory", "bytes", "balance", "exact")
@@ -285,7 +285,7 @@ if __name__ == "__main__":
 
     def _main(argv):
         if flags.FLAGS.cpu_devices:
-            jax.config.update("jax_num_cpu_devices", flags.FLAGS.cpu_devices)
+            cpu_devices.use(flags.FLAGS.cpu_devices)
         main(argv)
 
     app.run(_main, flags_parser=cli.parse_flags)

@@ -25,6 +25,7 @@ import ml_collections
 from absl import app, flags
 
 from experiments import cli, hlo_bytes
+from sharding import cpu_devices
 
 ROWS: dict[str, dict[str, Any]] = {
     "adamw": {"optimizer.name": "adamw"},
@@ -111,7 +112,7 @@ if __name__ == "__main__":
 
     def _main(argv):
         if flags.FLAGS.cpu_devices:
-            jax.config.update("jax_num_cpu_devices", flags.FLAGS.cpu_devices)
+            cpu_devices.use(flags.FLAGS.cpu_devices)
         main(holder, argv)
 
     app.run(_main, flags_parser=cli.parse_flags)

@@ -37,7 +37,7 @@ from absl import app, flags
 from experiments import hlo_bytes, run_spec, train_lib
 from experiments.configs import default
 from lm.parallel import pipeline, pipeline_schedule, skip_schedule
-from sharding import partition
+from sharding import cpu_devices, partition
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "zb_h1")
 MESHES = (("stage:4,data:2", "fsdp"), ("stage:2,fsdp:2,tensor:2", "tp"))
@@ -225,7 +225,7 @@ def skip_tables() -> list[dict]:
 def main(argv) -> None:
     del argv
     jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", _FLAGS.devices)
+    cpu_devices.use(_FLAGS.devices)
     start = time.time()
     sections = set(_FLAGS.sections)
     results = {"bubbles": bubbles(), "memory": memory_and_bytes() if "memory" in sections else []}

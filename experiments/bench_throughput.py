@@ -45,6 +45,7 @@ from experiments import cli, hardware, host_memory, run_spec, train_steps
 from lm import config as model_config_lib
 from lm import model as model_lib
 from lm.loss import flops_per_token
+from sharding import cpu_devices
 
 
 def benchmark(
@@ -119,7 +120,7 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     host_memory.keep_freed_memory()  # before JAX starts its backend
     cli.quiet_logging(f.verbose)
     if f.cpu_devices:
-        jax.config.update("jax_num_cpu_devices", f.cpu_devices)
+        cpu_devices.use(f.cpu_devices)
     for name in ("warmup", "repeats", "steps"):
         if f[name].value < 1:
             cli.usage_exit(f"--{name}={f[name].value} must be >= 1")

@@ -54,6 +54,7 @@ from jax.flatten_util import ravel_pytree
 
 from experiments import cli, lopt_tasks
 from optim.learned import mlp_lopt
+from sharding import cpu_devices
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -277,7 +278,7 @@ def main(argv: list[str]) -> None:
     del argv
     cli.quiet_logging(FLAGS.verbose)
     if FLAGS.num_devices:
-        jax.config.update("jax_num_cpu_devices", FLAGS.num_devices)
+        cpu_devices.use(FLAGS.num_devices)
     workdir = Path(FLAGS.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     tasks = lopt_tasks.family(FLAGS.tasks)

@@ -18,7 +18,6 @@ those of IEEE float32, as on a CPU.
 
 import atexit
 import contextlib
-import itertools
 import linecache
 import math
 import os
@@ -38,6 +37,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax  # after the OpenBLAS thread count is set
 
+from sharding import cpu_devices  # jax only: before any backend starts
+
 _CACHE = os.environ.get("SPMDLAB_TEST_XLA_CACHE", "")
 if not _CACHE:  # the session's first pytest process (a plain run, or pytest-xdist's controller)
     _CACHE = tempfile.mkdtemp(prefix="spmdlab-test-xla-cache-")
@@ -55,19 +56,15 @@ jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 _CPU_DEVICES = int(os.environ.get("SPMDLAB_TEST_CPU_DEVICES", "8"))  # 1: a one-GPU box's count
-jax.config.update("jax_num_cpu_devices", _CPU_DEVICES)
-# Workaround for an XLA:CPU deadlock (jax 0.10, seen as `Fatal Python error: Aborted` or a segfault while a test
-# reads a result): the ThunkExecutor orders a device's collectives by a scheduling edge only (xla/backends/cpu/
-# runtime/thunk_executor.cc: "Collective communicator resource creates only a scheduling edge"), so a device can
-# wait in two rendezvous at once, each on a thread of the intra-op pool; the CPU client sizes that pool to
-# max(cores, devices) (xla/pjrt/cpu/cpu_client.cc: "Need at least CpuDeviceCount threads to launch one
-# collective"). On a 2-core host with 8 devices, 8 threads: when device 0 holds the 8th thread in an all-gather
-# while device 7 has not yet entered a collective-permute of all 8, every thread waits and XLA aborts after its
-# 40 s termination timeout (tests/sharding/test_context_parallel.py, ring mode, ~1 run in 3-5 under load).
-# PJRT_NPROC sets the pool's core count (xla/pjrt/utils.cc DefaultThreadPoolSize): room for 8 collectives in
-# flight per device. Set before the CPU client starts; subprocesses of tests inherit it.
-os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, 8 * _CPU_DEVICES)))
 _PLATFORMS = os.environ.get("SPMDLAB_TEST_PLATFORMS", "cpu")
+if _PLATFORMS.split(",")[0] == "cpu":
+    # XLA:CPU's collectives deadlock on a small intra-op pool and mix up collectives that share a channel id
+    # (tests/sharding/test_context_parallel.py, ring mode, aborted or segfaulted ~1 run in 3-5 under load):
+    # `sharding.cpu_devices` has the workarounds, as the scripts' --cpu_devices get them. Subprocesses of tests
+    # inherit the thread pool's size; a script that splits its CPU calls `cpu_devices.use` for the channel fix.
+    cpu_devices.use(_CPU_DEVICES)
+else:
+    jax.config.update("jax_num_cpu_devices", _CPU_DEVICES)
 jax.config.update("jax_platforms", _PLATFORMS)
 
 # Precision of float32 matrix products per platform. `jax.lax.dot_general` reads the default at trace time
@@ -79,88 +76,6 @@ _MATMUL_PRECISION = {"cpu": None, "cuda": "highest", "gpu": "highest", "rocm": "
 jax.config.update("jax_default_matmul_precision", _MATMUL_PRECISION.get(_PLATFORMS.split(",")[0], "highest"))
 
 from sharding import mesh as _mesh_lib  # noqa: E402  (after the platform and device count are set)
-
-# ---------------------------------------------------------------------------------- XLA:CPU collectives
-
-# Workaround for an upstream bug (jax 0.10 with XLA:CPU's thunk runtime; the cause of the segfaults and aborts of
-# tests/sharding/test_context_parallel.py::test_mode_equals_one_device): jax gives every collective inside a
-# `jax.shard_map` the same channel id (`jax._src.interpreters.mlir.COLLECTIVE_CHANNEL_ID`, 1), and a function it
-# lowers once for several call sites (`_lower_jaxpr_to_fun_cached`, nested jits) is inlined by XLA into copies
-# with equal ids. XLA:CPU keys its in-process rendezvous by (run, devices, channel id), and its ThunkExecutor
-# orders a device's collectives by a scheduling edge only (xla/backends/cpu/runtime/thunk_executor.cc:
-# "Collective communicator resource creates only a scheduling edge"), so two independent collective-permutes of
-# one program (ring attention's K/V and dK/dV hops: 54 share channel 1) can be in flight at once and join one
-# rendezvous: `Check failed: id < num_threads (8 vs. 8)`, one permute's data in another's buffers (NaN), or a
-# segfault. Here functions holding a collective are lowered once per call site and every collective of a lowered
-# module gets a channel of its own. (XLA's own loop unrolling can still copy one; no run has collided since.)
-
-
-def _has_collective(jaxpr) -> bool:
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    return any(
-        eqn.primitive in _COLLECTIVES or any(_has_collective(sub) for sub in _core.jaxprs_in_params(eqn.params))
-        for eqn in jaxpr.eqns
-    )
-
-
-class _LoweringCache(dict):
-    """jax's per-module cache of lowered functions, keeping none that holds a collective."""
-
-    def __setitem__(self, key, value):
-        if not any(isinstance(k, (_core.Jaxpr, _core.ClosedJaxpr)) and _has_collective(k) for k in key):
-            super().__setitem__(key, value)
-
-
-def _lower_module(*args, **kwargs):
-    """`mlir.lower_jaxpr_to_module` giving every collective of the module a channel id of its own, in walk order
-    from 2**14 (past jax's host-callback channels): the same program gets the same ids, so the persistent
-    compilation cache still finds it."""
-    result = _lower_module_upstream(*args, **kwargs)
-    ids = itertools.count(1 << 14)
-
-    def renumber(op):
-        if op.name in _CHANNEL_OPS and "channel_handle" in op.opview.attributes:
-            handle = _hlo.ChannelHandle.get(next(ids), _mlir.DEVICE_TO_DEVICE_TYPE, op.context)
-            op.opview.attributes["channel_handle"] = handle
-        return _ir.WalkResult.ADVANCE
-
-    result.module.operation.walk(renumber)
-    return result
-
-
-def _module_context_init(self, *args, **kwargs):
-    _module_context_init_upstream(self, *args, **kwargs)
-    cache = getattr(self, "cached_primitive_lowerings", None)
-    if isinstance(cache, dict) and not isinstance(cache, _LoweringCache):
-        self.cached_primitive_lowerings = _LoweringCache(cache)
-
-
-def _upstream_as_read() -> bool:
-    """The jax internals the workaround replaces are where jax 0.10 has them (a later jax that moved them runs
-    without it, rather than failing to start the suite)."""
-    try:
-        from jax._src import core
-        from jax._src.interpreters import mlir
-        from jax._src.lib.mlir.dialects import hlo
-    except ImportError:
-        return False
-    return all(
-        (hasattr(core, "jaxprs_in_params"), hasattr(mlir, "lower_jaxpr_to_module"), hasattr(mlir, "DEVICE_TO_DEVICE_TYPE"),
-         hasattr(mlir, "ModuleContext"), hasattr(hlo, "ChannelHandle"))
-    )  # fmt: skip
-
-
-if _PLATFORMS.split(",")[0] == "cpu" and _CPU_DEVICES > 1 and _upstream_as_read():
-    from jax._src import core as _core
-    from jax._src.interpreters import mlir as _mlir
-    from jax._src.lax import parallel as _parallel
-    from jax._src.lib.mlir import ir as _ir
-    from jax._src.lib.mlir.dialects import hlo as _hlo
-
-    _COLLECTIVES = {p for p in vars(_parallel).values() if isinstance(p, _core.Primitive)}
-    _CHANNEL_OPS = {f"stablehlo.{op}" for op in ("collective_permute", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
-    _module_context_init_upstream, _mlir.ModuleContext.__init__ = _mlir.ModuleContext.__init__, _module_context_init
-    _lower_module_upstream, _mlir.lower_jaxpr_to_module = _mlir.lower_jaxpr_to_module, _lower_module
 
 # ---------------------------------------------------------------------------------- fast XLA:CPU compiles
 

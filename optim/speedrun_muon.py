@@ -17,7 +17,9 @@ and anything else Adam takes, ``adam_lr_ratio`` 0.8), so one schedule drives the
 record's ``LambdaLR`` does. The groups come from `optim.labels`: "matrix" as `labels.matrix_labels`; of
 the rest, a path through an LM head (`labels.READOUT_NAMES`) is "head", one through a token table
 (`labels.TOKEN_EMBEDDING_NAMES`, value embeddings included) "embed", everything else "adam" (the record's
-``ndim < 2``). Weight decay (0 in the record) is as in `optim.muon`.
+``ndim < 2``). A tree without a head reads out through its token table (tied embeddings), so that table is
+"head": its 12x embedding rate diverged on a tied micro LM, and modded-nanogpt's records stepped their table
+with the LM head's optimizer while it was tied. Weight decay (0 in the record) is as in `optim.muon`.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ EMBED, HEAD = "embed", "head"
 
 def group_labels(params: Any) -> Any:
     """``"matrix"``, ``"embed"``, ``"head"`` or ``"adam"`` per leaf (module docstring)."""
+    tied = not any(labels.is_embedding_path(path, labels.READOUT_NAMES) for path, _ in jax.tree_util.tree_leaves_with_path(params))
 
     def label(path, matrix_label):
         if matrix_label == labels.MATRIX:
             return labels.MATRIX
-        if labels.is_embedding_path(path, labels.READOUT_NAMES):
+        if labels.is_embedding_path(path, labels.READOUT_NAMES) or (tied and labels.is_embedding_path(path[:1], labels.TOKEN_EMBEDDING_NAMES)):
             return HEAD
         return EMBED if labels.is_embedding_path(path, labels.TOKEN_EMBEDDING_NAMES) else labels.ADAM
 

@@ -61,6 +61,15 @@ def test_each_group_steps_at_its_rate_and_muon_at_the_warmed_up_momentum():
         ref.assert_trees_close(got[t], treedef.unflatten(values))
 
 
+def test_a_tied_table_is_the_head_and_value_tables_stay_embeddings():
+    """Without an LM head the token table reads out (tied embeddings): it takes the head's rate, not the 12x that
+    diverged (tests/sharding/test_checkpoint_any_mesh.py trains the tied micro LM at the defaults)."""
+    tied = {k: v for k, v in _tree().items() if k != "lm_head"}
+    assert group_labels(tied)["embed"]["embedding"] == "head"
+    assert group_labels(tied)["value_embeds"]["0"]["embedding"] == "embed"
+    assert group_labels(_tree())["embed"]["embedding"] == "embed"  # untied, as the record
+
+
 def test_the_speedrun_config_builds_it_over_the_records_groups():
     config = speedrun_config.get_config("tiny")
     assert config.optimizer.name == "speedrun_muon"

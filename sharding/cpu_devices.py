@@ -21,7 +21,8 @@ works around both, and the test suite does the same (tests/conftest.py):
    `install_channel_fix` lowers functions holding a collective once per call site and gives every
    collective of a lowered module a channel of its own. (XLA's own loop unrolling can still copy one.)
 
-Both are needed only on the CPU backend with more than one device; on a GPU or TPU nothing changes.
+Both are needed only on the CPU backend with more than one device; programs lowered for a GPU or TPU keep
+jax's channel ids.
 """
 
 from __future__ import annotations
@@ -83,9 +84,12 @@ def install_channel_fix() -> bool:
     lower_module_upstream, module_context_init_upstream = mlir.lower_jaxpr_to_module, mlir.ModuleContext.__init__
 
     def lower_module(*args, **kwargs):
-        """`mlir.lower_jaxpr_to_module` numbering the module's collectives in walk order from
-        `_FIRST_CHANNEL`: the same program gets the same ids, so a persistent compilation cache still finds it."""
+        """`mlir.lower_jaxpr_to_module` numbering a CPU module's collectives in walk order from `_FIRST_CHANNEL`:
+        the same program gets the same ids, so a persistent compilation cache still finds it. A program for
+        another platform (a GPU beside the split CPU) keeps jax's ids."""
         result = lower_module_upstream(*args, **kwargs)
+        if tuple(kwargs.get("platforms", ())) != ("cpu",):
+            return result
         ids = itertools.count(_FIRST_CHANNEL)
 
         def renumber(op):

@@ -2,10 +2,11 @@
 
     python -m experiments.bench_optimizer_step --optimizers=adamw,muon,normuon --trees=tiny,small \
         --out=/tmp/bench_optimizer_step.json
+    python -m experiments.bench_optimizer_step --optimizers=all --trees=gpt2-124m --repeats=5   # a GPU's table
 
 Each row is a jitted ``(params, grads, state) -> (params, state)`` step (update + apply_updates) on a
 plain dict of random arrays with the model's parameter shapes (scan-stacked layers, tied
-embedding). The first call (compilation) is excluded; the time is the median of ``--repeats`` calls,
+embedding): `TREES`' own, or a dense model preset's exactly (``gpt2-124m``, ``llama-1b``). The first call (compilation) is excluded; the time is the median of ``--repeats`` calls,
 taken round-robin over the rows so that load from other processes affects every row alike.
 Registered optimizers are built exactly as training builds them (`optim.build.build` on the
 default optimizer config: cosine schedule, gradient clipping). Extra rows compare against other
@@ -216,9 +217,31 @@ def row_names(requested: list[str], *, train_step: bool) -> list[str]:
     return names
 
 
+def _dense_presets() -> list[str]:
+    """Model presets whose parameters are `param_tree`'s: a tied embedding, grouped-query attention without QK
+    norms, dense SwiGLU MLPs."""
+    return [name for name in config_lib.PRESETS if _lays_out_as_param_tree(config_lib.from_preset(name))]
+
+
+def _lays_out_as_param_tree(cfg: config_lib.ModelConfig) -> bool:
+    return (
+        cfg.tie_embeddings and cfg.attention_type == "gqa" and not cfg.qk_norm and cfg.mlp_activation == "swiglu"
+        and not cfg.n_experts and not cfg.value_embeddings and cfg.parscale == 1
+    )  # fmt: skip
+
+
+def tree_dims(name: str) -> dict[str, int]:
+    """The shapes of update tree ``name``: one of `TREES`, or a dense model preset's (`lm.config.PRESETS`)."""
+    if name in TREES:
+        return TREES[name]
+    cfg = config_lib.from_preset(name)
+    return {"d": cfg.d_model, "layers": cfg.n_layers, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "mlp": cfg.mlp_dim, "vocab": cfg.vocab_size}
+
+
 def check_trees(names: list[str], *, train_step: bool) -> None:
-    """Update rows take the parameter trees of `TREES`; whole training steps any model preset (they build it)."""
-    known = config_lib.PRESETS if train_step else TREES
+    """Update rows take the trees of `TREES` and the dense model presets' shapes; whole training steps any model
+    preset (they build it)."""
+    known = list(config_lib.PRESETS) if train_step else [*TREES, *_dense_presets()]
     unknown = sorted(set(names) - set(known))
     if unknown:
         hint = "" if train_step else " (any model preset with --train_batch)"
@@ -264,7 +287,7 @@ def main(argv: list[str]) -> None:
         if train_step:
             calls, state_bytes = train_step_calls(names, tree_name, batch, seq_len, f.train_dtype)
         else:
-            tree = TREES[tree_name]
+            tree = tree_dims(tree_name)
             rows_of = {name: EXTRA_ROWS.get(name) or registered(name) for name in names}
             calls = {name: compile_row(row, tree) for name, row in rows_of.items()}
             state_bytes = {name: state_bytes_per_param(row, tree) for name, row in rows_of.items()}
@@ -303,7 +326,7 @@ def main(argv: list[str]) -> None:
 def define_flags() -> None:
     rows = ["adamw", "muon", "normuon", "muon_clip", "mars_muon", "muon@optax", "optax_muon"]
     flags.DEFINE_list("optimizers", rows, "Rows to time; 'all': every registered optimizer.")
-    flags.DEFINE_list("trees", ["tiny", "small"], f"Parameter trees, from {sorted(TREES)}.")
+    flags.DEFINE_list("trees", ["tiny", "small"], f"Parameter trees, from {sorted(TREES)} or a dense model preset (gpt2-124m, llama-1b).")
     flags.DEFINE_integer("repeats", 20, "Timed calls per row (median and minimum reported).")
     flags.DEFINE_string("out", "", "Write the results as JSON here.")
     flags.DEFINE_string(

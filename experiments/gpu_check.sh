@@ -129,6 +129,10 @@ throughput step_"$PRESET"_pallas 35 75 "$PRESET" "$BATCH" --config.model.attenti
 step kernels 70 110 "$WORK/kernels.json" python3 -m experiments.bench_kernels --sections=attention,gmm,quantized_update \
   ${KERNEL_FLAGS:-} --json_out="$WORK/kernels.json"
 throughput step_"$LLAMA"_fp8 40 75 "$LLAMA" "$LLAMA_BATCH" --config.model.attention=auto --config.model.fp8=hybrid
+# Every registered optimizer's update alone on the preset's shapes: issue 44 item 4's one table of the registry
+# (the whole steps above time four; each of these compiles only its update).
+step optimizer_updates 120 200 "$WORK/optimizer_updates.json" python3 -m experiments.bench_optimizer_step --optimizers=all \
+  --trees="$OPTIMIZER_TREE" --repeats="$REPEATS" --out="$WORK/optimizer_updates.json"
 
 # The tests beside the main job: both share the GPU, so neither takes its memory up front.
 TESTS_CMD=(env SPMDLAB_TEST_PLATFORMS="$TEST_PLATFORMS" SPMDLAB_TEST_CPU_DEVICES=1 XLA_PYTHON_CLIENT_PREALLOCATE=false

@@ -69,16 +69,30 @@ def test_bad_rows_exit_2_naming_the_fix(names, train_step, message, capsys):
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_training_steps_take_any_model_preset_and_updates_their_own_trees(capsys):
+def test_training_steps_take_any_model_preset_and_updates_the_dense_ones(capsys):
+    """Update rows time `param_tree`'s arrays: its own trees, or a dense preset's shapes, exactly the model's."""
+    import functools
+
+    import jax
+
     from experiments import bench_optimizer_step
+    from lm import config as config_lib
+    from lm import model as model_lib
 
     bench_optimizer_step.check_trees(["gpt2-124m", "moe-tiny"], train_step=True)
-    bench_optimizer_step.check_trees(["tiny", "small"], train_step=False)
+    bench_optimizer_step.check_trees(["tiny", "small", "gpt2-124m", "llama-1b"], train_step=False)
     with pytest.raises(SystemExit) as exit_info:
-        bench_optimizer_step.check_trees(["gpt2-124m"], train_step=False)
+        bench_optimizer_step.check_trees(["moe-tiny"], train_step=False)
     assert exit_info.value.code == 2 and "any model preset with --train_batch" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench_optimizer_step.check_trees(["gpt2-125m"], train_step=True)
+
+    def shapes(tree):
+        return sorted(leaf.shape for leaf in jax.tree.leaves(tree))
+
+    for preset in ("gpt2-124m", "llama-1b"):
+        tree = jax.eval_shape(functools.partial(bench_optimizer_step.param_tree, **bench_optimizer_step.tree_dims(preset)))
+        assert shapes(tree) == shapes(model_lib.define(config_lib.from_preset(preset)).abstract_params), preset
 
 
 def test_row_names_expand_all_and_keep_refresh_rows():

@@ -17,7 +17,7 @@ WHEELS_LINE = (
 PRIORITY = [
     "step_gpt2-124m_auto", "torch_twin", "profile_gpt2-124m", "profile_moe-small", "profile_muon", "step_gpt2-124m_unrolled",
     "step_gpt2-124m_unroll2", "step_gpt2-124m_double_buffer", "step_gpt2-124m_fp8", "speedrun", "optimizers", "step_moe-small",
-    "step_llama-1b", "step_gpt2-124m_pallas", "kernels", "step_llama-1b_fp8",
+    "step_llama-1b", "step_gpt2-124m_pallas", "kernels", "step_llama-1b_fp8", "optimizer_updates",
 ]  # fmt: skip
 # Records each call; runs `python3 -c` (results.jsonl lines) with the real Python; sleeps as long as
 # $SLEEP_<module> says; fails the pallas row; writes the JSON a benchmark was asked for.

@@ -17,6 +17,7 @@ import ml_collections
 
 from experiments import train_lib
 from experiments.cli import UsageError
+from kernels_pallas.attention import api as attention_api
 from lm import config as model_config_lib
 from lm import fp8, hf, moe
 from lm import model as model_lib
@@ -158,6 +159,18 @@ def _check_replica_kernels(config: ml_collections.ConfigDict, mesh: jax.sharding
             )
 
 
+def _check_attention_platform(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:
+    """cuDNN's attention runs on NVIDIA GPUs only; named elsewhere, jax would fail inside the first step
+    ("cuDNN is not detected")."""
+    platform = mesh.devices.flat[0].platform
+    if config.model.attention == "cudnn" and platform not in ("gpu", "cuda"):
+        auto = attention_api.ORDER.get(platform, ("xla",))[0]
+        raise ValueError(
+            f"model.attention=cudnn runs on NVIDIA GPUs, and this run's devices are {platform}: use model.attention=auto "
+            f"({auto} here) or one of {', '.join(n for n in attention_api.IMPLEMENTATIONS if n != 'cudnn')}"
+        )
+
+
 def _check_replicas_named(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:
     """A replica-local optimizer on several devices needs a replica axis, or it runs as one global replica."""
     name = config.optimizer.name
@@ -195,6 +208,7 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
             )
         replica_axis = config.get("replicas") or None
         parallel.check(cfg, mesh, rules, batch=config.batch_size // config.grad_accum_steps, seq_len=config.data.seq_len, replicas=replica_axis or "")
+        _check_attention_platform(config, mesh)
         _check_replicas_named(config, mesh)
         if replica_axis:
             _check_replica_kernels(config, mesh)

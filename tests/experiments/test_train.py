@@ -203,6 +203,14 @@ def test_bad_input_is_a_usage_error_naming_the_fix(tmp_path, overrides, message)
         trainer.run(small_config(**overrides), tmp_path)
 
 
+def test_cudnn_attention_off_an_nvidia_gpu_is_a_usage_error(tmp_path):
+    """Named on a CPU, jax would raise "cuDNN is not detected" from inside the first step's lowering."""
+    if jax.default_backend() in ("gpu", "cuda"):
+        pytest.skip("cuDNN attention runs on this device")
+    with pytest.raises(cli.UsageError, match=r"model.attention=cudnn runs on NVIDIA GPUs, .* use model.attention=auto \(xla here\)"):
+        trainer.run(small_config(**{"model.attention": "cudnn"}), tmp_path)
+
+
 def test_workdir_with_another_models_checkpoint_is_refused(tmp_path):
     trainer.run(small_config(), tmp_path, interrupt_at=2)
     with pytest.raises(cli.UsageError, match="different run .*d_model: checkpoint 128 vs now 64"):

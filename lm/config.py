@@ -233,7 +233,7 @@ class ModelConfig:
             problems.append(f"model.router_groups={self.router_groups} must be >= 1 and divide model.n_experts={self.n_experts}")
         elif not 0 <= self.router_topk_groups <= self.router_groups:
             problems.append(f"model.router_topk_groups={self.router_topk_groups} must be in [0, model.router_groups={self.router_groups}] (0: every group)")
-        elif self.experts_per_token > self.routable_experts:
+        elif 0 < self.router_topk_groups < self.router_groups and self.experts_per_token > self.routable_experts:
             problems.append(
                 f"model.experts_per_token={self.experts_per_token} exceeds the {self.routable_experts} experts of "
                 f"model.router_topk_groups={self.router_topk_groups} groups of {self.n_experts // self.router_groups}"

@@ -188,6 +188,7 @@ def test_default_routing_is_unchanged_by_the_group_and_scale_arguments():
         (dict(router_groups=3), "model.router_groups=3 must be >= 1 and divide model.n_experts=8"),
         (dict(router_groups=4, router_topk_groups=5), r"model.router_topk_groups=5 must be in \[0, model.router_groups=4\]"),
         (dict(router_groups=4, router_topk_groups=1, experts_per_token=3), "experts_per_token=3 exceeds the 2 experts"),
+        (dict(experts_per_token=9), r"model.experts_per_token=9 must be in \[1, model.n_experts=8\]$"),  # once, without groups
     ],
 )
 def test_router_group_settings_are_validated(changes, message):

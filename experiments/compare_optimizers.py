@@ -58,18 +58,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import matplotlib
 import ml_collections
 import numpy as np
 import optax
 from absl import app, flags
+from matplotlib.figure import Figure
 
 from experiments import cli, host_memory, metrics_io, run_spec, seed_stats, speedup, trainer
 from lm import model as model_lib
 from optim import memory, registry
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 CONFIGS = Path(__file__).parent / "configs"
 FULL_CONFIG = str(CONFIGS / "compare.py")
@@ -540,7 +537,8 @@ def markdown(results: dict) -> str:
 
 def plot_curves(results: dict, path: str | Path) -> None:
     """Seed-averaged validation loss of each optimizer's best setting vs tokens and vs seconds."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
+    fig = Figure(figsize=(11, 4), dpi=120)
+    axes = fig.subplots(1, 2)
     for ax, axis, label in zip(axes, ("tokens", "seconds"), ("tokens", "seconds (tokens / median throughput)")):
         for row in results["optimizers"]:
             curve = row[f"{axis}_curve"]
@@ -556,7 +554,6 @@ def plot_curves(results: dict, path: str | Path) -> None:
     fig.suptitle(f"{results['model']}, {results['steps']} steps, best setting per optimizer, mean over seeds")
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
 
 
 def define_flags(argv: list[str]) -> flags.FlagHolder:

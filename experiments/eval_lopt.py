@@ -29,18 +29,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import matplotlib
 import numpy as np
 import optax
 from absl import app, flags
+from matplotlib.figure import Figure
 
 from experiments import cli, lopt_tasks
 from optim import labels, spec
 from optim.adamw import AdamW
 from optim.learned import mlp_lopt
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 EVAL_BATCHES = 8
 EVAL_SEED_OFFSET = 10_000  # task keys jax.random.key(10_000 + seed): never drawn by meta-training's key chain
@@ -130,7 +127,8 @@ def table(results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+    fig = Figure(figsize=(5 * len(results), 4))
+    axes = fig.subplots(1, len(results), squeeze=False)
     for ax, (task, runs) in zip(axes[0], results.items(), strict=True):
         for name in ("lopt", "adamw-default", "adamw-tuned"):
             curve = np.asarray(runs[name]["curve"])
@@ -141,7 +139,6 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 FLAGS = flags.FLAGS

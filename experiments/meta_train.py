@@ -46,18 +46,15 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import matplotlib
 import numpy as np
 import optax
 from absl import app, flags
+from matplotlib.figure import Figure
 from jax.flatten_util import ravel_pytree
 
 from experiments import cli, lopt_tasks
 from optim.learned import mlp_lopt
 from sharding import cpu_devices
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 DIVERGED_LOSS = 3.0  # meta-loss of a member whose inner loss is not finite (x the initial loss)
 ESTIMATORS = ("es", "pes")
@@ -234,7 +231,8 @@ class MetaTrainer:
 
 
 def plot_meta_loss(history: list[float], path: Path, title: str) -> None:
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     ax.plot(history, alpha=0.3, label="per iteration")
     window = max(len(history) // 30, 1)
     if len(history) >= window:
@@ -244,7 +242,6 @@ def plot_meta_loss(history: list[float], path: Path, title: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 FLAGS = flags.FLAGS

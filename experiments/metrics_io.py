@@ -7,17 +7,16 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
 import numpy as np
 from etils import epath
+from tensorboardX import SummaryWriter
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from tensorboardX import SummaryWriter  # noqa: E402
+from experiments import storage
 
-from experiments import storage  # noqa: E402
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 storage.register_tensorboard_schemes()
 
@@ -129,14 +128,19 @@ def plot_losses(metrics_path: str | epath.PathLike, out_path: str | epath.PathLi
     fig = loss_figure(read_metrics(metrics_path), title or epath.Path(metrics_path).parent.name)
     with epath.Path(out_path).open("wb") as f:
         fig.savefig(f, format="png")
-    plt.close(fig)
 
 
-def loss_figure(records: list[dict], title: str) -> plt.Figure:
+def loss_figure(records: list[dict], title: str) -> Figure:
     """Train and validation loss against step, titled ``title``. When bits per byte are logged, the right axis
     reads the same curves in bits per byte: ``bpb = loss / ln 2 * tokens_per_byte`` is one linear map, so the
-    right axis is the left one relabelled (not a second curve on a scale of its own)."""
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    right axis is the left one relabelled (not a second curve on a scale of its own).
+
+    A `matplotlib.figure.Figure` of its own, outside pyplot: no backend is chosen for the process (a notebook that
+    imports the trainer keeps its inline plots) and nothing is left open in pyplot's figure list."""
+    from matplotlib.figure import Figure  # imported when a run plots, not by every entry point
+
+    fig = Figure(figsize=(6, 4), dpi=120)
+    ax = fig.subplots()
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     if train:

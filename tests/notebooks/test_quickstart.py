@@ -23,3 +23,7 @@ def test_quickstart_notebook_executes_and_trains(tmp_path, monkeypatch):
     assert set(finals) == {"adamw", "muon"} and all(1.0 < v < 4.0 for v in finals.values()), text
     own_loop = [float(v) for v in re.findall(r"step +\d+ loss (\d+\.\d+)", text)]
     assert len(own_loop) == 5 and own_loop[-1] < own_loop[0] - 0.5, own_loop
+    # Both loss plots are shown: importing the trainer leaves the kernel's inline backend alone (it once
+    # switched the process to Agg, and `plt.show()` showed nothing).
+    images = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", []) if "image/png" in out.get("data", {})]
+    assert len(images) == 2, [cell.get("outputs") for cell in nb.cells if "plt.show()" in cell.source]

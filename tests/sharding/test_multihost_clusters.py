@@ -1,8 +1,8 @@
-"""Real processes started with the environment each cluster sets: 4 Slurm tasks; a 4-process job whose ranks start
-from a JobSet's (rank 0, the coordinator), Open MPI's, Slurm's and SkyPilot's variables, one each; and a 2-process
-job of a Slurm task and a JobSet pod. So each path runs in a 4-process and a 2-process job (2 Open MPI ranks
-train the cross-replica optimizers in test_multihost_and_resharding.py, 2 SkyPilot nodes resume the lost job
-in test_multihost_lost_host.py). Every
+"""Real processes started with the environment each cluster sets: a 4-process job whose ranks start from a JobSet's
+(rank 0, the coordinator), Open MPI's, Slurm's and SkyPilot's variables, one each, and a 2-process job of a Slurm task
+(the coordinator) and a JobSet pod. So each path runs in a 4-process and a 2-process job (4 Slurm tasks run the lost
+job in test_multihost_lost_host.py, which also resumes it on 2 SkyPilot nodes; 2 Open MPI ranks train the
+cross-replica optimizers in test_multihost_and_resharding.py). Every
 process of a job must find the same coordinator, its own rank, the same global mesh, and the losses of the same
 steps run by one process on 4 devices (`cluster_worker.py`). The jobs run at once; a worker imports the train
 step only, not the trainer."""
@@ -20,7 +20,6 @@ import pytest
 WORKER = Path(__file__).with_name("cluster_worker.py")
 # The cluster each process of a job starts from, by rank.
 JOBS = {
-    "slurm": ["slurm"] * 4,
     "mixed": ["jobset", "ompi", "slurm", "skypilot"],
     "mixed-2": ["slurm", "jobset"],
 }  # fmt: skip

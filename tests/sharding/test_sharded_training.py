@@ -71,7 +71,7 @@ def test_tiny_losses_match_single_device(single_device_tiny, tiny_run, spec, rul
 
 @pytest.fixture(scope="module")
 def single_device_small():
-    return train_losses("small", "data:1", "fsdp", steps=4, devices=jax.devices()[:1], seq_len=16, lr=3e-4)[0]
+    return train_losses("small", "data:1", "fsdp", steps=3, devices=jax.devices()[:1], seq_len=16, lr=3e-4)[0]
 
 
 def test_small_losses_match_single_device(single_device_small):
@@ -81,7 +81,7 @@ def test_small_losses_match_single_device(single_device_small):
     At lr 3e-3, Adam's first steps turn fp32 reduction-order noise in near-zero gradient entries
     into full-size updates of either sign, and the 20M model drifts ~1e-4 apart however it is
     sharded; at 3e-4 that drift stays inside the 1e-5 the sharding must meet."""
-    losses, _ = train_losses("small", "data:2,fsdp:2,tensor:2", "tp", steps=4, seq_len=16, lr=3e-4)
+    losses, _ = train_losses("small", "data:2,fsdp:2,tensor:2", "tp", steps=3, seq_len=16, lr=3e-4)
     np.testing.assert_allclose(losses, single_device_small, rtol=1e-5)
 
 

@@ -187,12 +187,19 @@ class Attention(nnx.Module):
         if cfg.value_embeddings:
             v = speedrun_blocks.mix_values(v, ve, self.v_lambdas[...])
         cache = {"k": kv_cache.write(cache["k"], k, start), "v": kv_cache.write(cache["v"], v, start)}
-        keys, values, visible_to = cache["k"], cache["v"], start
-        if cfg.parscale > 1:  # the prefix positions go first and every query sees them
-            keys, values = self.prefix.prepend(keys, values)
-            visible_to = start + self.prefix.tokens
         grouped = q.reshape(b, s, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim)
-        logits = jnp.einsum("bskgd,btkd->bkgst", grouped, keys, preferred_element_type=jnp.float32)
+        scores = lambda keys: jnp.einsum("bskgd,btkd->bkgst", grouped, keys, preferred_element_type=jnp.float32)  # noqa: E731
+        mix = lambda probs, values: jnp.einsum("bkgst,btkd->bskgd", probs.astype(v.dtype), values)  # noqa: E731
+        logits, visible_to = scores(cache["k"]), start
+        if cfg.parscale > 1:
+            # The prefix positions go first and every query sees them. Only the logits are joined: joining
+            # the keys and values would copy the whole cache at every step.
+            prefix_k, prefix_v = self.prefix.rows(cache["k"])
+            logits, visible_to = jnp.concatenate([scores(prefix_k), logits], axis=-1), start + self.prefix.tokens
         probs = kv_cache.causal_softmax(logits * cfg.head_dim**-0.5, visible_to, window=self.window, block=cfg.window_block)
-        out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(v.dtype), values)
+        if cfg.parscale > 1:
+            t = self.prefix.tokens
+            out = mix(probs[..., :t], prefix_v) + mix(probs[..., t:], cache["v"])
+        else:
+            out = mix(probs, cache["v"])
         return self.o_proj(out.reshape(b, s, -1)), cache

@@ -26,8 +26,9 @@ sequence the prefix goes before: neither runs with ``P > 1``.)
 Attention runs as the authors' does: ``T`` zero queries and the prefix keys and values go before the
 sequence, causal attention over ``T + S`` positions (any ``model.attention`` implementation) then
 gives each real query every prefix position and its causal past, and the zero queries' outputs are
-dropped. Their logits (zeros) enter the tracked max logits. Decoding puts the prefix before the
-cache's rows the same way. ``P = 1`` is the plain model: no prefix, no aggregation, no parameters.
+dropped. Their logits (zeros) enter the tracked max logits. Decoding puts the prefix's logits before
+the cache rows' (the cache itself is not copied). ``P = 1`` is the plain model: no prefix, no
+aggregation, no parameters.
 
 Initialisation (the authors load trained prefixes; their ``_init_weights`` leaves them unset):
 prefix keys and values ``N(0, 1)``, the scale of a key or value of a normalised input under the
@@ -81,11 +82,14 @@ class Prefix(nnx.Module):
             raise ValueError(f"{like.shape[0]} rows are not whole groups of model.parscale={streams} streams")
         return jnp.tile(prefix.astype(like.dtype), (like.shape[0] // streams, 1, 1, 1))
 
+    def rows(self, like: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The prefix keys and values ``(rows, T, kv_heads, head_dim)`` of ``like``'s rows (``(rows, ...)``)."""
+        return constrain(self._rows(self.k[...], like), _KV), constrain(self._rows(self.v[...], like), _KV)
+
     def prepend(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Keys and values ``(rows, S, kv_heads, head_dim)`` with each row's stream prefix before them."""
-        k = jnp.concatenate([self._rows(self.k[...], k), k], axis=1)
-        v = jnp.concatenate([self._rows(self.v[...], v), v], axis=1)
-        return constrain(k, _KV), constrain(v, _KV)
+        prefix_k, prefix_v = self.rows(k)
+        return constrain(jnp.concatenate([prefix_k, k], axis=1), _KV), constrain(jnp.concatenate([prefix_v, v], axis=1), _KV)
 
     def extend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``q, k, v`` over ``T + S`` positions: ``T`` zero queries and the prefix before the sequence.

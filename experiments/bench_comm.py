@@ -28,7 +28,6 @@ import ml_collections
 from absl import app, flags
 
 from experiments import cli, hlo_bytes, trainer
-from sharding import cpu_devices
 
 # name -> config overrides; "sync_every" is H for the amortisation of conditional collectives.
 ROWS: dict[str, dict[str, Any]] = {
@@ -129,7 +128,8 @@ def main(config_flag, argv: list[str]) -> None:
 def define_flags() -> flags.FlagHolder:
     flags.DEFINE_string("rows", "all", f"Comma-separated rows: {', '.join(ROWS)}, or 'all'.")
     flags.DEFINE_bool("train", True, "Also train each row and report its final validation loss.")
-    flags.DEFINE_integer("cpu_devices", 8, "Fake CPU devices (0: the real devices).")
+    cli.define_cpu_devices_flag(8)
+    flags.declare_key_flag("cpu_devices")
     flags.DEFINE_string("workdir", "", "Where the training runs go (default: a fresh temporary folder).")
     flags.DEFINE_string("json_out", "", "Write the results here as JSON.")
     cli.define_verbose_flag()
@@ -140,8 +140,7 @@ if __name__ == "__main__":
     holder = define_flags()
 
     def _main(argv):
-        if flags.FLAGS.cpu_devices:
-            cpu_devices.use(flags.FLAGS.cpu_devices)
+        cli.split_cpu_devices()
         # Each row's step is compiled for its HLO and again by the training run: let the second one hit a cache.
         jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="bench_comm-xla-"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

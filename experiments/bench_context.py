@@ -50,8 +50,8 @@ from lm import attention as attention_lib
 from lm import loss as loss_lib
 from lm import model as model_lib
 from lm.parallel import context_attention
-from sharding import cpu_devices, partition
 from sharding import mesh as mesh_lib
+from sharding import partition
 from sharding import rules as rules_lib
 
 SECTIONS = ("memory", "bytes", "balance", "exact")
@@ -275,7 +275,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("exact_steps", 5, "Train steps of the exactness check.")
     flags.DEFINE_integer("exact_batch", 2, "Global batch (sequences) of the exactness check.")
     flags.DEFINE_string("exact_attention", "xla", "model.attention on the context meshes of the exactness check (pallas: interpret mode on CPU).")
-    flags.DEFINE_integer("cpu_devices", 8, "Fake CPU devices (0: the real devices).")
+    cli.define_cpu_devices_flag(8)
+    flags.declare_key_flag("cpu_devices")
     flags.DEFINE_string("json_out", "", "Write the results here as JSON.")
     cli.define_verbose_flag()
 
@@ -284,8 +285,7 @@ if __name__ == "__main__":
     define_flags()
 
     def _main(argv):
-        if flags.FLAGS.cpu_devices:
-            cpu_devices.use(flags.FLAGS.cpu_devices)
+        cli.split_cpu_devices()
         main(argv)
 
     app.run(_main, flags_parser=cli.parse_flags)

@@ -25,7 +25,6 @@ import ml_collections
 from absl import app, flags
 
 from experiments import cli, hlo_bytes
-from sharding import cpu_devices
 
 ROWS: dict[str, dict[str, Any]] = {
     "adamw": {"optimizer.name": "adamw"},
@@ -101,7 +100,8 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
 def define_flags() -> flags.FlagHolder:
     flags.DEFINE_string("rows", "all", f"Comma-separated rows: {', '.join(ROWS)}, or 'all'.")
     flags.DEFINE_string("meshes", ";".join(MESHES), f"Semicolon-separated meshes: {'; '.join(MESHES)}.")
-    flags.DEFINE_integer("cpu_devices", 8, "Fake CPU devices (0: the real devices).")
+    cli.define_cpu_devices_flag(8)
+    flags.declare_key_flag("cpu_devices")
     flags.DEFINE_string("json_out", "", "Write the results here as JSON.")
     cli.define_verbose_flag()
     return cli.define_config_flag(str(Path(__file__).parent / "configs" / "bench_comm.py"))
@@ -111,8 +111,7 @@ if __name__ == "__main__":
     holder = define_flags()
 
     def _main(argv):
-        if flags.FLAGS.cpu_devices:
-            cpu_devices.use(flags.FLAGS.cpu_devices)
+        cli.split_cpu_devices()
         main(holder, argv)
 
     app.run(_main, flags_parser=cli.parse_flags)

@@ -45,7 +45,6 @@ from experiments import cli, hardware, host_memory, run_spec, train_steps
 from lm import config as model_config_lib
 from lm import model as model_lib
 from lm.loss import flops_per_token
-from sharding import cpu_devices
 
 
 def benchmark(
@@ -118,9 +117,8 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     del argv  # checked by cli.parse_flags
     f = flags.FLAGS
     host_memory.keep_freed_memory()  # before JAX starts its backend
+    cli.split_cpu_devices()
     cli.quiet_logging(f.verbose)
-    if f.cpu_devices:
-        cpu_devices.use(f.cpu_devices)
     for name in ("warmup", "repeats", "steps"):
         if f[name].value < 1:
             cli.usage_exit(f"--{name}={f[name].value} must be >= 1")
@@ -174,7 +172,8 @@ def define_flags() -> flags.FlagHolder:
         "tokens", "uniform", list(train_steps.TOKEN_DISTRIBUTIONS),
         "Random tokens' distribution: uniform, or zipf (text-like repeats: the embedding gradient's scatter adds many rows into one).",
     )  # fmt: skip
-    flags.DEFINE_integer("cpu_devices", 0, "Split the CPU into this many devices (CPU backend only); 0: leave as is.")
+    cli.define_cpu_devices_flag()
+    flags.declare_key_flag("cpu_devices")
     flags.DEFINE_string("json_out", None, "Also write every case as JSON here.")
     cli.define_verbose_flag()
     return cli.define_config_flag(cli.DEFAULT_CONFIG)

@@ -12,7 +12,7 @@ from typing import NoReturn
 from absl import flags, logging
 from ml_collections import config_flags
 
-from sharding import multihost
+from sharding import cpu_devices, multihost
 
 DEFAULT_CONFIG = str(Path(__file__).parent / "configs" / "default.py")
 # Reads a run's config.json (``--config=runs/x/config.json`` is short for ``--config=<this>:runs/x/config.json``).
@@ -101,6 +101,21 @@ def define_cluster_flags() -> None:
     )  # fmt: skip
     flags.DEFINE_integer("initialization_timeout", None, "Seconds to wait for all processes to connect (JAX's default: 300).")
     flags.DEFINE_integer("heartbeat_timeout", None, "Seconds without a heartbeat before a process counts as lost (JAX's default: 100).")
+
+
+def define_cpu_devices_flag(default: int = 0) -> None:
+    """``--cpu_devices``: the CPU backend split into that many devices, so a mesh of that size runs on a laptop."""
+    flags.DEFINE_integer(
+        "cpu_devices", default, "Split the CPU into this many devices (CPU backend only; sharding.cpu_devices), so "
+        "that e.g. --config.mesh=stage:4,data:2 runs on a laptop with --cpu_devices=8; 0: the devices as they are.",
+        lower_bound=0,
+    )  # fmt: skip
+
+
+def split_cpu_devices() -> None:
+    """Applies ``--cpu_devices``; call in ``main`` before JAX starts its backend."""
+    if flags.FLAGS.cpu_devices:
+        cpu_devices.use(flags.FLAGS.cpu_devices)
 
 
 def start_processes() -> multihost.Start:

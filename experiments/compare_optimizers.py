@@ -563,6 +563,8 @@ def define_flags(argv: list[str]) -> flags.FlagHolder:
     flags.DEFINE_float("target_val_loss", None, "Adds the fewest-steps table: steps each optimizer needs to reach this validation loss.")
     flags.DEFINE_bool("quick", False, f"The reduced comparison of {QUICK_CONFIG} (12 runs of 80 steps: about 7 minutes on 2 CPU cores).")
     cli.define_verbose_flag()
+    cli.define_cpu_devices_flag()
+    flags.declare_key_flag("cpu_devices")
     default = QUICK_CONFIG if any(a in ("--quick", "--quick=true", "--quick=True") for a in argv[1:]) else FULL_CONFIG
     return cli.define_config_flag(default)
 
@@ -570,6 +572,7 @@ def define_flags(argv: list[str]) -> flags.FlagHolder:
 def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     del argv  # checked by cli.parse_flags
     host_memory.keep_freed_memory()  # before JAX starts its backend
+    cli.split_cpu_devices()
     cli.quiet_logging(flags.FLAGS.verbose)
     if flags.FLAGS.quick and flags.FLAGS["config"].present:
         cli.usage_exit("--quick selects the config; give either --quick or --config=FILE")

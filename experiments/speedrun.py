@@ -76,6 +76,7 @@ def describe(report: dict) -> str:
 
 def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     del argv
+    cli.split_cpu_devices()
     cli.quiet_logging(flags.FLAGS.verbose)
     try:
         report = run(config_flag.value, flags.FLAGS.workdir, shard_dir=flags.FLAGS.shards, max_files=flags.FLAGS.max_files)
@@ -93,6 +94,8 @@ def define_flags() -> flags.FlagHolder:
     flags.DEFINE_string("shards", "", "Folder for the stdlib shards of a run without data.train_files; default: under ~/.cache/spmdlab.")
     flags.DEFINE_integer("max_files", 0, "Stdlib shards from only the first N Python files (0: all).")
     cli.define_verbose_flag()
+    cli.define_cpu_devices_flag()
+    flags.declare_key_flag("cpu_devices")
     config = cli.define_config_flag("experiments/configs/speedrun.py")
     flags.declare_key_flag("config")
     return config

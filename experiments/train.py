@@ -29,6 +29,7 @@ from experiments.configs import help as config_help
 def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     del argv  # checked by cli.parse_flags
     host_memory.keep_freed_memory()  # before JAX starts its backend
+    cli.split_cpu_devices()
     cli.quiet_logging(flags.FLAGS.verbose)
     cli.start_processes()
     config = config_flag.value
@@ -66,12 +67,13 @@ def define_flags() -> flags.FlagHolder:
     flags.DEFINE_string("workdir", None, "Output folder; default: a fresh folder under ./runs/.")
     cli.define_verbose_flag()
     cli.define_cluster_flags()
+    cli.define_cpu_devices_flag()
     flags.DEFINE_integer("stop_after", None, "Stop as if preempted after this step (checkpoint, exit 143).")
     flags.DEFINE_integer("restore_step", None, "Resume from this checkpoint step, not the newest; newer ones are deleted.")
     flags.DEFINE_bool("list_config", False, "Print every --config.<key> with its value and a line of help, then exit.")
     config = cli.define_config_flag(cli.DEFAULT_CONFIG)
     cluster_flags = ("coordinator_address", "num_processes", "process_id", "local_device_ids", "cluster", "initialization_timeout", "heartbeat_timeout")
-    for name in ("config", "verbose", *cluster_flags):  # defined in experiments.cli; listed by --help as this script's own
+    for name in ("config", "verbose", "cpu_devices", *cluster_flags):  # defined in experiments.cli; listed by --help as this script's own
         flags.declare_key_flag(name)
     return config
 

@@ -63,13 +63,28 @@ def resolve_sizes(axes: list[tuple[str, int]], n_devices: int) -> list[tuple[str
     return axes
 
 
+def _cpu_split_hint(axes: list[tuple[str, int]], devices: list[jax.Device]) -> str:
+    """How to run a mesh larger than the host on a CPU: split it into that many devices (`sharding.cpu_devices`)."""
+    needed = math.prod(n for _, n in axes if n != -1)
+    if not devices or devices[0].platform != "cpu" or needed <= len(devices):
+        return ""
+    return (
+        f"; on a CPU, split it into {needed} devices: the scripts' --cpu_devices={needed}, or "
+        f"sharding.cpu_devices.use({needed}) before JAX starts"
+    )
+
+
 def make_mesh(spec: str = "", devices: list[jax.Device] | None = None) -> jax.sharding.Mesh:
     """Builds the mesh for ``spec`` over ``devices`` (default: all devices of all processes).
 
     Axis types are `Auto`: models annotate logical axes and GSPMD propagates the rest.
     """
     devices = list(devices if devices is not None else jax.devices())
-    axes = resolve_sizes(parse_mesh_spec(spec), len(devices))
+    asked = parse_mesh_spec(spec)
+    try:
+        axes = resolve_sizes(asked, len(devices))
+    except ValueError as e:
+        raise ValueError(f"{e}{_cpu_split_hint(asked, devices)}") from None
     dcn = {name[len(DCN_PREFIX):]: n for name, n in axes if name.startswith(DCN_PREFIX)}
     ici = [(name, n) for name, n in axes if not name.startswith(DCN_PREFIX)]
     unknown = set(dcn) - {name for name, _ in ici}

@@ -313,10 +313,13 @@ def test_default_main_job_reaches_target_loss(tmp_path, optimized_subprocess_env
 
 
 def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
+    """(On a CPU split into the two devices of its mesh by ``--cpu_devices``, as a laptop runs a sharded run;
+    without the flag the mesh is refused, naming it: tests/sharding/test_mesh_and_rules.py.)"""
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
     args = [
-        sys.executable, "-m", "experiments.train", f"--workdir={tmp_path}", "--config.steps=100000",
-        "--config.batch_size=4", "--config.data.seq_len=16", "--config.log_every=1", "--config.eval_batches=1",
+        sys.executable, "-m", "experiments.train", f"--workdir={tmp_path}", "--config.steps=100000", "--cpu_devices=2",
+        "--config.mesh=data:2", "--config.batch_size=4", "--config.data.seq_len=16", "--config.log_every=1",
+        "--config.eval_batches=1",
     ]  # fmt: skip
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"

@@ -38,6 +38,12 @@ def test_impossible_meshes_say_what_fits(spec, message):
         mesh_lib.make_mesh(spec)
 
 
+@pytest.mark.devices(2)  # the mesh asks for 2; it is built over one CPU device to be refused
+def test_a_mesh_larger_than_the_cpu_names_the_split_that_runs_it():
+    with pytest.raises(ValueError, match=r"has 2 devices but 1 are present.*--cpu_devices=2, or sharding.cpu_devices.use\(2\)"):
+        mesh_lib.make_mesh("data:2", jax.devices("cpu")[:1])
+
+
 def test_rules_drop_absent_mesh_axes():
     rules = rules_lib.make_rules("tp")
     axes = ("data", "fsdp", "tensor")

@@ -57,15 +57,22 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 _CPU_DEVICES = int(os.environ.get("SPMDLAB_TEST_CPU_DEVICES", "8"))  # 1: a one-GPU box's count
 _PLATFORMS = os.environ.get("SPMDLAB_TEST_PLATFORMS", "cpu")
+_POOL_SIZED_HERE = _PLATFORMS.split(",")[0] == "cpu" and "PJRT_NPROC" not in os.environ
 if _PLATFORMS.split(",")[0] == "cpu":
     # XLA:CPU's collectives deadlock on a small intra-op pool and mix up collectives that share a channel id
     # (tests/sharding/test_context_parallel.py, ring mode, aborted or segfaulted ~1 run in 3-5 under load):
-    # `sharding.cpu_devices` has the workarounds, as the scripts' --cpu_devices get them. Subprocesses of tests
-    # inherit the thread pool's size; a script that splits its CPU calls `cpu_devices.use` for the channel fix.
+    # `sharding.cpu_devices` has the workarounds, as the scripts' --cpu_devices get them.
     cpu_devices.use(_CPU_DEVICES)
 else:
     jax.config.update("jax_num_cpu_devices", _CPU_DEVICES)
 jax.config.update("jax_platforms", _PLATFORMS)
+if _POOL_SIZED_HERE:
+    # XLA:CPU sizes its pool (`PJRT_NPROC`) as its backend starts, so the processes that tests start get the
+    # default back. Most run one device (CLI runs, the notebook's kernel, each process of the multi-process jobs),
+    # where a pool sized for 8 devices' collectives oversubscribes the cores (the README main job, 60 steps on
+    # 2 cores: 39.5 -> 31.7 s); one that splits its CPU sizes its own (`cpu_devices.use`, the scripts' --cpu_devices).
+    jax.devices("cpu")
+    del os.environ["PJRT_NPROC"]
 
 # Precision of float32 matrix products per platform. `jax.lax.dot_general` reads the default at trace time
 # (`canonicalize_precision`), so XLA's products and the dots inside Pallas kernels (Triton's `tl.dot` input

@@ -57,8 +57,9 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 _CPU_DEVICES = int(os.environ.get("SPMDLAB_TEST_CPU_DEVICES", "8"))  # 1: a one-GPU box's count
 _PLATFORMS = os.environ.get("SPMDLAB_TEST_PLATFORMS", "cpu")
-_POOL_SIZED_HERE = _PLATFORMS.split(",")[0] == "cpu" and "PJRT_NPROC" not in os.environ
-if _PLATFORMS.split(",")[0] == "cpu":
+_DEFAULT_PLATFORM = _PLATFORMS.split(",")[0]  # where tests' arrays live
+_POOL_SIZED_HERE = _DEFAULT_PLATFORM == "cpu" and "PJRT_NPROC" not in os.environ
+if _DEFAULT_PLATFORM == "cpu":
     # XLA:CPU's collectives deadlock on a small intra-op pool and mix up collectives that share a channel id
     # (tests/sharding/test_context_parallel.py, ring mode, aborted or segfaulted ~1 run in 3-5 under load):
     # `sharding.cpu_devices` has the workarounds, as the scripts' --cpu_devices get them.
@@ -80,7 +81,7 @@ if _POOL_SIZED_HERE:
 # whatever the setting, and its programs stay as they are. (Read from the platform list, not the backend:
 # starting a GPU backend in pytest-xdist's controller would take the GPU's memory.)
 _MATMUL_PRECISION = {"cpu": None, "cuda": "highest", "gpu": "highest", "rocm": "highest", "tpu": "highest"}
-jax.config.update("jax_default_matmul_precision", _MATMUL_PRECISION.get(_PLATFORMS.split(",")[0], "highest"))
+jax.config.update("jax_default_matmul_precision", _MATMUL_PRECISION.get(_DEFAULT_PLATFORM, "highest"))
 
 from sharding import mesh as _mesh_lib  # noqa: E402  (after the platform and device count are set)
 

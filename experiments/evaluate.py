@@ -17,7 +17,8 @@ is scored by its log-likelihood after the context, ``sum_t log p(choice_t | cont
 length-normalised score). Accuracies come with their standard error ``sqrt(a (1 - a) / n)``.
 
 Sequences are scored in batches of ``--batch_size`` rows sharded over the mesh's batch axes; the
-parameters keep the run's shardings (``--mesh``, default every device data-parallel).
+parameters keep the run's shardings (``--mesh``, default every device data-parallel; on a laptop,
+``--cpu_devices=N`` splits the CPU so an ``N``-device mesh runs).
 """
 
 from __future__ import annotations
@@ -297,6 +298,7 @@ def main(argv: list[str]) -> None:
         cli.usage_exit(f"unexpected arguments {argv[1:]}")
     f = flags.FLAGS
     cli.quiet_logging(f.verbose)
+    cli.split_cpu_devices()
     try:
         results = evaluate(
             workdir=f.workdir or "", hf_dir=f.hf or "", step=f.step, text=f.text or "", val_files=f.val_files or "",
@@ -327,6 +329,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("seq_len", 0, "Window of --text scoring; 0: the run's data.seq_len (--hf: min(1024, max_seq_len)).")
     flags.DEFINE_integer("batch_size", 16, "Rows per scoring batch (rounded up to a multiple of the batch shards).")
     flags.DEFINE_string("out", None, "Also write the results JSON here.")
+    cli.define_cpu_devices_flag()
     cli.define_verbose_flag()
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -219,6 +219,34 @@ def operands(
         args.extend(noise)
         in_specs.extend([matrix] * len(noise))
     return Operands((b, pl.cdiv(rows, bm), pl.cdiv(cols, bn)), args, in_specs, out_specs, out_shape, aliases)
+
+
+class KernelRefs(NamedTuple):
+    """A kernel program's refs, named: `operands`' arguments, then its outputs, in the same order."""
+
+    scalars: Any
+    tables: list[Any]  # per moment: its values, then its search points
+    param: Any
+    grad: Any
+    moments: list[list[Any]]  # per moment: codes, absmax (block-wise) or codes, row, col, new row, new col
+    noise: list[Any | None]  # per moment: the uniforms of stochastic rounding, or None
+    update: Any
+    moments_out: list[Any]  # per moment: codes, then (block-wise) absmax
+
+
+def kernel_refs(spec: Spec, refs: tuple[Any, ...]) -> KernelRefs:
+    """Name the refs a `pl.pallas_call` over `operands` hands its kernel."""
+    n = len(spec.layouts)
+    scalars, *refs = refs
+    tables, (param, grad, *refs) = refs[: 2 * n], refs[2 * n :]
+    moments = []
+    for m in spec.layouts:
+        k = 2 if m.tile else 5
+        moments.append(refs[:k])
+        refs = refs[k:]
+    noise, refs = (refs[:n], refs[n:]) if spec.stochastic else ([None] * n, refs)
+    update, *moments_out = refs
+    return KernelRefs(scalars, tables, param, grad, moments, noise, update, moments_out)
 
 
 def split_outputs(spec: Spec, outs: list[jax.Array]) -> tuple[jax.Array, list[tuple[jax.Array, ...]]]:

@@ -142,17 +142,7 @@ def _pack_nibbles(codes: jax.Array) -> jax.Array:
 
 def _kernel(*refs, spec: base.Spec):
     bm, bn = spec.block
-    n = len(spec.layouts)
-    s_ref, *refs = refs
-    tables, refs = refs[: 2 * n], refs[2 * n :]
-    p_ref, g_ref, *refs = refs
-    moment_in = []
-    for m in spec.layouts:
-        k = 2 if m.tile else 5
-        moment_in.append(refs[:k])
-        refs = refs[k:]
-    noise, refs = (refs[:n], refs[n:]) if spec.stochastic else ([None] * n, refs)
-    u_ref, *moment_out = refs
+    s_ref, tables, p_ref, g_ref, moment_in, noise, u_ref, moment_out = base.kernel_refs(spec, refs)
 
     _, rows_total, cols_total = spec.shape3
     i, j = pl.program_id(1), pl.program_id(2)

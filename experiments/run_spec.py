@@ -191,7 +191,10 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
         if "attn_max_logits" in registry.spec_class(config.optimizer.name).extra_args:
             cfg = dataclasses.replace(cfg, track_attn_logits=True)
         if config.data.seq_len > cfg.max_seq_len:
-            raise ValueError(f"data.seq_len={config.data.seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
+            raise ValueError(
+                f"data.seq_len={config.data.seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}; "
+                f"lower data.seq_len or raise model.max_seq_len to at least {config.data.seq_len}"
+            )
         if config.devices and jax.process_count() > 1:
             raise ValueError("config.devices selects local devices and works only in single-process runs; leave it 0")
         if config.devices > len(jax.devices()):

@@ -191,6 +191,7 @@ EIGHT_DEVICES = pytest.mark.devices(8)
         pytest.param({"mesh": "data:3", "devices": 0}, "divisors of 8", marks=EIGHT_DEVICES),
         pytest.param({"batch_size": 12, "devices": 0}, "batch_size divisible by 8", marks=EIGHT_DEVICES),
         ({"optimizer.schedule": "step"}, "one of constant, cosine"),
+        ({"data.seq_len": 2048}, "max_seq_len=1024; lower data.seq_len or raise model.max_seq_len to at least 2048"),
         pytest.param({"mesh": "tensor:8", "devices": 0, "rules": "tp", "model.mlp_dim": 100},
                      "does not split over mesh axes \\('tensor',\\)", marks=EIGHT_DEVICES),
         pytest.param({"devices": 9}, "only 8 devices", marks=EIGHT_DEVICES),

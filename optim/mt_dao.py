@@ -15,7 +15,8 @@ DES-LOC). A slow ``b1`` (half-life ``ln 0.5 / ln b1``: 693 steps at 0.999) keeps
 across ``K_x`` local steps, where Adam's 0.9 (6.6 steps) forgets it; the gradient term keeps the step
 responsive. Defaults: ``K_x = K_u = K_v = 32`` (the paper's runs); ``b1 = 0.999`` and ``omega = 0.7``
 are QHAdam's recommended pair (Ma and Yarats, arXiv:1810.06801; the paper tunes them, its values
-not read here); ``b2 = 0.95`` as the registry's AdamW (the paper's base optimizer is ADOPT with
+not read here; on a 200-step replica job a faster ``b1`` wins, docs/benchmarks.md 1b, but such a job
+is shorter than the slow momentum's half-life); ``b2 = 0.95`` as the registry's AdamW (the paper's base optimizer is ADOPT with
 ``b2 = 0.9999``; Adam here). Weight decay on `optim.labels.decay_mask`'s leaves.
 
 The moments are an `optax.ScaleByAdamState`, so the averaging is `optim.des_loc`'s, its all-reduces
@@ -84,7 +85,7 @@ class MTDAO(spec.OptimizerSpec):
       axis_name: the replica axis of the enclosing `jax.shard_map` (None: one replica).
     """
 
-    # The registry's AdamW rate (docs/benchmarks.md, "Default learning rates"), not swept for MT-DAO.
+    # The registry's AdamW rate; bracketed by 1.5e-3 and 6e-3 on bench_comm's replica job (docs/benchmarks.md 1b).
     learning_rate: optax.ScalarOrSchedule = 3e-3
     b1: float = spec.param(0.999, valid="[0, 1)")
     b2: float = spec.param(0.95, valid="[0, 1)")

@@ -16,8 +16,8 @@ across ``K_x`` local steps, where Adam's 0.9 (6.6 steps) forgets it; the gradien
 responsive. Defaults: ``K_x = K_u = K_v = 32`` (the paper's runs); ``b1 = 0.999`` and ``omega = 0.7``
 are QHAdam's recommended pair (Ma and Yarats, arXiv:1810.06801; the paper tunes them, its values
 not read here; on a 200-step replica job a faster ``b1`` wins, docs/benchmarks.md 1b, but such a job
-is shorter than the slow momentum's half-life); ``b2 = 0.95`` as the registry's AdamW (the paper's base optimizer is ADOPT with
-``b2 = 0.9999``; Adam here). Weight decay on `optim.labels.decay_mask`'s leaves.
+is shorter than the slow momentum's half-life); ``b2 = 0.95`` as the registry's AdamW (the paper's
+base optimizer is ADOPT with ``b2 = 0.9999``; Adam here). Weight decay on `optim.labels.decay_mask`'s leaves.
 
 The moments are an `optax.ScaleByAdamState`, so the averaging is `optim.des_loc`'s, its all-reduces
 under `optim.cross_replica.sync_period` scopes (`experiments.bench_comm` amortises each over its

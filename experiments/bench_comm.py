@@ -64,12 +64,7 @@ ROWS: dict[str, dict[str, Any]] = {
 def row_config(name: str, base: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict(base.to_dict())
     config.replicas = "data"
-    for key, value in ROWS[name].items():
-        target = config
-        *path, last = key.split(".")
-        for p in path:
-            target = target[p]
-        target[last] = value
+    config.update_from_flattened_dict(ROWS[name])
     return config
 
 

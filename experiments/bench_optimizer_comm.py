@@ -44,12 +44,7 @@ MESHES = {"fsdp:8": "fsdp", "fsdp:4,tensor:2": "tp"}  # mesh -> rule preset
 def row_config(name: str, mesh: str, base: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict(base.to_dict())
     config.mesh, config.rules, config.replicas = mesh, MESHES[mesh], ""
-    for key, value in ROWS[name].items():
-        *path, last = key.split(".")
-        target = config
-        for p in path:
-            target = target[p]
-        target[last] = value
+    config.update_from_flattened_dict(ROWS[name])
     return config
 
 

@@ -51,12 +51,7 @@ def _config(name, mesh="data:8", **overrides):
     config.mesh, config.replicas = mesh, "data"
     config.optimizer.name = name
     config.optimizer.warmup_steps = 0
-    for key, value in {**CROSS_REPLICA[name], **overrides}.items():
-        target = config
-        *path, last = key.split(".")
-        for p in path:
-            target = target[p]
-        target[last] = value
+    config.update_from_flattened_dict({**CROSS_REPLICA[name], **overrides})
     return config
 
 

@@ -41,12 +41,7 @@ def _config(**overrides):
     config.eval_every, config.eval_batches, config.log_every, config.checkpoint_every = 4, 2, 1, 4
     config.devices = 1
     config.data.train_files, config.data.val_files = "data/train_*.bin", "data/val_*.bin"  # relative to the cwd
-    for key, value in overrides.items():
-        *path, last = key.split(".")
-        target = config
-        for p in path:
-            target = target[p]
-        target[last] = value
+    config.update_from_flattened_dict(overrides)
     return config
 
 

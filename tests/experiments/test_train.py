@@ -37,12 +37,7 @@ def small_config(**overrides):
     config.checkpoint_every = 5
     config.optimizer.warmup_steps = 2
     config.devices = 1  # sharded runs are tested in tests/sharding; 8 fake devices only add time here
-    for key, value in overrides.items():
-        target = config
-        *path, last = key.split(".")
-        for p in path:
-            target = target[p]
-        target[last] = value
+    config.update_from_flattened_dict(overrides)
     return config
 
 

@@ -35,12 +35,7 @@ def _config(dataset, **overrides):
     config.optimizer.warmup_steps = 2
     config.data.train_files = str(dataset / "train_*.bin")
     config.data.val_files = str(dataset / "val_*.bin")
-    for key, value in overrides.items():
-        *path, last = key.split(".")
-        target = config
-        for p in path:
-            target = target[p]
-        target[last] = value
+    config.update_from_flattened_dict(overrides)
     return config
 
 

@@ -87,9 +87,7 @@ def _kill_during_a_save(procs: list[subprocess.Popen], checkpoints: Path, after:
 
 def _config(overrides: dict):
     config = default.get_config()
-    for key, value in overrides.items():
-        *path, last = key.split(".")
-        (config[path[0]] if path else config)[last] = value
+    config.update_from_flattened_dict(overrides)
     config.mesh, config.devices = MESH, 2
     return config
 

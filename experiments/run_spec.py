@@ -221,7 +221,7 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
         param_shardings = partition.named_shardings(model_def.logical_specs, mesh, rules, model_def.abstract_params)
         param_specs = fp8.split(jax.tree.map(lambda s: s.spec, param_shardings))[0]  # the optimizer never sees FP8 scaling state
         optimizer = build.make_spec(config.optimizer, config.steps, replica_axis=replica_axis, param_specs=param_specs)
-        tx = build.transform(optimizer, config.optimizer, replica_axis=replica_axis, param_specs=param_specs)
+        tx = build.transform(optimizer, config.optimizer, config.steps, replica_axis=replica_axis, param_specs=param_specs)
         if fp8.has_state(cfg):
             tx = fp8.exclude_scaling(tx)
         shardings = train_lib.make_shardings(model_def, tx, mesh, rules, replica_axis)

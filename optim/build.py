@@ -118,18 +118,19 @@ def build(
     in a replica-local run) lets the fused kernel run per shard under a mesh (`quantize_state`).
     """
     optimizer = make_spec(config, total_steps, replica_axis=replica_axis, param_specs=param_specs)
-    tx = transform(optimizer, config, replica_axis=replica_axis, param_specs=param_specs)
-    if not run_wrappers.active(config):
-        return tx
-    cls = registry.spec_class(inner_name(config) or config["name"])
-    peak = config.get("learning_rate") or spec.defaults(cls)["learning_rate"]
-    return run_wrappers.apply(tx, config, learning_rate_fn(config, total_steps), float(peak))
+    return transform(optimizer, config, total_steps, replica_axis=replica_axis, param_specs=param_specs)
 
 
 def transform(
-    optimizer: spec.Spec, config: Mapping[str, Any], *, replica_axis: str | None = None, param_specs: Any = None
+    optimizer: spec.Spec,
+    config: Mapping[str, Any],
+    total_steps: int,
+    *,
+    replica_axis: str | None = None,
+    param_specs: Any = None,
 ) -> optax.GradientTransformation:
-    """``optimizer``'s transform with the common keys of ``config`` applied around it (see `build`)."""
+    """``optimizer``'s transform (from `make_spec`) with the common keys of ``config`` applied around it and
+    the run wrappers around that (see `build`)."""
     state_bits = int(config.get("state_bits") or 0)
     if state_bits not in (0, 4, 8):
         raise ValueError(f"optimizer.state_bits={state_bits}: use 0 (fp32 state), 8 or 4")
@@ -148,7 +149,11 @@ def transform(
         tx = optax.chain(optax.clip_by_global_norm(float(clip)), tx)
     if replica_axis and not optimizer.replica_local:
         tx = optax.chain(cross_replica.mean_over_replicas(replica_axis), tx)
-    return tx
+    if not run_wrappers.active(config):
+        return tx
+    cls = registry.spec_class(inner_name(config) or config["name"])
+    peak = config.get("learning_rate") or spec.defaults(cls)["learning_rate"]
+    return run_wrappers.apply(tx, config, learning_rate_fn(config, total_steps), float(peak))
 
 
 def learning_rate_fn(config: Mapping[str, Any], total_steps: int) -> optax.Schedule:

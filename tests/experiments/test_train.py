@@ -15,11 +15,14 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from experiments import cli, train_lib, trainer
+from experiments import cli, run_spec, train_lib, trainer
 from experiments.configs import default
 from experiments.metrics_io import read_metrics
 from lm import config as config_lib
 from lm import model as model_lib
+from optim.cautious_weight_decay import CautiousWeightDecayState
+from optim.lookahead import LookaheadState
+from optim.tail_average import TailAverageState
 from sharding import mesh as mesh_lib
 from sharding import rules as rules_lib
 
@@ -39,6 +42,16 @@ def small_config(**overrides):
     config.devices = 1  # sharded runs are tested in tests/sharding; 8 fake devices only add time here
     config.update_from_flattened_dict(overrides)
     return config
+
+
+def test_the_runs_optimizer_takes_the_track_wrappers():
+    """``optimizer.cautious_weight_decay``, ``.lookahead`` and ``.tail_average`` reach the optimizer the run trains
+    with: they once stopped at `optim.build.build`, which the run does not call, so a run with them trained without."""
+    wrapped = {"optimizer.cautious_weight_decay": 0.1, "optimizer.lookahead.stepsize": 0.3, "optimizer.tail_average.start": 4}
+    spec = run_spec.build_run(small_config(**wrapped))
+    state = jax.eval_shape(spec.tx.init, spec.model_def.abstract_params)
+    for kind in (CautiousWeightDecayState, LookaheadState, TailAverageState):
+        assert any(isinstance(s, kind) for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, kind))), kind
 
 
 def test_run_writes_every_output_and_learns(tmp_path):

@@ -20,6 +20,7 @@ from experiments.configs import default
 from experiments.metrics_io import read_metrics
 from lm import config as config_lib
 from lm import model as model_lib
+from optim import build
 from optim.cautious_weight_decay import CautiousWeightDecayState
 from optim.lookahead import LookaheadState
 from optim.tail_average import TailAverageState
@@ -44,12 +45,19 @@ def small_config(**overrides):
     return config
 
 
-def test_the_runs_optimizer_takes_the_track_wrappers():
-    """``optimizer.cautious_weight_decay``, ``.lookahead`` and ``.tail_average`` reach the optimizer the run trains
-    with: they once stopped at `optim.build.build`, which the run does not call, so a run with them trained without."""
-    wrapped = {"optimizer.cautious_weight_decay": 0.1, "optimizer.lookahead.stepsize": 0.3, "optimizer.tail_average.start": 4}
-    spec = run_spec.build_run(small_config(**wrapped))
+def test_the_runs_optimizer_is_the_one_its_config_block_builds():
+    """The run builds its optimizer as `optim.build.build` does, every setting of the block included: the track
+    wrappers (``optimizer.cautious_weight_decay``, ``.lookahead``, ``.tail_average``) once stopped at ``build``,
+    which the run does not call, so a run with them trained without them."""
+    settings = {
+        "optimizer.cautious_weight_decay": 0.1, "optimizer.lookahead.stepsize": 0.3, "optimizer.tail_average.start": 4,
+        "optimizer.state_bits": 8, "optimizer.cautious": True,
+    }  # fmt: skip
+    config = small_config(**settings)
+    spec = run_spec.build_run(config)
     state = jax.eval_shape(spec.tx.init, spec.model_def.abstract_params)
+    built = jax.eval_shape(build.build(config.optimizer, config.steps).init, spec.model_def.abstract_params)
+    assert jax.tree.structure(state) == jax.tree.structure(built)
     for kind in (CautiousWeightDecayState, LookaheadState, TailAverageState):
         assert any(isinstance(s, kind) for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, kind))), kind
 

@@ -250,6 +250,15 @@ class Soap(SoapDirection, common.MatrixOptimizer):
 
     learning_rate: optax.ScalarOrSchedule = 6e-3  # docs/benchmarks.md, "Default learning rates"
     weight_decay: float = 0.01
+    # Only hidden matrices reach the SOAP direction here, so no 1-D leaf could be rotated: not a config key.
+    precondition_1d: bool = spec.code_only(False, doc="must stay False: 1-D parameters take AdamW here.")
+
+    def __post_init__(self) -> None:
+        if self.precondition_1d:
+            raise ValueError(
+                "soap sends 1-D parameters (norm scales, biases) to AdamW, so precondition_1d=True would do nothing; "
+                "to rotate them, use optim.soap.scale_by_soap(precondition_1d=True) in an optax.partition of your own"
+            )
 
 
 scale_by_soap = spec.function(SoapDirection, "direction", name="scale_by_soap", positional=("b1", "b2", "eps"))

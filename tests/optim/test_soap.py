@@ -6,13 +6,13 @@ import numpy as np
 import optax
 import pytest
 
-from optim import blocking
-from optim.soap import SoapState, scale_by_soap, soap
+from optim import blocking, spec
+from optim.soap import Soap, SoapState, scale_by_soap, soap
 from sharding import partition
 
 
 class NumpySoap:
-    """float64 transcription of SOAP.step of github.com/nikhilvyas/SOAP@a1e5535 for one 2-D matrix.
+    """float64 transcription of SOAP.step of github.com/nikhilvyas/SOAP@a1e5535 for one matrix or vector.
 
     Returns the direction ``-(p_new - p_old) / lr`` without weight decay; keeps the reference's
     every-step round trip of ``exp_avg`` through the original space.
@@ -41,8 +41,8 @@ class NumpySoap:
             self.exp_avg = self.project_back(self.exp_avg)
         for idx, gg in enumerate(self.gg):
             if gg is not None:
-                other = 1 - idx
-                outer = np.tensordot(g, g, axes=([other], [other]))
+                other = [j for j in range(g.ndim) if j != idx]  # none for a vector: its outer product
+                outer = np.tensordot(g, g, axes=(other, other))
                 gg += (1 - self.b2) * (outer - gg)  # torch lerp_(outer, 1 - shampoo_beta)
         if self.q is None:
             self.q = [None if gg is None else np.linalg.eigh(gg)[1][:, ::-1] for gg in self.gg]
@@ -111,6 +111,33 @@ def test_unrotated_parameters_get_adam():
     np.testing.assert_array_equal(np.asarray(outs[0]["b"]), 0.0)
     for got, want in zip(outs[1:], refs):
         np.testing.assert_allclose(got["b"], want["b"], rtol=1e-4)
+
+
+def test_precondition_1d_rotates_a_vector_like_the_reference():
+    """``precondition_1d``: a vector gets one ``(n, n)`` statistic and is rotated like a matrix's side.
+
+    The statistic of ``k`` vector gradients has rank ``k``: until it has full rank, the basis its
+    eigendecomposition or QR refresh gives is arbitrary on the null space (LAPACK's choice, in the
+    reference as here), so the reference takes this one's basis until then, and its own after."""
+    n, rng = 6, np.random.default_rng(3)
+    grads = [rng.normal(size=(n,)) for _ in range(14)]
+    ref = NumpySoap((n,), freq=2)
+    tx = scale_by_soap(precondition_frequency=2, precondition_1d=True)
+    state, update = tx.init(jnp.zeros((n,))), jax.jit(tx.update)
+    for g in grads:
+        got, state = update(jnp.asarray(g, jnp.float32), state, jnp.zeros((n,)))
+        want = ref(g)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+        if np.linalg.matrix_rank(ref.gg[0]) < n:
+            ref.q = [np.asarray(state.bases[f"b{n}"][0], np.float64)]
+    assert sorted(state.stats) == [f"b{n}"]
+
+
+def test_the_registry_soap_refuses_precondition_1d():
+    """Its 1-D parameters take AdamW, so the flag would be ignored: an error naming the way to rotate them."""
+    assert "precondition_1d" not in spec.config_defaults(Soap)
+    with pytest.raises(ValueError, match="scale_by_soap"):
+        soap(3e-3, precondition_1d=True)
 
 
 def test_stacked_layers_are_independent_matrices():

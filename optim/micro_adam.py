@@ -121,8 +121,8 @@ class MicroAdamDirection:
         m = common.static_int("window", self.window, names)
         topk_block = common.static_int("topk_block", self.topk_block, names)
         quant_block = common.static_int("quant_block", self.quant_block, names)
-        qz.check_block_size(topk_block)
-        qz.check_block_size(quant_block)
+        qz.check_block_size(topk_block, "topk_block")
+        qz.check_block_size(quant_block, "quant_block")
         try:
             k = math.ceil(float(self.density) * topk_block)
         except jax.errors.ConcretizationTypeError:

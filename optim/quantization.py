@@ -91,9 +91,11 @@ def code_table(code: str, bits: int) -> np.ndarray:
     return np.sort(values).astype(np.float32)
 
 
-def check_block_size(block_size: int) -> None:
+def check_block_size(block_size: int, name: str = "block_size") -> None:
+    """Raises a ValueError naming ``name`` unless ``block_size`` is a power of two >= 2."""
     if block_size < 2 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two >= 2, got {block_size}")
+        below = 1 << max(block_size.bit_length() - 1, 1)
+        raise ValueError(f"{name}={block_size} must be a power of two >= 2, e.g. {below}")
 
 
 def tile_shape(shape: tuple[int, ...], block_size: int) -> tuple[int, int]:

@@ -100,7 +100,8 @@ def init_params(model_def: ModelDef, seed: int, shardings: Params | None = None)
         and (cfg.n_experts == 0 or (cfg.moe_every == 1 and cfg.first_dense_layers == 0))
         and not speedrun_config.layer_dependent(cfg)
     )
-    stacked = dataclasses.replace(cfg, scan_layers=True) if uniform else cfg
+    # window_warmup (a schedule, no parameter) runs unrolled only: the stacked twin initialises without it.
+    stacked = dataclasses.replace(cfg, scan_layers=True, window_warmup=0) if uniform else cfg
 
     def init() -> Params:
         with nnx.use_eager_sharding(False):

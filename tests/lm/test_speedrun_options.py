@@ -199,6 +199,17 @@ def test_window_warmup_gives_the_records_windows():
     np.testing.assert_array_equal(speedrun_config.layer_window_blocks(cfg, 0, jnp.asarray(long)), long)  # an L
 
 
+def test_window_warmup_on_a_uniform_stack_initialises_like_its_static_window():
+    """With no option that makes blocks differ, a stack is initialised stacked whatever ``scan_layers``; the
+    warmup (a schedule, which only an unrolled stack runs) must not stop that, nor change a value."""
+    cfg = config_lib.ModelConfig(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=16, mlp_dim=48, max_seq_len=32,
+        scan_layers=False, attention_window=8, window_block=4,
+    )
+    warm = model_lib.init_params(model_lib.define(dataclasses.replace(cfg, window_warmup=10)), 0)
+    jax.tree.map(np.testing.assert_array_equal, warm, model_lib.init_params(model_lib.define(cfg), 0))
+
+
 def test_a_traced_window_inside_the_band_matches_the_masked_definition():
     q, k, v = (jnp.asarray(np.random.default_rng(i).normal(size=(2, 32, 2, 8)), jnp.float32) for i in range(3))
     segments = jnp.asarray(np.repeat([[0, 1], [0, 0]], [20, 12], axis=1))

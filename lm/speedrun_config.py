@@ -121,6 +121,8 @@ def problems(cfg: Any) -> list[str]:
         out.append("model.value_embeddings, attention_window, skip_attention and attention_scale apply to gqa attention only")
     if skipped and cfg.track_attn_logits:
         out.append("model.track_attn_logits needs attention in every block; clear model.skip_attention")
+    if cfg.attention_window and cfg.track_attn_logits:
+        out.append("model.track_attn_logits needs full attention (windowed attention keeps no max logits); set model.attention_window=0")
     if cfg.mlp_activation != "swiglu" and cfg.n_experts:
         out.append("model.mlp_activation applies to dense blocks; MoE experts are SwiGLU")
     return out

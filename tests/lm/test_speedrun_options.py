@@ -170,6 +170,8 @@ def test_option_errors_name_the_fix():
         dataclasses.replace(CFG, tie_embeddings=True, embed_vocab_size=0)
     with pytest.raises(ValueError, match="one letter L"):
         dataclasses.replace(CFG, window_pattern="LSX")
+    with pytest.raises(ValueError, match="track_attn_logits needs full attention .* model.attention_window=0"):
+        dataclasses.replace(CFG, skip_attention="", track_attn_logits=True)  # refused as the config is made, not at the step
 
 
 def test_speedrun_preset_has_the_records_parameter_count():

@@ -189,6 +189,11 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
             raise ValueError(f"batch_size={config.batch_size} must be a multiple of grad_accum_steps={config.grad_accum_steps}")
         cfg = model_config(config)
         if "attn_max_logits" in registry.spec_class(config.optimizer.name).extra_args:
+            if cfg.attention_window:
+                raise ValueError(
+                    f"optimizer {config.optimizer.name} clips by the attention's max logits, which windowed attention does not "
+                    f"track; set model.attention_window=0 or use another optimizer (e.g. muon)"
+                )
             cfg = dataclasses.replace(cfg, track_attn_logits=True)
         if config.data.seq_len > cfg.max_seq_len:
             raise ValueError(

@@ -9,7 +9,8 @@ line naming the fix:
   vocabulary under ``model.pipeline_vocab_parallel`` (`lm.parallel.vocab_parallel`);
 - a replica-local train step (``replicas``, a mesh axis whose slices keep their own optimizer state)
   does not run beside a ``stage`` axis;
-- ``expert`` needs nothing beyond the rules' own checks (`sharding.rules.logical_to_mesh_spec`).
+- ``expert`` needs nothing beyond the rules' own checks (`sharding.rules.logical_to_mesh_spec`);
+- a sliding window (``model.attention_window``) needs whole sequences: no ``context`` or ``seq`` split.
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ def check(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules, *, batch: int
     ``batch``: sequences per gradient-accumulation micro-batch; ``seq_len``: tokens per sequence;
     ``replicas``: the replica axis of a replica-local step (empty: none).
     """
+    seq_axes = [a for a in dict(rules.activations).get("seq", ()) if mesh.shape.get(a, 1) > 1]
+    if cfg.attention_window and seq_axes:
+        raise ValueError(
+            f"model.attention_window={cfg.attention_window} attends within whole sequences, and the rules split the sequence "
+            f"over {', '.join(seq_axes)} of mesh {dict(mesh.shape)}; drop that split (e.g. --config.rules=tp instead of sp) "
+            "or set model.attention_window=0"
+        )
     if axes.CONTEXT in dict(rules.activations).get("seq", ()):
         context_attention.check(cfg, seq_len, mesh.shape.get(axes.CONTEXT, 1), shards(mesh, rules, "heads"))
     stages = mesh.shape.get(axes.STAGE, 1)

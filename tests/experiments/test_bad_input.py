@@ -33,6 +33,10 @@ from test_train import small_config  # noqa: E402
                      marks=pytest.mark.devices(8)),
         pytest.param({"mesh": "fsdp:4,tensor:2", "devices": 8}, "mesh axis 'tensor' .* used by no rule of --config.rules=fsdp, .* mlp=tensor",
                      marks=pytest.mark.devices(8)),
+        pytest.param({"mesh": "data:2,seq:4", "rules": "sp", "devices": 8, "model.attention_window": 16, "model.window_block": 8},
+                     "model.attention_window=16 attends within whole sequences, and the rules split the sequence over seq",
+                     marks=pytest.mark.devices(8)),
+        ({"optimizer.name": "muon_clip", "model.attention_window": 16}, "muon_clip clips by the attention's max logits, .* model.attention_window=0"),
         ({"rule_overrides": "mlp=tensor"}, "rule_overrides mlp=tensor: mesh axis 'tensor' is not in mesh \\{'data': 1\\}"),
         ({"rule_overrides": "mlp=tensor?"}, None),  # an optional axis may be absent
         # warmup scales with a short run, so the first real mistake is named, not warmup > steps

@@ -40,7 +40,7 @@ def check(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules, *, batch: int
     if cfg.attention_window and seq_axes:
         raise ValueError(
             f"model.attention_window={cfg.attention_window} attends within whole sequences, and the rules split the sequence "
-            f"over {', '.join(seq_axes)} of mesh {dict(mesh.shape)}; drop that split (e.g. --config.rules=tp instead of sp) "
+            f"over {', '.join(seq_axes)} of mesh {dict(mesh.shape)}; keep the sequence whole (no context axis; tp rules, not sp) "
             "or set model.attention_window=0"
         )
     if axes.CONTEXT in dict(rules.activations).get("seq", ()):

@@ -36,14 +36,15 @@ def check(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules, *, batch: int
     ``batch``: sequences per gradient-accumulation micro-batch; ``seq_len``: tokens per sequence;
     ``replicas``: the replica axis of a replica-local step (empty: none).
     """
-    seq_axes = [a for a in dict(rules.activations).get("seq", ()) if mesh.shape.get(a, 1) > 1]
+    seq_rule = dict(rules.activations).get("seq", ())
+    seq_axes = [a for a in seq_rule if mesh.shape.get(a, 1) > 1]
     if cfg.attention_window and seq_axes:
         raise ValueError(
             f"model.attention_window={cfg.attention_window} attends within whole sequences, and the rules split the sequence "
             f"over {', '.join(seq_axes)} of mesh {dict(mesh.shape)}; keep the sequence whole (no context axis; tp rules, not sp) "
             "or set model.attention_window=0"
         )
-    if axes.CONTEXT in dict(rules.activations).get("seq", ()):
+    if axes.CONTEXT in seq_rule:
         context_attention.check(cfg, seq_len, mesh.shape.get(axes.CONTEXT, 1), shards(mesh, rules, "heads"))
     stages = mesh.shape.get(axes.STAGE, 1)
     pipeline.check(cfg, stages=stages, batch=batch, batch_shards=shards(mesh, rules, "batch"))

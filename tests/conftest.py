@@ -97,7 +97,12 @@ from sharding import mesh as _mesh_lib  # noqa: E402  (after the platform and de
 # Where the passes are on (tests that run many steps), LLVM optimises at level 1, not XLA:CPU's default 3: the
 # `tiny` train step compiles in 5.8 s instead of 8.2 and runs as fast (100 steps of the default job at seq 32:
 # 27 CPU-seconds instead of 37, the same loss to 1e-7; docs/benchmarks.md 22c).
-_FAST_XLA_FLAG = "--xla_cpu_use_fusion_emitters=false"
+# Where the passes are off, XLA:CPU also emits each program as one LLVM module instead of splitting it for
+# parallel codegen threads: for the suite's small programs the split costs more than it saves, on cores
+# the two workers already fill (tests/optim/test_common.py and tests/sharding/test_checkpoint_any_mesh.py:
+# 157 -> 131 CPU-seconds; the README main job, passes on, is unchanged; docs/benchmarks.md 22j).
+_FAST_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1}
+_FAST_XLA_FLAG = " ".join(f"--{name}={str(value).lower()}" for name, value in _FAST_OPTIONS.items())
 _OPTIMIZED_LEVEL = 1
 
 
@@ -107,17 +112,17 @@ def _fast_compile_options(*args, **kwargs):
     options = _get_compile_options_upstream(*args, **kwargs)
     named = {name for name, _ in options.env_option_overrides}
     if _compiler._DISABLE_MOST_OPTIMIZATIONS.value:
-        extra = {"xla_cpu_use_fusion_emitters": False}
+        extra = _FAST_OPTIONS
     else:
         extra = {"xla_backend_optimization_level": _OPTIMIZED_LEVEL}
     options.env_option_overrides = [*options.env_option_overrides, *((k, v) for k, v in extra.items() if k not in named)]
     return options
 
 
-def _fusion_emitters_can_be_switched_off() -> bool:
-    """Whether this XLA knows the option (a later one that dropped it compiles as it would without this)."""
+def _fast_options_are_known() -> bool:
+    """Whether this XLA knows the options (a later one that dropped them compiles as it would without this)."""
     try:
-        jax.jit(lambda x: x + 1).lower(1.0).compile(compiler_options={"xla_cpu_use_fusion_emitters": False})
+        jax.jit(lambda x: x + 1).lower(1.0).compile(compiler_options=_FAST_OPTIONS)
     except Exception:  # noqa: BLE001  (XLA reports an unknown option as a generic runtime error)
         return False
     return True
@@ -125,7 +130,7 @@ def _fusion_emitters_can_be_switched_off() -> bool:
 
 # A pytest-xdist worker inherits its controller's flag, which would also reach its own optimised compiles.
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "").replace(_FAST_XLA_FLAG, "").strip()
-if _PLATFORMS == "cpu" and _fusion_emitters_can_be_switched_off():
+if _PLATFORMS == "cpu" and _fast_options_are_known():
     from jax._src import compiler as _compiler
 
     if hasattr(_compiler, "_DISABLE_MOST_OPTIMIZATIONS") and hasattr(_compiler, "get_compile_options"):

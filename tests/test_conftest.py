@@ -52,10 +52,10 @@ def test_cpu_profile_sums_per_file_costliest_first():
     assert cpu_profile.per_file(rows) == [("tests/b.py", 1, 3.0), ("tests/a.py", 2, 2.5)]
 
 
-def test_fast_compiles_turn_the_fusion_emitters_off_only_without_xla_passes(optimized_subprocess_env):
-    """The conftest's compile options: XLA:CPU's legacy emitters where the passes are off (this test's default),
-    XLA's own emitters and LLVM at level 1 where they are on; processes the tests start inherit the flag unless
-    they ask otherwise."""
+def test_fast_compiles_turn_the_fusion_emitters_and_the_codegen_split_off_only_without_xla_passes(optimized_subprocess_env):
+    """The conftest's compile options: XLA:CPU's legacy emitters and one LLVM module per program where the passes
+    are off (this test's default), XLA's own emitters, split and LLVM at level 1 where they are on; processes the
+    tests start inherit the flags unless they ask otherwise."""
     import jax
     import pytest
     from jax._src import compiler
@@ -68,14 +68,17 @@ def test_fast_compiles_turn_the_fusion_emitters_off_only_without_xla_passes(opti
 
     assert jax.config.read("jax_disable_most_optimizations")
     assert overrides().get("xla_cpu_use_fusion_emitters") is False
+    assert overrides().get("xla_cpu_parallel_codegen_split_count") == 1
     jax.config.update("jax_disable_most_optimizations", False)
     try:
         assert "xla_cpu_use_fusion_emitters" not in overrides()
+        assert "xla_cpu_parallel_codegen_split_count" not in overrides()
         assert overrides().get("xla_backend_optimization_level") == 1
     finally:
         jax.config.update("jax_disable_most_optimizations", True)
-    assert "--xla_cpu_use_fusion_emitters=false" in os.environ["XLA_FLAGS"]
+    assert {"--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1"} <= set(os.environ["XLA_FLAGS"].split())
     assert "fusion_emitters" not in optimized_subprocess_env["XLA_FLAGS"]
+    assert "codegen_split" not in optimized_subprocess_env["XLA_FLAGS"]
     assert "--xla_backend_optimization_level=1" in optimized_subprocess_env["XLA_FLAGS"].split()
 
 

@@ -86,6 +86,9 @@ def train_patterns(data_config: DataConfig) -> list[tuple[str, float]]:
     """The training shards' globs with their weights: ``data.mixture``'s, or ``data.train_files`` with weight 1."""
     if data_config.mixture and data_config.train_files:
         raise ValueError("data.mixture and data.train_files are both set; give one (a mixture names its own globs)")
+    if data_config.path and (data_config.mixture or data_config.train_files):
+        shards_key = "data.mixture" if data_config.mixture else "data.train_files"
+        raise ValueError(f"data.path (a text corpus) and {shards_key} (token shards) are both set; give one")
     if data_config.mixture:
         return mixture.parse(data_config.mixture)
     return [(data_config.train_files, 1.0)] if data_config.train_files else []

@@ -42,6 +42,7 @@ from test_train import small_config  # noqa: E402
         # warmup scales with a short run, so the first real mistake is named, not warmup > steps
         ({"steps": 2, "optimizer.warmup_steps": None, "data.path": "/no/such/corpus"}, "does not exist"),
         ({"steps": 2, "optimizer.warmup_steps": 5}, "optimizer.warmup_steps=5 must lie in \\[0, steps=2\\]"),
+        ({"data.path": "corpus.txt", "data.train_files": "x/train_*.bin"}, "data.path \\(a text corpus\\) and data.train_files \\(token shards\\) are both set"),
         ({"optimizer.name": "micro_adam", "optimizer.micro_adam.topk_block": 1000}, "topk_block=1000 must be a power of two >= 2, e.g. 512"),
         ({"wandb.project": "p"}, "wandb.project=p needs Weights & Biases: pip install -e '.\\[wandb\\]'"),
     ],

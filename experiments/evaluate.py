@@ -270,6 +270,10 @@ def evaluate(
         raise cli.UsageError("give exactly one of --workdir (a training run) and --hf (a transformers checkpoint)")
     if batch_size < 1:
         raise cli.UsageError(f"--batch_size={batch_size} must be >= 1")
+    if max_tokens < 0:
+        raise cli.UsageError(f"--max_tokens={max_tokens} must be >= 0 (0: all of --val_files)")
+    if hf_dir and step is not None:
+        raise cli.UsageError(f"--step={step} picks a checkpoint of --workdir; an --hf folder holds one set of weights")
     config = None
     if workdir:
         scorer, config = from_run(workdir, step, mesh, tokenizer_spec)

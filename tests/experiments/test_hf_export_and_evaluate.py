@@ -146,6 +146,19 @@ def test_a_malformed_task_line_is_named(tmp_path, line, message):
         evaluate.read_questions(path)
 
 
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"hf_dir": "x", "step": 3}, "--step=3 picks a checkpoint of --workdir; an --hf folder holds one set of weights"),
+        ({"hf_dir": "x", "max_tokens": -1}, "--max_tokens=-1 must be >= 0"),
+        ({"workdir": "x", "hf_dir": "y"}, "give exactly one of --workdir"),
+    ],
+)
+def test_conflicting_or_out_of_range_evaluate_arguments_are_named(arguments, message):
+    with pytest.raises(cli.UsageError, match=message):
+        evaluate.evaluate(**arguments)
+
+
 def test_the_command_lines_export_and_evaluate(run, tmp_path):
     out = tmp_path / "hf"
     args = [sys.executable, "-m", "experiments.export_hf", f"--workdir={run}", f"--out={out}"]

@@ -44,6 +44,8 @@ def sample(
 
     ``tok`` encodes the prompt and decodes the samples (default: byte-level); only its ids are sampled.
     """
+    if num_samples < 1:
+        raise cli.UsageError(f"--num_samples={num_samples} must be >= 1")
     tok = tok or tokenizer.load("bytes")
     separator = tok.separator_id
     prefix = np.concatenate([[] if separator is None else [separator], tok.encode(prompt)]).astype(np.int32)

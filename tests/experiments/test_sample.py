@@ -54,6 +54,9 @@ def test_bad_workdir_and_settings_name_the_fix(mla_run, tmp_path):
     model_def, params, _ = restore.load_params(mla_run)
     with pytest.raises(cli.UsageError, match="exceeds model.max_seq_len"):
         sample.sample(model_def, params, "x", max_new_tokens=5000)
+    for count in (0, -1):  # a zero-row batch crashed inside jax; a negative one named no flag
+        with pytest.raises(cli.UsageError, match=f"--num_samples={count} must be >= 1"):
+            sample.sample(model_def, params, "x", num_samples=count)
 
 
 def test_the_command_line_prints_the_sample_without_library_logs(mla_run):

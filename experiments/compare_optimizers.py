@@ -97,6 +97,8 @@ def parse_grid(config: ml_collections.ConfigDict) -> dict[str, list[dict[str, fl
     if block.baseline not in names:
         raise cli.UsageError(f"compare.baseline={block.baseline!r} must be one of compare.optimizers ({', '.join(names)})")
     parse_seeds(block.seeds)
+    if block.update_timing_repeats < 1:  # timed after every run has trained: refused before the first
+        raise cli.UsageError(f"compare.update_timing_repeats={block.update_timing_repeats} must be >= 1")
     grid = {}
     for name in names:
         axes = {}

@@ -178,6 +178,10 @@ def test_bad_grids_are_usage_errors():
     config.compare.baseline = "sgd_typo"
     with pytest.raises(cli.UsageError, match="compare.baseline='sgd_typo' must be one of"):
         compare_optimizers.parse_grid(config)
+    config.compare.baseline = "adamw"
+    config.compare.update_timing_repeats = 0  # the median of no timings crashed after every run had trained
+    with pytest.raises(cli.UsageError, match="compare.update_timing_repeats=0 must be >= 1"):
+        compare_optimizers.parse_grid(config)
 
 
 def _cli(tmp_path, *args):

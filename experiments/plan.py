@@ -197,13 +197,26 @@ def _fake_devices_for(spec: str) -> int | None:
     return None if -1 in sizes else math.prod(sizes)
 
 
+def check_machine_flags(hbm_gb: float, num_devices: int, hosts: int | None, per_host: int | None) -> None:
+    """Raises `cli.UsageError` for a machine no plan can describe, naming the flag."""
+    if (hosts is None) != (per_host is None):
+        raise cli.UsageError("--hosts and --devices_per_host go together (e.g. --hosts=16 --devices_per_host=8)")
+    if not hbm_gb > 0:
+        raise cli.UsageError(f"--hbm_gb={hbm_gb:g} must be > 0 (memory per device, GiB)")
+    for name, value in (("num_devices", num_devices), ("hosts", hosts), ("devices_per_host", per_host)):
+        if value is not None and value < 1:
+            raise cli.UsageError(f"--{name}={value} must be >= 1")
+
+
 def main(config_flag, argv) -> None:
     del argv
     cli.quiet_logging(flags.FLAGS.verbose)
     config = config_flag.value
     hosts, per_host = flags.FLAGS.hosts, flags.FLAGS.devices_per_host
-    if (hosts is None) != (per_host is None):
-        cli.usage_exit("--hosts and --devices_per_host go together (e.g. --hosts=16 --devices_per_host=8)")
+    try:
+        check_machine_flags(flags.FLAGS.hbm_gb, flags.FLAGS.num_devices, hosts, per_host)
+    except cli.UsageError as e:
+        cli.usage_exit(str(e))
     if not flags.FLAGS.native:
         try:
             needed = _fake_devices_for(config.mesh)

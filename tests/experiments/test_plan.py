@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import plan
+from experiments import cli, plan
 from experiments.configs import default
 from lm import config as config_lib
 from lm import model as model_lib
@@ -47,6 +47,20 @@ def test_cli_says_when_it_does_not_fit(tmp_path):
     assert result.returncode == 1, result.stderr[-2000:]
     assert "DOES NOT FIT" in result.stdout and "{'fsdp': 4}" in result.stdout
     assert (tmp_path / "p.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "machine, message",
+    [
+        ((0.0, 8, None, None), "--hbm_gb=0 must be > 0"),  # was planned against 0 GiB: "DOES NOT FIT"
+        ((16.0, 0, None, None), "--num_devices=0 must be >= 1"),  # was jax's backend error
+        ((16.0, 8, 0, 8), "--hosts=0 must be >= 1"),  # was planned as one host
+        ((16.0, 8, 2, None), "--hosts and --devices_per_host go together"),
+    ],
+)
+def test_a_machine_no_plan_can_describe_is_named(machine, message):
+    with pytest.raises(cli.UsageError, match=message):
+        plan.check_machine_flags(*machine)
 
 
 @pytest.mark.devices(8)

@@ -344,9 +344,7 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
         dtype = f.dtype or ("bfloat16" if device == "cuda" else "float32")
         if dtype not in ("float32", "bfloat16"):
             raise cli.UsageError(f"--dtype={dtype} is not float32 or bfloat16")
-        for name in ("warmup", "repeats", "steps"):
-            if f[name].value < 1:
-                raise cli.UsageError(f"--{name}={f[name].value} must be >= 1")
+        cli.check_counts("warmup", "repeats", "steps")
         shapes = [train_steps.parse_batch_shape(s) for s in f.batch_shapes]
         cases = [(p, b, t) for p in f.presets for b, t in shapes]
         cases += [(f.presets[0], int(b), shapes[0][1]) for b in f.sweep_batches if (f.presets[0], int(b), shapes[0][1]) not in cases]

@@ -272,6 +272,7 @@ def main(argv: list[str]) -> None:
     cli.quiet_logging(f.verbose)
     train_step = bool(f.train_batch)
     try:
+        cli.check_counts("repeats")
         batch, seq_len = train_steps.parse_batch_shape(f.train_batch) if train_step else (0, 0)
     except cli.UsageError as e:
         cli.usage_exit(str(e))

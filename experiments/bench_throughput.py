@@ -119,10 +119,8 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     host_memory.keep_freed_memory()  # before JAX starts its backend
     cli.split_cpu_devices()
     cli.quiet_logging(f.verbose)
-    for name in ("warmup", "repeats", "steps"):
-        if f[name].value < 1:
-            cli.usage_exit(f"--{name}={f[name].value} must be >= 1")
     try:
+        cli.check_counts("warmup", "repeats", "steps")
         shapes = [train_steps.parse_batch_shape(s) for s in f.batch_shapes]
         configs = [
             train_steps.case_config(preset, b, t, dtype, mesh, f.optimizer, f.rules, base=config_flag.value)

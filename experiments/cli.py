@@ -31,6 +31,14 @@ def usage_exit(message: str) -> NoReturn:
     sys.exit(2)
 
 
+def check_counts(*names: str, flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """Raises `UsageError` naming the first of the integer flags ``names`` below 1."""
+    for name in names:
+        value = flag_values[name].value
+        if value < 1:
+            raise UsageError(f"--{name}={value} must be >= 1")
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing with one-line errors and exit code 2 for bad flags; ``--config=X.json`` reads a
     run's written config (`JSON_CONFIG`)."""

@@ -127,3 +127,18 @@ def test_an_unknown_data_setting_is_named():
         config.data.shuffle_buffer_typo = 3
     with pytest.raises(ValueError, match="config.data has no setting shuffle_buffer_typo: the data settings are .*seq_len"):
         run_spec.data_config(config)
+
+
+def test_a_count_flag_below_one_is_named():
+    """`cli.check_counts`, which the benchmarks call before compiling (bench_optimizer_step's --repeats=0 died in
+    `statistics.median` after compiling every row)."""
+    from absl import flags
+
+    values = flags.FlagValues()
+    flags.DEFINE_integer("repeats", 0, "a count", flag_values=values)
+    for count in (0, -2):
+        values["repeats"].value = count
+        with pytest.raises(cli.UsageError, match=f"--repeats={count} must be >= 1"):
+            cli.check_counts("repeats", flag_values=values)
+    values["repeats"].value = 1
+    cli.check_counts("repeats", flag_values=values)

@@ -26,7 +26,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("vocab_size", 8192, "Vocabulary size, the separator included.")
     flags.DEFINE_string("out", None, "Output folder; receives tokenizer.json.")
     flags.DEFINE_string("input", "", "Text / JSONL / Parquet files (glob, comma-separated globs or a folder); empty: the stdlib corpus.")
-    flags.DEFINE_integer("max_bytes", 40_000_000, "Train on at most this many bytes of text (the first documents in path order).")
+    flags.DEFINE_integer("max_bytes", 40_000_000, "Train on the first documents (in path order) until this many UTF-8 bytes are read.")
     flags.DEFINE_enum(
         "errors", None, ["strict", "replace"],
         "Bytes that are not UTF-8: strict refuses the file, replace reads them as U+FFFD; default: strict for "
@@ -35,10 +35,11 @@ def define_flags() -> None:
 
 
 def _budgeted(texts: Iterable[str], max_bytes: int) -> Iterator[str]:
+    """``texts`` up to and including the one that brings their UTF-8 size to ``max_bytes``."""
     total = 0
     for text in texts:
         yield text
-        total += len(text)
+        total += len(text.encode("utf-8"))
         if total >= max_bytes:
             return
 
@@ -47,6 +48,8 @@ def main(argv: list[str]) -> None:
     del argv
     if not FLAGS.out:
         cli.usage_exit("--out is required: the folder to write tokenizer.json into")
+    if FLAGS.max_bytes < 1:
+        cli.usage_exit(f"--max_bytes={FLAGS.max_bytes} must be >= 1")
     try:
         files = documents.expand(FLAGS.input) if FLAGS.input else documents.stdlib_files()
         errors = FLAGS.errors or ("strict" if FLAGS.input else "replace")

@@ -134,6 +134,8 @@ def tokenize(
         raise ValueError(f"--val_fraction={val_fraction} must lie in [0, 1)")
     if shard_tokens < 1:
         raise ValueError(f"--shard_tokens={shard_tokens} must be positive")
+    if workers < 0:
+        raise ValueError(f"--workers={workers} must be >= 0 (0: one per CPU core)")
     if errors not in ERRORS:
         raise ValueError(f"--errors={errors}: use one of {', '.join(ERRORS)}")
     existing = [p.name for p in out.glob("*") if p.name == MANIFEST or p.name.startswith(tuple(f"{s}_" for s in SPLITS))]

@@ -114,6 +114,8 @@ def test_tokenize_refuses_to_overwrite_and_keeps_what_exists(tmp_path):
         tokenize.tokenize("bytes", documents.expand(str(tmp_path / "in")), tmp_path / "other", val_fraction=0.1, shard_tokens=10, workers=1)
     assert [p.name for p in (tmp_path / "other").iterdir()] == []  # nothing half-written
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    with pytest.raises(ValueError, match="--workers=-1 must be >= 0"):  # was multiprocessing's, naming no flag
+        tokenize.tokenize("bytes", files, tmp_path / "third", val_fraction=0.1, shard_tokens=10_000, workers=-1)
 
 
 def test_tokenize_cli_with_a_subword_tokenizer_and_usage_errors(tmp_path):

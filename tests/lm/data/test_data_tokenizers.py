@@ -97,8 +97,18 @@ def test_train_tokenizer_cli_on_given_text_and_bad_flags(tmp_path):
     assert tok.vocab_size == 300 and len(tok.encode("hello world")) < 5
     empty = run(f"--out={tmp_path / 'x'}", f"--input={tmp_path / 'none*.txt'}")
     assert empty.returncode == 2 and empty.stderr.count("\n") == 1 and "matches no files" in empty.stderr
+    nothing = run("--max_bytes=0", f"--out={tmp_path / 'y'}", f"--input={text}")  # trained on one document before
+    assert nothing.returncode == 2 and "--max_bytes=0 must be >= 1" in nothing.stderr and not (tmp_path / "y").exists()
     with pytest.raises(ValueError, match="--vocab_size=100 must be at least 257"):
         tokenizer.train_bpe(["text"], 100, tmp_path / "small")
+
+
+def test_the_tokenizers_text_budget_counts_utf8_bytes():
+    from experiments import train_tokenizer
+
+    texts = ["ab", "éé", "c", "d"]  # 2, 4, 1, 1 bytes; 2, 2, 1, 1 characters
+    assert list(train_tokenizer._budgeted(texts, 6)) == ["ab", "éé"]
+    assert list(train_tokenizer._budgeted(texts, 7)) == ["ab", "éé", "c"]
 
 
 def test_a_run_finds_the_tokenizer_its_shards_were_written_with(files, tmp_path):

@@ -32,16 +32,31 @@ REPORT_KEYS = (
     "reached_target", "target_val_loss", "final_val_loss", "steps_to_target", "tokens_to_target", "seconds_to_target",
     "compile_step_seconds", "tokens_per_second", "mfu", "num_params", "devices",
 )  # fmt: skip
+STDLIB_REQUEST = "stdlib_request.json"  # what `stdlib_shards` wrote a folder for
 
 
 def stdlib_shards(out: str | Path, *, max_files: int = 0, val_fraction: float = 0.05) -> Path:
     """Byte-level ``train_*.bin`` / ``val_*.bin`` shards of the standard library's Python files (the first
     ``max_files`` of them; 0: all; ``val_fraction`` of the documents, by a hash of their text, in ``val``) in
-    ``out``, written once and reused."""
-    out = Path(out)
-    if not (out / MANIFEST).is_file():
-        files = corpus.list_documents(corpus.stdlib_root(), python_only=True)
-        tokenize("bytes", files[:max_files] if max_files else files, out, val_fraction=val_fraction, shard_tokens=10**8, workers=1)
+    ``out``, written once and reused by a run that asks for the same (``STDLIB_REQUEST`` beside them).
+
+    Raises:
+      cli.UsageError: ``max_files`` is negative, or ``out`` holds shards written for another request.
+    """
+    if max_files < 0:
+        raise cli.UsageError(f"--max_files={max_files} must be >= 0 (0: every file)")
+    out, request = Path(out), {"max_files": max_files, "val_fraction": val_fraction}
+    if (out / MANIFEST).is_file():
+        written = json.loads((out / STDLIB_REQUEST).read_text()) if (out / STDLIB_REQUEST).is_file() else None
+        if written != request:
+            raise cli.UsageError(
+                f"{out} holds shards written for {written or 'another source'}, not this run's stdlib shards {request}; "
+                "give another --shards folder or delete that one"
+            )
+        return out
+    files = corpus.list_documents(corpus.stdlib_root(), python_only=True)
+    tokenize("bytes", files[:max_files] if max_files else files, out, val_fraction=val_fraction, shard_tokens=10**8, workers=1)
+    (out / STDLIB_REQUEST).write_text(json.dumps(request))
     return out
 
 

@@ -2,7 +2,9 @@
 
 import json
 
-from experiments import speedrun
+import pytest
+
+from experiments import cli, speedrun
 from experiments.configs import speedrun as speedrun_config
 from experiments.metrics_io import read_metrics
 
@@ -26,3 +28,9 @@ def test_harness_builds_stdlib_shards_and_stops_at_the_target(tmp_path):
     assert max(r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")) == 4  # stopped, not 8 steps
     assert json.loads((tmp_path / "run" / "speedrun.json").read_text()) == report
     assert "reached val loss 5.6" in speedrun.describe(report)
+    # The shards are reused for the same request only: another one (here 13 files) would have trained on these 12.
+    assert speedrun.stdlib_shards(tmp_path / "shards", max_files=12, val_fraction=0.3) == tmp_path / "shards"
+    with pytest.raises(cli.UsageError, match="holds shards written for .'max_files': 12, 'val_fraction': 0.3., not this run's"):
+        speedrun.stdlib_shards(tmp_path / "shards", max_files=13, val_fraction=0.3)
+    with pytest.raises(cli.UsageError, match="--max_files=-1 must be >= 0"):  # was every file but the last
+        speedrun.stdlib_shards(tmp_path / "other", max_files=-1)

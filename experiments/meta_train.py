@@ -271,9 +271,27 @@ def define_flags() -> None:
     cli.define_verbose_flag()
 
 
+def check_schedule(flag_values: flags.FlagValues = FLAGS) -> None:
+    """Raises `cli.UsageError` for flags that would crash the loop or never advance it, naming the flag."""
+    cli.check_counts("iterations", "pairs", "truncation", "min_horizon", "checkpoint_every", flag_values=flag_values)
+    f = flag_values
+    if not f.sigma > 0:
+        raise cli.UsageError(f"--sigma={f.sigma} must be > 0")
+    if f.num_devices < 0:
+        raise cli.UsageError(f"--num_devices={f.num_devices} must be >= 0 (0: the devices jax has)")
+    if f.max_horizon < max(f.min_horizon, f.truncation):  # an episode of no truncation: the loop would never advance
+        raise cli.UsageError(
+            f"--max_horizon={f.max_horizon} must be at least --min_horizon={f.min_horizon} and --truncation={f.truncation}"
+        )
+
+
 def main(argv: list[str]) -> None:
     del argv
     cli.quiet_logging(FLAGS.verbose)
+    try:
+        check_schedule()
+    except cli.UsageError as e:
+        cli.usage_exit(str(e))
     if FLAGS.num_devices:
         cpu_devices.use(FLAGS.num_devices)
     workdir = Path(FLAGS.workdir)
@@ -281,11 +299,14 @@ def main(argv: list[str]) -> None:
     tasks = lopt_tasks.family(FLAGS.tasks)
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), ("population",), axis_types=(jax.sharding.AxisType.Auto,))
-    trainer = MetaTrainer(tasks, estimator=FLAGS.estimator, pairs=FLAGS.pairs, sigma=FLAGS.sigma,
-                          truncation=FLAGS.truncation, learning_rate=FLAGS.learning_rate, clip=FLAGS.clip,
-                          weight_decay=FLAGS.weight_decay, mesh=mesh, seed=FLAGS.seed,
-                          mup_base_fan_in=FLAGS.mup_base_fan_in, warm_start=FLAGS.warm_start,
-                          initial=mlp_lopt.load_meta_params(mlp_lopt.weights_path(FLAGS.init_weights)) if FLAGS.init_weights else None)
+    try:
+        trainer = MetaTrainer(tasks, estimator=FLAGS.estimator, pairs=FLAGS.pairs, sigma=FLAGS.sigma,
+                              truncation=FLAGS.truncation, learning_rate=FLAGS.learning_rate, clip=FLAGS.clip,
+                              weight_decay=FLAGS.weight_decay, mesh=mesh, seed=FLAGS.seed,
+                              mup_base_fan_in=FLAGS.mup_base_fan_in, warm_start=FLAGS.warm_start,
+                              initial=mlp_lopt.load_meta_params(mlp_lopt.weights_path(FLAGS.init_weights)) if FLAGS.init_weights else None)
+    except ValueError as e:  # a population that does not split over the devices
+        cli.usage_exit(str(e))
     checkpoint = workdir / "checkpoint.npz"
     history = trainer.restore(checkpoint) if checkpoint.exists() else []
     if history:

@@ -162,3 +162,30 @@ def test_task_family_parses_widths_depths_and_model_presets():
     count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))  # noqa: E731
     preset = lopt_tasks.preset_model_def("small", 32).abstract_params
     assert count(jax.eval_shape(small.init, jax.random.key(0))) == count(preset) > 20 * count(jax.eval_shape(narrow.init, jax.random.key(0)))
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("truncation", 0, "--truncation=0 must be >= 1"),  # was a ZeroDivisionError
+        ("checkpoint_every", 0, "--checkpoint_every=0 must be >= 1"),  # was a ZeroDivisionError after the first episode
+        ("sigma", 0.0, "--sigma=0.0 must be > 0"),
+        ("max_horizon", 5, "--max_horizon=5 must be at least --min_horizon=1 and --truncation=10"),  # was an endless loop
+        ("min_horizon", 300, "--max_horizon=200 must be at least --min_horizon=300"),
+    ],
+)
+def test_a_schedule_that_cannot_run_is_named(flag, value, message):
+    from absl import flags
+
+    from experiments import cli
+
+    values = flags.FlagValues()
+    defaults = {"iterations": 10, "pairs": 4, "truncation": 10, "min_horizon": 1, "max_horizon": 200, "checkpoint_every": 50, "num_devices": 0}
+    for name, default in defaults.items():
+        flags.DEFINE_integer(name, default, name, flag_values=values)
+    flags.DEFINE_float("sigma", 0.01, "sigma", flag_values=values)
+    values.mark_as_parsed()
+    meta_train.check_schedule(values)
+    values[flag].value = value
+    with pytest.raises(cli.UsageError, match=message):
+        meta_train.check_schedule(values)

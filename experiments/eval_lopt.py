@@ -92,6 +92,9 @@ def evaluate_task(
 
     ``mup_base_fan_in``: μLO's base width for weights meta-trained with it (their JSON record), else 0.
     """
+    for name, count in (("steps", steps), ("seeds", seeds)):
+        if count < 1:
+            raise cli.UsageError(f"--{name}={count} must be >= 1")
     default_lr = spec.defaults(AdamW)["learning_rate"]
     out: dict[str, Any] = {}
     lopt = functools.partial(_lopt, meta, steps, mup_base_fan_in)
@@ -105,6 +108,17 @@ def evaluate_task(
         out[name] = {"setting": f"lr={lr:g}", "finals": [r[1] for r in runs], "curve": runs[0][0]}
     out["adamw-grid"] = {f"{lr:g}": run[1] for lr, run in grid_runs.items()}
     return out
+
+
+def learning_rates(texts: list[str]) -> list[float]:
+    """``--adamw_grid``'s values as positive floats."""
+    try:
+        grid = [float(x) for x in texts]
+    except ValueError:
+        raise cli.UsageError(f"--adamw_grid={','.join(texts)} is not a comma-separated list of numbers") from None
+    if any(not lr > 0 for lr in grid):
+        raise cli.UsageError(f"--adamw_grid={','.join(texts)}: learning rates must be > 0")
+    return grid
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -163,11 +177,14 @@ def main(argv: list[str]) -> None:
     weights = mlp_lopt.weights_path(FLAGS.weights)
     meta = mlp_lopt.load_meta_params(weights)
     base = int(mlp_lopt.load_record(weights).get("mup_base_fan_in", 0))
-    grid = [float(x) for x in FLAGS.adamw_grid]
     results = {}
-    for task in lopt_tasks.family(FLAGS.tasks):
-        results[task.name] = evaluate_task(task, meta, steps=FLAGS.steps, seeds=FLAGS.seeds, grid=grid, mup_base_fan_in=base)
-        print(table({task.name: results[task.name]}).splitlines()[-1], flush=True)
+    try:
+        grid = learning_rates(FLAGS.adamw_grid)
+        for task in lopt_tasks.family(FLAGS.tasks):
+            results[task.name] = evaluate_task(task, meta, steps=FLAGS.steps, seeds=FLAGS.seeds, grid=grid, mup_base_fan_in=base)
+            print(table({task.name: results[task.name]}).splitlines()[-1], flush=True)
+    except cli.UsageError as e:
+        cli.usage_exit(str(e))
     record = {"steps": FLAGS.steps, "seeds": FLAGS.seeds, "weights": str(weights), "weights_record": mlp_lopt.load_record(weights)}
     (workdir / "results.json").write_text(json.dumps({"config": record, "results": results}, indent=1) + "\n")
     (workdir / "results.md").write_text(table(results))

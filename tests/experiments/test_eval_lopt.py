@@ -1,6 +1,8 @@
 """experiments.eval_lopt's protocol on a toy task: grid on seed 0, tuned and default AdamW, the table."""
 
-from experiments import eval_lopt, lopt_tasks
+import pytest
+
+from experiments import cli, eval_lopt, lopt_tasks
 from optim.learned import mlp_lopt
 
 
@@ -18,3 +20,15 @@ def test_lopt_against_adamw_default_and_tuned_on_a_toy_task():
         assert len(runs[name]["finals"]) == 2 and len(runs[name]["curve"]) == 5
     row = eval_lopt.table({task.name: runs}).splitlines()[-1]
     assert row.startswith(f"| {task.name} |") and row.count("%") == 2
+
+
+def test_counts_and_a_grid_that_cannot_run_are_named():
+    task = lopt_tasks.family("mlp_regression")[0]
+    for counts, message in (({"steps": 0, "seeds": 2}, "--steps=0 must be >= 1"), ({"steps": 5, "seeds": 0}, "--seeds=0 must be >= 1")):
+        with pytest.raises(cli.UsageError, match=message):  # were a jax error and an IndexError
+            eval_lopt.evaluate_task(task, None, grid=[1e-3], **counts)
+    assert eval_lopt.learning_rates(["1e-3", "0.01"]) == [1e-3, 0.01]
+    with pytest.raises(cli.UsageError, match="--adamw_grid=1e-3,fast is not a comma-separated list of numbers"):
+        eval_lopt.learning_rates(["1e-3", "fast"])
+    with pytest.raises(cli.UsageError, match="learning rates must be > 0"):
+        eval_lopt.learning_rates(["-1e-3"])

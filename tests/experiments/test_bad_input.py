@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from absl import flags
 
 from experiments import cli, run_spec, trainer
 from lm.data import documents, tokenize
@@ -132,8 +133,6 @@ def test_an_unknown_data_setting_is_named():
 def test_a_count_flag_below_one_is_named():
     """`cli.check_counts`, which the benchmarks call before compiling (bench_optimizer_step's --repeats=0 died in
     `statistics.median` after compiling every row)."""
-    from absl import flags
-
     values = flags.FlagValues()
     flags.DEFINE_integer("repeats", 0, "a count", flag_values=values)
     for count in (0, -2):

@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl import flags
 
-from experiments import lopt_tasks, meta_train
+from experiments import cli, lopt_tasks, meta_train
 from optim.learned import mlp_lopt
 
 DIM, SIGMA, PAIRS, SAMPLES = 3, 0.1, 2, 4000
@@ -175,10 +176,6 @@ def test_task_family_parses_widths_depths_and_model_presets():
     ],
 )
 def test_a_schedule_that_cannot_run_is_named(flag, value, message):
-    from absl import flags
-
-    from experiments import cli
-
     values = flags.FlagValues()
     defaults = {"iterations": 10, "pairs": 4, "truncation": 10, "min_horizon": 1, "max_horizon": 200, "checkpoint_every": 50, "num_devices": 0}
     for name, default in defaults.items():

@@ -157,6 +157,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    cli.require_counts("synthetic_tokens", "batch", "seq_len", "batches", "bpe_vocab", "train_steps")
     unknown = set(FLAGS.rows) - set(ROWS)
     if unknown:
         cli.usage_exit(f"--rows has {sorted(unknown)}; choose from {', '.join(ROWS)}")

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments import bench_quantized_update, timing
+from experiments import bench_quantized_update, cli, timing
 from kernels_pallas import extras
 from kernels_pallas import gmm as gmm_lib
 from kernels_pallas.attention import BlockSizes, flash_attention
@@ -291,6 +291,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     f = flags.FLAGS
+    cli.require_counts("iters")
     unknown = sorted(set(f.sections) - set(SECTIONS))
     if unknown:
         raise app.UsageError(f"unknown section(s) {unknown}; use {', '.join(SECTIONS)}")

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from experiments import timing
+from experiments import cli, timing
 from kernels_pallas.attention import api as attention_api
 from kernels_pallas.lightning import lightning_attention
 from lm import config as config_lib
@@ -88,6 +88,7 @@ def decode_rows(f) -> list[dict]:
 def main(argv) -> None:
     del argv
     f = flags.FLAGS
+    cli.require_counts("iters", "batch", "heads", "head_dim", "block")
     ops, decodes = op_rows(f), decode_rows(f)
     print(f"{datetime.date.today()}, {jax.devices()[0].device_kind}, jax {jax.__version__}")
     print(timing.markdown_table(ops, ("op", "seq"), {

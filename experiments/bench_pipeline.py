@@ -34,7 +34,7 @@ import ml_collections
 import numpy as np
 from absl import app, flags
 
-from experiments import hlo_bytes, run_spec, train_lib
+from experiments import cli, hlo_bytes, run_spec, train_lib
 from experiments.configs import default
 from lm.parallel import pipeline, pipeline_schedule, skip_schedule
 from sharding import cpu_devices, partition
@@ -224,6 +224,7 @@ def skip_tables() -> list[dict]:
 
 def main(argv) -> None:
     del argv
+    cli.require_counts("devices", "seq_len", "vocab_size")
     jax.config.update("jax_platforms", "cpu")
     cpu_devices.use(_FLAGS.devices)
     start = time.time()

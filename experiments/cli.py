@@ -39,6 +39,14 @@ def check_counts(*names: str, flag_values: flags.FlagValues = flags.FLAGS) -> No
             raise UsageError(f"--{name}={value} must be >= 1")
 
 
+def require_counts(*names: str, flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """`check_counts` at the start of a script's ``main``: a count below 1 exits with its usage error."""
+    try:
+        check_counts(*names, flag_values=flag_values)
+    except UsageError as e:
+        usage_exit(str(e))
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing with one-line errors and exit code 2 for bad flags; ``--config=X.json`` reads a
     run's written config (`JSON_CONFIG`)."""

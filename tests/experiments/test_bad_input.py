@@ -130,14 +130,18 @@ def test_an_unknown_data_setting_is_named():
         run_spec.data_config(config)
 
 
-def test_a_count_flag_below_one_is_named():
-    """`cli.check_counts`, which the benchmarks call before compiling (bench_optimizer_step's --repeats=0 died in
-    `statistics.median` after compiling every row)."""
+def test_a_count_flag_below_one_is_named(capsys):
+    """`cli.check_counts` and `cli.require_counts`, which the benchmarks call before compiling (bench_optimizer_step's
+    --repeats=0 died in `statistics.median` after compiling every row; bench_data's --batches=0 reported 0 tokens/s)."""
     values = flags.FlagValues()
     flags.DEFINE_integer("repeats", 0, "a count", flag_values=values)
     for count in (0, -2):
         values["repeats"].value = count
         with pytest.raises(cli.UsageError, match=f"--repeats={count} must be >= 1"):
             cli.check_counts("repeats", flag_values=values)
+        with pytest.raises(SystemExit) as exit_info:  # the benchmarks' mains (bench_kernels --iters=0 crashed likewise)
+            cli.require_counts("repeats", flag_values=values)
+        assert exit_info.value.code == 2 and f"error: --repeats={count} must be >= 1" in capsys.readouterr().err
     values["repeats"].value = 1
     cli.check_counts("repeats", flag_values=values)
+    cli.require_counts("repeats", flag_values=values)

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from experiments import train_lib
+from experiments import profiling, train_lib
 from experiments.cli import UsageError
 from kernels_pallas.attention import api as attention_api
 from lm import config as model_config_lib
@@ -185,6 +185,9 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
     """Checks ``config`` and builds its `RunSpec`; every bad-input error becomes a `UsageError`."""
     try:
         check_values(config)
+        profile = profiling.parse_steps(config.get("profile", ""))
+        if profile and profile[0] > config.steps:
+            raise ValueError(f"profile={config.profile!r} starts after the run's last step (steps={config.steps}), so it would trace nothing")
         if config.grad_accum_steps < 1 or config.batch_size % config.grad_accum_steps:
             raise ValueError(f"batch_size={config.batch_size} must be a multiple of grad_accum_steps={config.grad_accum_steps}")
         cfg = model_config(config)

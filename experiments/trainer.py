@@ -70,20 +70,13 @@ class LoopSettings:
             token_shares=input_pipeline.token_shares(data_config(config), config.steps * config.batch_size),
             config=config.to_dict(),
             wandb=config.wandb.to_dict() if config.get("wandb") else None,
-            profile=_profile_steps(config.get("profile", "")),
+            profile=profiling.parse_steps(config.get("profile", "")),  # checked by `build_run`
             target_val_loss=config.get("target_val_loss"),
         )
 
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len
-
-
-def _profile_steps(text: str) -> tuple[int, int] | None:
-    try:
-        return profiling.parse_steps(text)
-    except ValueError as e:
-        raise UsageError(str(e)) from e
 
 
 @dataclasses.dataclass
@@ -140,6 +133,8 @@ def run(
     Returns:
       The summary dict also written to ``summary.json``; ``{"interrupted": True, ...}`` when stopped.
     """
+    if interrupt_at is not None and interrupt_at < 1:
+        raise UsageError(f"--stop_after={interrupt_at} must be >= 1 (the step to stop after)")
     workdir = storage.workdir(workdir)
     try:
         storage.check_checkpoints(workdir)

@@ -66,8 +66,21 @@ def test_gpu_trace_categories_and_idle(tmp_path):
 
 @pytest.mark.parametrize("text", ["3", "0:2", "5:4", "a:b"])
 def test_bad_profile_steps_name_the_fix(text):
-    with pytest.raises(cli.UsageError, match="START:STOP"):
-        trainer._profile_steps(text)
+    with pytest.raises(ValueError, match="START:STOP"):
+        profiling.parse_steps(text)
+
+
+def test_a_run_refuses_a_profile_it_cannot_trace_and_a_stop_before_its_first_step_before_writing(tmp_path):
+    config = default.get_config()
+    config.steps = 4
+    for profile, message in (("5:4", "START:STOP"), ("10:12", r"starts after the run's last step \(steps=4\), so it would trace nothing")):
+        config.profile = profile
+        with pytest.raises(cli.UsageError, match=message):
+            trainer.run(config, tmp_path / "w")
+    config.profile = ""
+    with pytest.raises(cli.UsageError, match="--stop_after=0 must be >= 1"):  # ran every step before
+        trainer.run(config, tmp_path / "w", interrupt_at=0)
+    assert not (tmp_path / "w").exists()
 
 
 def test_rolled_layer_loop_moves_only_the_carry_and_attentions_layout(default_emitters):

@@ -248,7 +248,11 @@ POSITIVE_KEYS = (
     "checkpoint_every", "keep_checkpoints", "max_bad_steps", "model.vocab_size", "model.d_model", "model.n_layers",
     "model.n_heads", "model.n_kv_heads", "model.head_dim", "model.mlp_dim", "model.max_seq_len",
 )  # fmt: skip
-NON_NEGATIVE_KEYS = ("devices", "data.val_tokens", "optimizer.warmup_steps")
+# The loss weights and the clipping norm too: a negative one would ascend what it penalises (0 turns each off).
+NON_NEGATIVE_KEYS = (
+    "devices", "data.val_tokens", "optimizer.warmup_steps", "optimizer.grad_clip_norm", "loss.z_loss",
+    "moe.balance_loss", "moe.router_z_loss", "moe.bias_rate",
+)  # fmt: skip
 
 
 def _lookup(config: ml_collections.ConfigDict, key: str) -> Any:

@@ -133,6 +133,10 @@ class ModelConfig:
             )
         if self.document_separator is not None and not 0 <= self.document_separator < self.vocab_size:
             problems.append(f"the document separator id {self.document_separator} lies outside model.vocab_size={self.vocab_size}")
+        if not self.rope_theta > 0:  # the rotary frequencies are theta ** (-2i / d)
+            problems.append(f"model.rope_theta={self.rope_theta} must be > 0")
+        if not self.norm_eps >= 0:
+            problems.append(f"model.norm_eps={self.norm_eps} must be >= 0")
         if self.scan_unroll < 0:
             problems.append(f"model.scan_unroll={self.scan_unroll} must be >= 1, or 0 for auto")
         if self.head_dim % 2:

@@ -41,6 +41,8 @@ def make_schedule(
         raise ValueError(f"optimizer.warmup_steps={warmup_steps} must lie in [0, steps={total_steps}]")
     if not 0.0 <= decay_fraction <= 1.0:
         raise ValueError(f"optimizer.decay_fraction={decay_fraction} must lie in [0, 1]")
+    if not 0.0 <= min_lr_ratio <= 1.0:  # above 1 the schedule ends above its peak; below 0 it ascends the loss
+        raise ValueError(f"optimizer.min_lr_ratio={min_lr_ratio} must lie in [0, 1]")
     floor = peak * min_lr_ratio
     rest = max(total_steps - warmup_steps, 1)
     if name == "constant":

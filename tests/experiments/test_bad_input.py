@@ -29,6 +29,12 @@ from test_train import small_config  # noqa: E402
         ({"log_every": -1}, "config.log_every=-1 must be >= 1"),
         ({"model.d_model": 0}, "config.model.d_model=0 must be >= 1"),
         ({"optimizer.warmup_steps": -1}, "config.optimizer.warmup_steps=-1 must be >= 0"),
+        # a negative clipping norm or loss weight would ascend the loss; these were accepted
+        ({"optimizer.grad_clip_norm": -1.0}, "config.optimizer.grad_clip_norm=-1.0 must be >= 0"),
+        ({"loss.z_loss": -1e-4}, "config.loss.z_loss=-0.0001 must be >= 0"),
+        ({"moe.balance_loss": -0.01}, "config.moe.balance_loss=-0.01 must be >= 0"),
+        ({"optimizer.min_lr_ratio": 1.5}, "optimizer.min_lr_ratio=1.5 must lie in \\[0, 1\\]"),
+        ({"model.rope_theta": 0.0}, "model.rope_theta=0.0 must be > 0"),
         ({"mesh": "foo:1"}, None),  # a one-device axis no rule uses does no duplicate work: accepted
         pytest.param({"mesh": "data:4,foo:2", "devices": 8}, "mesh axis 'foo' \\(2 devices\\) is used by no rule of --config.rules=fsdp",
                      marks=pytest.mark.devices(8)),

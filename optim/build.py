@@ -22,7 +22,7 @@ from typing import Any
 import optax
 
 import kernels_pallas.quantized_update as qu
-from optim import cross_replica, registry, run_wrappers, schedules, spec
+from optim import cross_replica, quantize_state_fused, registry, run_wrappers, schedules, spec
 from optim.cautious import cautious
 from optim.quantize_state import quantize_state
 
@@ -134,10 +134,12 @@ def transform(
     state_bits = int(config.get("state_bits") or 0)
     if state_bits not in (0, 4, 8):
         raise ValueError(f"optimizer.state_bits={state_bits}: use 0 (fp32 state), 8 or 4")
+    kernel = config.get("state_kernel") or "auto"
+    if kernel not in quantize_state_fused.KERNELS:  # checked with fp32 state too, where it does nothing
+        raise ValueError(f"optimizer.state_kernel={kernel!r} must be one of {', '.join(quantize_state_fused.KERNELS)}")
     tx = optimizer.transform()
     if not isinstance(optimizer, spec.WrapperSpec):
         if state_bits:
-            kernel = config.get("state_kernel") or "auto"
             interpret = qu.api.platform() == "cpu"
             tx = quantize_state(
                 tx, bits=state_bits, kernel=kernel, fused=optimizer.fused_update(), param_specs=param_specs, interpret=interpret

@@ -35,6 +35,7 @@ from test_train import small_config  # noqa: E402
         ({"moe.balance_loss": -0.01}, "config.moe.balance_loss=-0.01 must be >= 0"),
         ({"optimizer.min_lr_ratio": 1.5}, "optimizer.min_lr_ratio=1.5 must lie in \\[0, 1\\]"),
         ({"model.rope_theta": 0.0}, "model.rope_theta=0.0 must be > 0"),
+        ({"optimizer.state_kernel": "triton"}, "optimizer.state_kernel='triton' must be one of auto, xla, pallas"),  # ignored at fp32
         ({"mesh": "foo:1"}, None),  # a one-device axis no rule uses does no duplicate work: accepted
         pytest.param({"mesh": "data:4,foo:2", "devices": 8}, "mesh axis 'foo' \\(2 devices\\) is used by no rule of --config.rules=fsdp",
                      marks=pytest.mark.devices(8)),

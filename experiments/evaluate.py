@@ -274,6 +274,8 @@ def evaluate(
         raise cli.UsageError(f"--max_tokens={max_tokens} must be >= 0 (0: all of --val_files)")
     if hf_dir and step is not None:
         raise cli.UsageError(f"--step={step} picks a checkpoint of --workdir; an --hf folder holds one set of weights")
+    if seq_len and not (text or val_files):
+        raise cli.UsageError(f"--seq_len={seq_len} is the window of --text and --val_files; the run's validation set keeps its data.seq_len")
     config = None
     if workdir:
         scorer, config = from_run(workdir, step, mesh, tokenizer_spec)
@@ -330,7 +332,7 @@ def define_flags() -> None:
     flags.DEFINE_list("tasks", [], "Multiple-choice JSONL files ({context, choices, label} per line).")
     flags.DEFINE_string("tokenizer", None, "Tokenizer spec (lm.data.tokenizer.load); default: the run's, or --hf's tokenizer.json, else bytes.")
     flags.DEFINE_string("mesh", "", "Mesh to evaluate on (sharding.mesh.make_mesh); empty: every device data-parallel.")
-    flags.DEFINE_integer("seq_len", 0, "Window of --text scoring; 0: the run's data.seq_len (--hf: min(1024, max_seq_len)).")
+    flags.DEFINE_integer("seq_len", 0, "Window of --text and --val_files scoring; 0: the run's data.seq_len (--hf: min(1024, max_seq_len)).")
     flags.DEFINE_integer("batch_size", 16, "Rows per scoring batch (rounded up to a multiple of the batch shards).")
     flags.DEFINE_string("out", None, "Also write the results JSON here.")
     cli.define_cpu_devices_flag()

@@ -48,8 +48,7 @@ def main(argv: list[str]) -> None:
     del argv
     if not FLAGS.out:
         cli.usage_exit("--out is required: the folder to write tokenizer.json into")
-    if FLAGS.max_bytes < 1:
-        cli.usage_exit(f"--max_bytes={FLAGS.max_bytes} must be >= 1")
+    cli.require_counts("max_bytes")
     try:
         files = documents.expand(FLAGS.input) if FLAGS.input else documents.stdlib_files()
         errors = FLAGS.errors or ("strict" if FLAGS.input else "replace")

@@ -49,7 +49,7 @@ class ModelConfig:
     qk_norm: bool = False
     dtype: str = "float32"  # compute dtype; parameters are always float32
     scan_layers: bool = True  # one compiled block, scanned over depth
-    scan_unroll: int = 0  # blocks per scan iteration; 0: auto, every block on XLA:CPU without remat, else 1 (lm.transformer.layers_per_iteration)
+    scan_unroll: int = 0  # blocks per scan iteration; 0: auto, every block on XLA:CPU without remat (XLA optimising), else 1 (lm.transformer.layers_per_iteration)
     remat: str = "none"  # what the backward pass recomputes, a policy in lm/remat.py (true: "full")
     loss_chunk: str = "auto"  # logits rows (tokens) per chunk of the fused LM head + loss; auto | none | N (lm/loss.py)
     track_attn_logits: bool = False  # report per-layer, per-head max pre-softmax logits

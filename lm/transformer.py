@@ -132,19 +132,23 @@ def in_model_layout(cfg: ModelConfig, x: jax.Array | None) -> jax.Array | None:
 
 def layers_per_iteration(cfg: ModelConfig, n_blocks: int) -> int:
     """Blocks per iteration of the scan over ``n_blocks`` stacked blocks: ``cfg.scan_unroll``, or with 0
-    (auto) all of them on XLA:CPU without remat and one otherwise.
+    (auto) all of them on XLA:CPU without remat where XLA optimises, and one otherwise.
 
     XLA:CPU keeps a rolled scan's residuals for the backward pass in zero-filled ``(layers, ...)``
     stacks written and read by dynamic slices; fully unrolled they are plain buffers and the step is
     faster (docs/benchmarks.md section 14, 2 cores: `tiny` 1.20x, `small` 1.06x; compile time no
     higher). Under a remat policy the scan stays rolled: in straight-line code XLA:CPU schedules the
     recomputation early and keeps what it should free (temporaries of a `tiny` gradient with
-    ``remat="full"``: 43 MiB rolled, 125 MiB unrolled, as without remat). On accelerators one block
-    per iteration keeps compile time flat in depth.
+    ``remat="full"``: 43 MiB rolled, 125 MiB unrolled, as without remat). It also stays rolled when
+    XLA is told to skip most optimisations (``jax_disable_most_optimizations``: compile time before
+    run time): at XLA's lowest level the unrolled `tiny` step compiles in 0.82 CPU-s instead of 0.48
+    and gains only 0.09 CPU-s a step (docs/benchmarks.md 22k). On accelerators one block per
+    iteration keeps compile time flat in depth.
     """
     if cfg.scan_unroll:
         return min(cfg.scan_unroll, n_blocks)
-    return n_blocks if jax.default_backend() == "cpu" and cfg.remat == "none" else 1
+    optimised = not jax.config.read("jax_disable_most_optimizations")
+    return n_blocks if jax.default_backend() == "cpu" and cfg.remat == "none" and optimised else 1
 
 
 def scan_blocks(cfg: ModelConfig, blocks: Block, x: jax.Array, segment_ids: jax.Array | None, order: np.ndarray | None = None):

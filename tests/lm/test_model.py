@@ -111,7 +111,7 @@ def scanned_reference():
 @pytest.mark.parametrize(
     "overrides",
     [
-        dict(scan_unroll=0),
+        dict(scan_unroll=2),  # every block in one iteration: the straight-line body XLA:CPU's auto unroll runs
         dict(remat="full"),
         dict(remat="dots_with_no_batch_dims_saveable", scan_unroll=2),
         dict(remat="dots_and_attention"),
@@ -132,17 +132,25 @@ def test_unrolled_layers_unroll_and_remat_policies_match_scan(scanned_reference,
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_auto_unroll_runs_every_block_at_once_on_the_cpu_unless_remat_is_on():
+@pytest.mark.parametrize("optimised", [True, False], ids=["xla_optimises", "most_optimisations_off"])
+def test_auto_unroll_runs_every_block_at_once_on_the_cpu_unless_remat_is_on(optimised):
     """issue 33: ``scan_unroll=0`` (the default) unrolls the whole scan on XLA:CPU, whose rolled scan
     writes zero-filled residual stacks; under remat the scan stays rolled (unrolled, XLA:CPU keeps
-    what remat should free); an explicit value is kept, capped at the number of blocks."""
+    what remat should free), and where XLA skips most optimisations (compile time first); an explicit
+    value is kept, capped at the number of blocks."""
     cfg = config_lib.from_preset("tiny")
     assert cfg.scan_unroll == 0
-    on_cpu = jax.default_backend() == "cpu"
-    assert transformer.layers_per_iteration(cfg, 4) == (4 if on_cpu else 1)
-    assert transformer.layers_per_iteration(dataclasses.replace(cfg, remat="full"), 4) == 1
-    assert transformer.layers_per_iteration(dataclasses.replace(cfg, scan_unroll=2), 4) == 2
-    assert transformer.layers_per_iteration(dataclasses.replace(cfg, scan_unroll=8), 4) == 4
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", not optimised)
+    try:
+        unrolled = transformer.layers_per_iteration(cfg, 4)
+        with_remat = transformer.layers_per_iteration(dataclasses.replace(cfg, remat="full"), 4)
+        explicit = [transformer.layers_per_iteration(dataclasses.replace(cfg, scan_unroll=n), 4) for n in (2, 8)]
+    finally:
+        jax.config.update("jax_disable_most_optimizations", previous)
+    assert unrolled == (4 if jax.default_backend() == "cpu" and optimised else 1)
+    assert with_remat == 1
+    assert explicit == [2, 4]
 
 
 @pytest.mark.xla_optimized  # bit-exact across two programs: the result of XLA's optimised numerics

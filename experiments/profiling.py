@@ -28,6 +28,7 @@ import dataclasses
 import gzip
 import json
 import re
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -65,12 +66,22 @@ class StepTrace:
 
     The loop calls ``begin(step, state)`` before dispatching step ``step`` and ``end(step, state)`` after;
     the trace starts and stops with the device idle (``state`` ready), so it holds those steps alone.
-    ``enabled=False`` (every process but 0 of a job) traces nothing.
+    ``enabled=False`` (every process but 0 of a job) traces nothing. A run resumed after step
+    ``resumed_at`` traces what is left of the window and says so, or says that none of it is.
     """
 
-    def __init__(self, steps: tuple[int, int] | None, workdir: str | Path, *, enabled: bool = True):
+    def __init__(self, steps: tuple[int, int] | None, workdir: str | Path, *, enabled: bool = True, resumed_at: int = 0):
         self.steps, self.workdir, self.active = steps if enabled else None, storage.workdir(workdir), False
         self._local: str | None = None  # the local folder of a trace bound for object storage
+        if self.steps and resumed_at >= self.steps[0]:
+            start, stop = self.steps
+            if resumed_at >= stop:
+                print(f"profile={start}:{stop} lies before the resumed step {resumed_at}: nothing is traced "
+                      f"(give a window after it, e.g. --config.profile={resumed_at + 1}:{resumed_at + 1 + stop - start})", file=sys.stderr)  # fmt: skip
+                self.steps = None
+            else:
+                print(f"profile={start}:{stop}: resumed after step {resumed_at}, so steps {resumed_at + 1} to {stop} are traced", file=sys.stderr)
+                self.steps = (resumed_at + 1, stop)
 
     def begin(self, step: int, state: Any) -> contextlib.AbstractContextManager:
         """Starts the trace at ``START``; returns the step's annotation (a null context outside the trace)."""

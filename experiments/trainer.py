@@ -279,7 +279,7 @@ def _loop(
     # first, so no checkpoint is saved past a step that ends the run.
     in_flight: collections.deque = collections.deque()
     previous_ready = time.perf_counter()
-    trace = profiling.StepTrace(settings.profile, workdir, enabled=lead)
+    trace = profiling.StepTrace(settings.profile, workdir, enabled=lead, resumed_at=start)
     try:
         for step in range(start, settings.steps):
             done = step + 1

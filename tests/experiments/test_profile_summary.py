@@ -26,6 +26,26 @@ def test_profiled_run_traces_its_steps_and_summarises_on_cpu(tmp_path):
     table = profiling.format_summary(summary)
     assert "2 traced step(s)" in table and "idle" in table and summary.top[0][1] in table
 
+    config.update_from_flattened_dict({"steps": 4, "profile": "2:4"})  # resumed after step 3: the window's step 4 is left
+    trainer.run(config, tmp_path)
+    assert len(list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))) == 2
+    assert profiling.summarize(profiling.load_events(tmp_path)).steps == 1  # the newest trace
+
+
+@pytest.mark.parametrize(
+    "resumed_at, traced, message",
+    [
+        (0, (3, 5), None),
+        (2, (3, 5), None),
+        (3, (4, 5), "profile=3:5: resumed after step 3, so steps 4 to 5 are traced"),
+        (5, None, "profile=3:5 lies before the resumed step 5: nothing is traced (give a window after it, e.g. --config.profile=6:8)"),
+    ],
+)
+def test_a_resumed_run_traces_what_is_left_of_its_window_and_says_so(tmp_path, capsys, resumed_at, traced, message):
+    trace = profiling.StepTrace((3, 5), tmp_path, resumed_at=resumed_at)  # was: waited for step 3, traced nothing
+    assert trace.steps == traced
+    assert capsys.readouterr().err.strip() == (message or "")
+
 
 def _gpu_trace(path):
     """A GPU-shaped trace: a device process with a stream line, derived "XLA Ops" line, host events."""

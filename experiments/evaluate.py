@@ -44,6 +44,8 @@ from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib
 
+DEFAULT_MAX_TOKENS = 1 << 20  # tokens of --val_files scored when --max_tokens is not given
+
 
 @dataclasses.dataclass(frozen=True)
 class Scorer:
@@ -258,7 +260,7 @@ def evaluate(
     step: int | None = None,
     text: str = "",
     val_files: str = "",
-    max_tokens: int = 0,
+    max_tokens: int | None = None,
     tasks: Sequence[str] = (),
     mesh: str = "",
     tokenizer_spec: str = "",
@@ -270,6 +272,9 @@ def evaluate(
         raise cli.UsageError("give exactly one of --workdir (a training run) and --hf (a transformers checkpoint)")
     if batch_size < 1:
         raise cli.UsageError(f"--batch_size={batch_size} must be >= 1")
+    if max_tokens is not None and not val_files:
+        raise cli.UsageError(f"--max_tokens={max_tokens} bounds --val_files; give the shards with --val_files, or drop it")
+    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     if max_tokens < 0:
         raise cli.UsageError(f"--max_tokens={max_tokens} must be >= 0 (0: all of --val_files)")
     if hf_dir and step is not None:
@@ -328,7 +333,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("step", None, "Checkpoint step of --workdir; default: the newest.")
     flags.DEFINE_string("text", None, "A UTF-8 text file to report bits per byte on.")
     flags.DEFINE_string("val_files", None, "Held-out token shards (glob, comma-separated) to report bits per byte on.")
-    flags.DEFINE_integer("max_tokens", 1 << 20, "Score at most this many tokens of --val_files; 0: all.")
+    flags.DEFINE_integer("max_tokens", None, f"Score at most this many tokens of --val_files (default {DEFAULT_MAX_TOKENS:,}); 0: all.")
     flags.DEFINE_list("tasks", [], "Multiple-choice JSONL files ({context, choices, label} per line).")
     flags.DEFINE_string("tokenizer", None, "Tokenizer spec (lm.data.tokenizer.load); default: the run's, or --hf's tokenizer.json, else bytes.")
     flags.DEFINE_string("mesh", "", "Mesh to evaluate on (sharding.mesh.make_mesh); empty: every device data-parallel.")

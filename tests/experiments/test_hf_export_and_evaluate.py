@@ -150,7 +150,8 @@ def test_a_malformed_task_line_is_named(tmp_path, line, message):
     "arguments, message",
     [
         ({"hf_dir": "x", "step": 3}, "--step=3 picks a checkpoint of --workdir; an --hf folder holds one set of weights"),
-        ({"hf_dir": "x", "max_tokens": -1}, "--max_tokens=-1 must be >= 0"),
+        ({"hf_dir": "x", "val_files": "v", "max_tokens": -1}, "--max_tokens=-1 must be >= 0"),
+        ({"workdir": "x", "max_tokens": 1000}, "--max_tokens=1000 bounds --val_files; give the shards"),  # was ignored
         ({"workdir": "x", "seq_len": 64}, "--seq_len=64 is the window of --text and --val_files"),  # was ignored
         ({"workdir": "x", "hf_dir": "y"}, "give exactly one of --workdir"),
     ],

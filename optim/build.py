@@ -153,22 +153,25 @@ def transform(
         tx = optax.chain(cross_replica.mean_over_replicas(replica_axis), tx)
     if not run_wrappers.active(config):
         return tx
+    return run_wrappers.apply(tx, config, learning_rate_fn(config, total_steps), peak_learning_rate(config))
+
+
+def peak_learning_rate(config: Mapping[str, Any]) -> float:
+    """``learning_rate``, or when None the spec's default (a wrapper's: its inner optimizer's), range-checked."""
     cls = registry.spec_class(inner_name(config) or config["name"])
-    peak = config.get("learning_rate") or spec.defaults(cls)["learning_rate"]
-    return run_wrappers.apply(tx, config, learning_rate_fn(config, total_steps), float(peak))
-
-
-def learning_rate_fn(config: Mapping[str, Any], total_steps: int) -> optax.Schedule:
-    """The schedule `build` uses, for logging the learning rate; peak ``learning_rate`` or the spec's default,
-    ``warmup_steps`` or, when None, `schedules.default_warmup`."""
-    cls = registry.spec_class(inner_name(config) or config["name"])  # a wrapper's learning rate is its inner optimizer's
     peak = config.get("learning_rate")
     if peak is None:
         peak = spec.defaults(cls)["learning_rate"]
-    spec.check_value("learning_rate", peak, spec.field_ranges(cls)["learning_rate"])  # the schedule's peak
+    spec.check_value("learning_rate", peak, spec.field_ranges(cls)["learning_rate"])
+    return float(peak)
+
+
+def learning_rate_fn(config: Mapping[str, Any], total_steps: int) -> optax.Schedule:
+    """The schedule `build` uses, for logging the learning rate: from `peak_learning_rate`, over
+    ``warmup_steps`` or, when None, `schedules.default_warmup`."""
     return schedules.make_schedule(
         config.get("schedule", "cosine"),
-        float(peak),
+        peak_learning_rate(config),
         total_steps,
         warmup_steps=int(warmup if (warmup := config.get("warmup_steps", 0)) is not None else schedules.default_warmup(total_steps)),
         min_lr_ratio=float(config.get("min_lr_ratio", 0.1)),

@@ -5,8 +5,8 @@ r"""Where a training step's device time goes: a jax profiler trace summarised by
     python -m experiments.profile_summary runs/p [--top=20]
 
 ``--config.profile=START:STOP`` (`StepTrace`) traces steps ``START`` through ``STOP`` (the numbering of
-``metrics.jsonl``) with `jax.profiler` into ``WORKDIR/plugins/profile/<run>/``: an ``.xplane.pb`` that
-TensorBoard's profile plugin and XProf read (``tensorboard --logdir=WORKDIR``), and the same trace as
+``metrics.jsonl``; step 1 also compiles the step, so a window from 2 on holds steps alone) with
+`jax.profiler` into ``WORKDIR/plugins/profile/<run>/``: an ``.xplane.pb`` that TensorBoard's profile plugin and XProf read (``tensorboard --logdir=WORKDIR``), and the same trace as
 Chrome trace-event JSON (``*.trace.json.gz``, ``perfetto_trace.json.gz``), which this module reads
 without any plugin. Only process 0 traces; into a workdir in object storage (``gs://...``) the trace is
 written locally and copied when it stops (jax's profiler writes local files only). Each step carries a `jax.profiler.StepTraceAnnotation`, so XProf's step view and
@@ -67,21 +67,22 @@ class StepTrace:
     The loop calls ``begin(step, state)`` before dispatching step ``step`` and ``end(step, state)`` after;
     the trace starts and stops with the device idle (``state`` ready), so it holds those steps alone.
     ``enabled=False`` (every process but 0 of a job) traces nothing. A run resumed after step
-    ``resumed_at`` traces what is left of the window and says so, or says that none of it is.
+    ``resumed_at`` compiles in its first step, so it traces the steps of the window after that one and
+    says which, or that none is left.
     """
 
     def __init__(self, steps: tuple[int, int] | None, workdir: str | Path, *, enabled: bool = True, resumed_at: int = 0):
         self.steps, self.workdir, self.active = steps if enabled else None, storage.workdir(workdir), False
         self._local: str | None = None  # the local folder of a trace bound for object storage
-        if self.steps and resumed_at >= self.steps[0]:
-            start, stop = self.steps
-            if resumed_at >= stop:
-                print(f"profile={start}:{stop} lies before the resumed step {resumed_at}: nothing is traced "
-                      f"(give a window after it, e.g. --config.profile={resumed_at + 1}:{resumed_at + 1 + stop - start})", file=sys.stderr)  # fmt: skip
+        if self.steps and resumed_at and resumed_at + 1 >= self.steps[0]:
+            (start, stop), first = self.steps, resumed_at + 2
+            said = f"profile={start}:{stop}: resumed after step {resumed_at}, and step {resumed_at + 1} compiles"
+            if first > stop:
+                print(f"{said}: no step of the window is left to trace (give a later one, e.g. --config.profile={first}:{first + stop - start})", file=sys.stderr)
                 self.steps = None
             else:
-                print(f"profile={start}:{stop}: resumed after step {resumed_at}, so steps {resumed_at + 1} to {stop} are traced", file=sys.stderr)
-                self.steps = (resumed_at + 1, stop)
+                print(f"{said}: steps {first} to {stop} are traced", file=sys.stderr)
+                self.steps = (first, stop)
 
     def begin(self, step: int, state: Any) -> contextlib.AbstractContextManager:
         """Starts the trace at ``START``; returns the step's annotation (a null context outside the trace)."""

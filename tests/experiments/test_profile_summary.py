@@ -10,13 +10,13 @@ from experiments import cli, hlo_bytes, profiling, trainer
 from experiments.configs import default
 
 
-def test_profiled_run_traces_its_steps_and_summarises_on_cpu(tmp_path):
+def test_profiled_run_traces_its_steps_and_summarises_on_cpu(tmp_path, capsys):
     config = default.get_config()
     config.update_from_flattened_dict(
-        {"steps": 3, "batch_size": 4, "data.seq_len": 16, "eval_every": 100, "eval_batches": 1, "log_every": 1,
+        {"steps": 5, "batch_size": 4, "data.seq_len": 16, "eval_every": 100, "eval_batches": 1, "log_every": 1,
          "checkpoint_every": 100, "devices": 1, "profile": "2:3", "optimizer.warmup_steps": 1}
     )  # fmt: skip
-    trainer.run(config, tmp_path)
+    trainer.run(config, tmp_path, interrupt_at=3)  # traces steps 2 and 3
     assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))  # what TensorBoard / XProf read
     events = profiling.load_events(tmp_path)
     summary = profiling.summarize(events, top=5)
@@ -26,8 +26,9 @@ def test_profiled_run_traces_its_steps_and_summarises_on_cpu(tmp_path):
     table = profiling.format_summary(summary)
     assert "2 traced step(s)" in table and "idle" in table and summary.top[0][1] in table
 
-    config.update_from_flattened_dict({"steps": 4, "profile": "2:4"})  # resumed after step 3: the window's step 4 is left
+    config.profile = "2:5"  # resumed after step 3: step 4 compiles, step 5 is left to trace
     trainer.run(config, tmp_path)
+    assert "steps 5 to 5 are traced" in capsys.readouterr().err
     assert len(list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))) == 2
     assert profiling.summarize(profiling.load_events(tmp_path)).steps == 1  # the newest trace
 
@@ -36,9 +37,10 @@ def test_profiled_run_traces_its_steps_and_summarises_on_cpu(tmp_path):
     "resumed_at, traced, message",
     [
         (0, (3, 5), None),
-        (2, (3, 5), None),
-        (3, (4, 5), "profile=3:5: resumed after step 3, so steps 4 to 5 are traced"),
-        (5, None, "profile=3:5 lies before the resumed step 5: nothing is traced (give a window after it, e.g. --config.profile=6:8)"),
+        (1, (3, 5), None),  # its first step, 2, compiles outside the window
+        (2, (4, 5), "profile=3:5: resumed after step 2, and step 3 compiles: steps 4 to 5 are traced"),
+        (4, None, "profile=3:5: resumed after step 4, and step 5 compiles: no step of the window is left to trace (give a later one, e.g. --config.profile=6:8)"),
+        (7, None, "profile=3:5: resumed after step 7, and step 8 compiles: no step of the window is left to trace (give a later one, e.g. --config.profile=9:11)"),
     ],
 )
 def test_a_resumed_run_traces_what_is_left_of_its_window_and_says_so(tmp_path, capsys, resumed_at, traced, message):

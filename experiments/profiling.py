@@ -6,11 +6,13 @@ r"""Where a training step's device time goes: a jax profiler trace summarised by
 
 ``--config.profile=START:STOP`` (`StepTrace`) traces steps ``START`` through ``STOP`` (the numbering of
 ``metrics.jsonl``; step 1 also compiles the step, so a window from 2 on holds steps alone) with
-`jax.profiler` into ``WORKDIR/plugins/profile/<run>/``: an ``.xplane.pb`` that TensorBoard's profile plugin and XProf read (``tensorboard --logdir=WORKDIR``), and the same trace as
-Chrome trace-event JSON (``*.trace.json.gz``, ``perfetto_trace.json.gz``), which this module reads
-without any plugin. Only process 0 traces; into a workdir in object storage (``gs://...``) the trace is
-written locally and copied when it stops (jax's profiler writes local files only). Each step carries a `jax.profiler.StepTraceAnnotation`, so XProf's step view and
-this summary both know how many steps the trace holds.
+`jax.profiler` into ``WORKDIR/plugins/profile/<run>/``: an ``.xplane.pb`` that TensorBoard's profile
+plugin and XProf read (``tensorboard --logdir=WORKDIR``), and the same trace as Chrome trace-event JSON
+(``*.trace.json.gz``, ``perfetto_trace.json.gz``), which this module reads without any plugin. Only
+process 0 traces; into a workdir in object storage (``gs://...``) the trace is written locally and
+copied when it stops (jax's profiler writes local files only). Each step carries a
+`jax.profiler.StepTraceAnnotation`, so XProf's step view and this summary both know how many steps
+the trace holds.
 
 The summary counts *kernels*: on a GPU the events of the device's stream lines (kernels, memcpys),
 on the CPU the XLA thunks (events that name their ``hlo_op``). Each falls in one category by its
@@ -78,7 +80,8 @@ class StepTrace:
             (start, stop), first = self.steps, resumed_at + 2
             said = f"profile={start}:{stop}: resumed after step {resumed_at}, and step {resumed_at + 1} compiles"
             if first > stop:
-                print(f"{said}: no step of the window is left to trace (give a later one, e.g. --config.profile={first}:{first + stop - start})", file=sys.stderr)
+                later = f"{first}:{first + stop - start}"
+                print(f"{said}: no step of the window is left to trace (give a later one, e.g. --config.profile={later})", file=sys.stderr)
                 self.steps = None
             else:
                 print(f"{said}: steps {first} to {stop} are traced", file=sys.stderr)

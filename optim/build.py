@@ -174,6 +174,6 @@ def learning_rate_fn(config: Mapping[str, Any], total_steps: int) -> optax.Sched
         peak_learning_rate(config),
         total_steps,
         warmup_steps=int(warmup if (warmup := config.get("warmup_steps", 0)) is not None else schedules.default_warmup(total_steps)),
-        min_lr_ratio=float(config.get("min_lr_ratio", 0.1)),
-        decay_fraction=float(config.get("decay_fraction", 0.2)),
+        min_lr_ratio=float(config.get("min_lr_ratio", schedules.DEFAULT_MIN_LR_RATIO)),
+        decay_fraction=float(config.get("decay_fraction", schedules.DEFAULT_DECAY_FRACTION)),
     )

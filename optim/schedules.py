@@ -16,6 +16,8 @@ import optax
 
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
 DEFAULT_WARMUP_STEPS = 20
+DEFAULT_MIN_LR_RATIO = 0.1
+DEFAULT_DECAY_FRACTION = 0.2
 
 
 def default_warmup(total_steps: int) -> int:
@@ -29,10 +31,11 @@ def make_schedule(
     total_steps: int,
     *,
     warmup_steps: int = 0,
-    min_lr_ratio: float = 0.1,
-    decay_fraction: float = 0.2,
+    min_lr_ratio: float = DEFAULT_MIN_LR_RATIO,
+    decay_fraction: float = DEFAULT_DECAY_FRACTION,
 ) -> optax.Schedule:
-    """Returns the schedule ``name`` for a run of ``total_steps`` steps."""
+    """Returns the schedule ``name`` for a run of ``total_steps`` steps. A setting the schedule does not
+    read (``min_lr_ratio`` by ``constant``, ``decay_fraction`` by all but ``wsd``) must keep its default."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; set optimizer.schedule to one of {', '.join(SCHEDULES)}")
     if total_steps < 1:
@@ -43,6 +46,14 @@ def make_schedule(
         raise ValueError(f"optimizer.decay_fraction={decay_fraction} must lie in [0, 1]")
     if not 0.0 <= min_lr_ratio <= 1.0:  # above 1 the schedule ends above its peak; below 0 it ascends the loss
         raise ValueError(f"optimizer.min_lr_ratio={min_lr_ratio} must lie in [0, 1]")
+    unread = {"decay_fraction": (decay_fraction, DEFAULT_DECAY_FRACTION)} if name != "wsd" else {}
+    if name == "constant":
+        unread["min_lr_ratio"] = (min_lr_ratio, DEFAULT_MIN_LR_RATIO)
+    for key, (value, default) in unread.items():
+        if value != default:
+            raise ValueError(
+                f"optimizer.{key}={value} is not read by schedule {name!r}; leave it at {default}, or pick a schedule that reads it"
+            )
     floor = peak * min_lr_ratio
     rest = max(total_steps - warmup_steps, 1)
     if name == "constant":

@@ -15,7 +15,7 @@ from ml_collections import config_dict
 from experiments.configs import blocks
 from lm import config as model_config
 from lm.data import input_pipeline
-from optim import registry, run_wrappers, spec
+from optim import registry, run_wrappers, schedules, spec
 
 
 def optimizer_config(name: str = "adamw", learning_rate: float | None = None, *, only: bool = False) -> ml_collections.ConfigDict:
@@ -27,8 +27,8 @@ def optimizer_config(name: str = "adamw", learning_rate: float | None = None, *,
     opt.learning_rate = config_dict.placeholder(float) if learning_rate is None else learning_rate
     opt.schedule = "cosine"  # constant | cosine | linear | wsd
     opt.warmup_steps = config_dict.placeholder(int)  # None: min(20, steps // 10) (optim.schedules.default_warmup)
-    opt.min_lr_ratio = 0.1  # the schedule ends at this fraction of the peak learning rate
-    opt.decay_fraction = 0.2  # wsd only: fraction of the run spent decaying
+    opt.min_lr_ratio = schedules.DEFAULT_MIN_LR_RATIO  # the schedule ends at this fraction of the peak (not constant's)
+    opt.decay_fraction = schedules.DEFAULT_DECAY_FRACTION  # wsd only: fraction of the run spent decaying
     opt.weight_decay = config_dict.placeholder(float)  # None: the optimizer's own default
     opt.grad_clip_norm = 1.0  # clip the gradient to this global norm; 0: no clipping
     opt.cautious = False  # mask update entries that disagree in sign with the gradient

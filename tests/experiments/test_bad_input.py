@@ -34,6 +34,9 @@ from test_train import small_config  # noqa: E402
         ({"loss.z_loss": -1e-4}, "config.loss.z_loss=-0.0001 must be >= 0"),
         ({"moe.balance_loss": -0.01}, "config.moe.balance_loss=-0.01 must be >= 0"),
         ({"optimizer.min_lr_ratio": 1.5}, "optimizer.min_lr_ratio=1.5 must lie in \\[0, 1\\]"),
+        # settings the schedule does not read; these were ignored
+        ({"optimizer.decay_fraction": 0.3}, "optimizer.decay_fraction=0.3 is not read by schedule 'cosine'; leave it at 0.2"),
+        ({"optimizer.schedule": "constant", "optimizer.min_lr_ratio": 0.0}, "optimizer.min_lr_ratio=0.0 is not read by schedule 'constant'"),
         ({"model.rope_theta": 0.0}, "model.rope_theta=0.0 must be > 0"),
         ({"optimizer.state_kernel": "triton"}, "optimizer.state_kernel='triton' must be one of auto, xla, pallas"),  # ignored at fp32
         ({"mesh": "foo:1"}, None),  # a one-device axis no rule uses does no duplicate work: accepted

@@ -5,7 +5,7 @@ r"""Where a training step's device time goes: a jax profiler trace summarised by
     python -m experiments.profile_summary runs/p [--top=20]
 
 ``--config.profile=START:STOP`` (`StepTrace`) traces steps ``START`` through ``STOP`` (the numbering of
-``metrics.jsonl``; step 1 also compiles the step, so a window from 2 on holds steps alone) with
+``metrics.jsonl``; a run's first step compiles and is left out of the window, with a line that says so) with
 `jax.profiler` into ``WORKDIR/plugins/profile/<run>/``: an ``.xplane.pb`` that TensorBoard's profile
 plugin and XProf read (``tensorboard --logdir=WORKDIR``), and the same trace as Chrome trace-event JSON
 (``*.trace.json.gz``, ``perfetto_trace.json.gz``), which this module reads without any plugin. Only
@@ -68,17 +68,18 @@ class StepTrace:
 
     The loop calls ``begin(step, state)`` before dispatching step ``step`` and ``end(step, state)`` after;
     the trace starts and stops with the device idle (``state`` ready), so it holds those steps alone.
-    ``enabled=False`` (every process but 0 of a job) traces nothing. A run resumed after step
-    ``resumed_at`` compiles in its first step, so it traces the steps of the window after that one and
-    says which, or that none is left.
+    ``enabled=False`` (every process but 0 of a job) traces nothing. A run's first step (1, or
+    ``resumed_at + 1`` for a run resumed after step ``resumed_at``) compiles, so a window holding it
+    traces the steps after it and says which, or that none is left.
     """
 
     def __init__(self, steps: tuple[int, int] | None, workdir: str | Path, *, enabled: bool = True, resumed_at: int = 0):
         self.steps, self.workdir, self.active = steps if enabled else None, storage.workdir(workdir), False
         self._local: str | None = None  # the local folder of a trace bound for object storage
-        if self.steps and resumed_at and resumed_at + 1 >= self.steps[0]:
+        if self.steps and resumed_at + 1 >= self.steps[0]:
             (start, stop), first = self.steps, resumed_at + 2
-            said = f"profile={start}:{stop}: resumed after step {resumed_at}, and step {resumed_at + 1} compiles"
+            resumed = f"resumed after step {resumed_at}, and " if resumed_at else ""
+            said = f"profile={start}:{stop}: {resumed}step {resumed_at + 1} compiles"
             if first > stop:
                 later = f"{first}:{first + stop - start}"
                 print(f"{said}: no step of the window is left to trace (give a later one, e.g. --config.profile={later})", file=sys.stderr)

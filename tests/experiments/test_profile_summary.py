@@ -34,17 +34,21 @@ def test_profiled_run_traces_its_steps_and_summarises_on_cpu(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "resumed_at, traced, message",
+    "window, resumed_at, traced, message",
     [
-        (0, (3, 5), None),
-        (1, (3, 5), None),  # its first step, 2, compiles outside the window
-        (2, (4, 5), "profile=3:5: resumed after step 2, and step 3 compiles: steps 4 to 5 are traced"),
-        (4, None, "profile=3:5: resumed after step 4, and step 5 compiles: no step of the window is left to trace (give a later one, e.g. --config.profile=6:8)"),
-        (7, None, "profile=3:5: resumed after step 7, and step 8 compiles: no step of the window is left to trace (give a later one, e.g. --config.profile=9:11)"),
+        ((3, 5), 0, (3, 5), None),
+        ((1, 3), 0, (2, 3), "profile=1:3: step 1 compiles: steps 2 to 3 are traced"),  # was: traced the compile
+        ((1, 1), 0, None, "profile=1:1: step 1 compiles: no step of the window is left to trace (give a later one, e.g. --config.profile=2:2)"),
+        ((3, 5), 1, (3, 5), None),  # its first step, 2, compiles outside the window
+        ((3, 5), 2, (4, 5), "profile=3:5: resumed after step 2, and step 3 compiles: steps 4 to 5 are traced"),
+        ((3, 5), 4, None, "profile=3:5: resumed after step 4, and step 5 compiles: no step of the window is left to trace (give a later one, e.g. --config.profile=6:8)"),
+        ((3, 5), 7, None, "profile=3:5: resumed after step 7, and step 8 compiles: no step of the window is left to trace (give a later one, e.g. --config.profile=9:11)"),
     ],
 )
-def test_a_resumed_run_traces_what_is_left_of_its_window_and_says_so(tmp_path, capsys, resumed_at, traced, message):
-    trace = profiling.StepTrace((3, 5), tmp_path, resumed_at=resumed_at)  # was: waited for step 3, traced nothing
+def test_a_window_holding_the_runs_first_step_traces_the_steps_after_it_and_says_so(tmp_path, capsys, window, resumed_at, traced, message):
+    """A run's first step compiles: a fresh run's step 1, a resumed run's step after ``resumed_at``
+    (a resumed run waited for START and traced nothing; a fresh one traced the compile)."""
+    trace = profiling.StepTrace(window, tmp_path, resumed_at=resumed_at)
     assert trace.steps == traced
     assert capsys.readouterr().err.strip() == (message or "")
 

@@ -152,6 +152,7 @@ def run(
         _check_finished(workdir, latest, run_meta(config, spec.cfg, spec.shardings.replicas))
         return _finished(workdir, latest, config.steps)
     train_iter, val_batches = load_data(config, spec.cfg.vocab_size)
+    saved_config = _saved_config(workdir) if latest is not None else None
     workdir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
@@ -196,6 +197,8 @@ def run(
                 start, state, data_state = restored
                 if jax.process_index() == 0:
                     print(f"resuming from step {start} of {config.steps} in {workdir}", file=sys.stderr)
+                    if said := _schedule_change(saved_config, config, start):
+                        print(said, file=sys.stderr)
                 try:
                     train_iter.set_state(data_state)
                 except ValueError as e:
@@ -210,6 +213,32 @@ def run(
         for s, h in handlers.items():
             signal.signal(s, h)
     return summary
+
+
+def _saved_config(workdir: epath.Path) -> ml_collections.ConfigDict | None:
+    """The config a run in ``workdir`` wrote before this one overwrites it (None if it wrote none or it is not JSON)."""
+    try:
+        return ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+    except (OSError, ValueError, TypeError):  # JSONDecodeError is a ValueError
+        return None
+
+
+def _schedule_change(saved: ml_collections.ConfigDict | None, config: ml_collections.ConfigDict, step: int) -> str | None:
+    """The line a run resumed after ``step`` prints when its learning rate there differs from what the saved run's
+    schedule gave: the schedule is computed for this run's ``steps`` and settings, so a cosine run extended after it
+    ended climbs back up from its floor."""
+    try:
+        before = float(build.learning_rate_fn(saved.optimizer, saved.steps)(step))
+    except (AttributeError, KeyError, TypeError, ValueError):  # no saved config, or one this version cannot read
+        return None
+    now = float(build.learning_rate_fn(config.optimizer, config.steps)(step))
+    if np.isclose(now, before, rtol=1e-6, atol=0.0):
+        return None
+    why = f"steps={saved.steps} -> {config.steps}" if saved.steps != config.steps else "its optimizer's schedule settings changed"
+    return (
+        f"the learning rate of step {step + 1} is {now:.3g}, where the saved run's schedule gave {before:.3g} ({why}: "
+        "the schedule is recomputed for this run)"
+    )
 
 
 def _check_finished(workdir: epath.Path, step: int, meta: dict) -> None:

@@ -13,7 +13,7 @@ from experiments import cli, restore, run_spec, trainer
 from experiments.configs import default, resolved
 from experiments.metrics_io import read_metrics
 from lm.data import documents, tokenize, tokenizer
-from optim import registry, schedules
+from optim import build, registry, schedules
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -103,7 +103,8 @@ def test_rerun_of_a_finished_run_keeps_its_files_and_raised_steps_continue(run, 
     assert trainer.run(config, workdir, interrupt_at=2)["interrupted"]
     assert f"rerun with --workdir={workdir} to resume" in capsys.readouterr().err
     trainer.run(config, workdir)
-    assert "resuming from step 2 of 4" in capsys.readouterr().err
+    resumed = capsys.readouterr().err
+    assert "resuming from step 2 of 4" in resumed and "learning rate" not in resumed  # the same schedule
     before = {name: (workdir / name).read_bytes() for name in ("summary.json", "config.json", "metrics.jsonl")}
     capsys.readouterr()
     again = trainer.run(config, workdir)
@@ -113,7 +114,10 @@ def test_rerun_of_a_finished_run_keeps_its_files_and_raised_steps_continue(run, 
     config.unlock()
     config.steps = 6
     longer = trainer.run(config, workdir)
-    assert "resuming from step 4 of 6" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "resuming from step 4 of 6" in err
+    before, now = (build.learning_rate_fn(config.optimizer, steps)(4) for steps in (4, 6))
+    assert f"the learning rate of step 5 is {float(now):.3g}, where the saved run's schedule gave {float(before):.3g} (steps=4 -> 6" in err
     assert longer["steps"] == 6 and json.loads((workdir / "summary.json").read_text())["steps"] == 6
 
 

@@ -4,11 +4,13 @@ multi-process start-up flags (`sharding.multihost`)."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging as std_logging
 import sys
 from pathlib import Path
 from typing import NoReturn
 
+import ml_collections
 from absl import flags, logging
 from ml_collections import config_flags
 
@@ -83,10 +85,48 @@ def define_config_flag(default: str) -> flags.FlagHolder:
             "repeats that run); --config.<key>=<value> overrides a key, --list_config lists them all.", lock_config=True,
         )  # fmt: skip
     except (AttributeError, KeyError) as e:  # config_flags applies --config.* overrides right here
-        detail = str(e.args[0] if e.args else e).replace("\\'", "'").replace("\\n", "\n").strip("'\"")
-        key, _, hint = detail.partition("\n")
-        hint = f" ({hint.strip()})" if hint.strip() else ""
-        usage_exit(f"unknown config key {key.strip(chr(39))!r}{hint}; the keys are listed in {default}")
+        usage_exit(unknown_key_message(str(e.args[0] if e.args else e), default, sys.argv[1:]))
+
+
+def unknown_key_message(error: str, default: str, argv: list[str]) -> str:
+    """The line for a ``--config.<key>`` override that ml_collections refused with ``error``: the key's whole
+    path, ml_collections' near spelling in its block, and the keys of the same name in other blocks of the
+    config file ``default``."""
+    key, _, hint = error.replace("\\'", "'").replace("\\n", "\n").strip("'\"").partition("\n")
+    key = key.strip("'")
+    path = next((name for name in _override_names(argv) if name.rsplit(".", 1)[-1] == key), key)
+    elsewhere = [name for name in _config_keys(default) if name.rsplit(".", 1)[-1] == key and name != path]
+    hints = [hint.strip()] if hint.strip() else []
+    if elsewhere:
+        moves = " or ".join(f"--config.{name}" for name in elsewhere)
+        hints.append(f"or {moves}?" if hints else f"did you mean {moves}?")
+    hint = f" ({' '.join(hints)})" if hints else ""
+    return f"unknown config key {path!r}{hint}; the keys are listed in {default}"
+
+
+def _override_names(argv: list[str]) -> list[str]:
+    """The keys that ``--config.<key>=<value>`` arguments set (ml_collections names only the last part of a bad one)."""
+    return [arg.split("=", 1)[0].lstrip("-").removeprefix("config.") for arg in argv if arg.lstrip("-").startswith("config.")]
+
+
+def _config_keys(path: str) -> list[str]:
+    """Every dotted key of the config file ``path``'s ``get_config()`` (none when it cannot be loaded)."""
+    try:
+        module_spec = importlib.util.spec_from_file_location("_config_keys", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        config = module.get_config()
+    except (OSError, ImportError, AttributeError, TypeError, ValueError):
+        return []
+
+    def keys(block: ml_collections.ConfigDict, prefix: str) -> list[str]:
+        return [
+            name
+            for key, value in block.items()
+            for name in (keys(value, f"{prefix}{key}.") if isinstance(value, ml_collections.ConfigDict) else [f"{prefix}{key}"])
+        ]
+
+    return keys(config, "")
 
 
 def define_verbose_flag() -> flags.FlagHolder:

@@ -155,3 +155,20 @@ def test_a_count_flag_below_one_is_named(capsys):
     values["repeats"].value = 1
     cli.check_counts("repeats", flag_values=values)
     cli.require_counts("repeats", flag_values=values)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--config.optimizer.muon.learning_rate=1", "unknown config key 'optimizer.muon.learning_rate' (did you mean --config.optimizer.learning_rate?)"),
+        ("--config.model.seq_len=64", """unknown config key 'model.seq_len' (Did you mean "max_seq_len" instead of "seq_len"? or --config.data.seq_len?)"""),
+        ("--config.lr=1", f"unknown config key 'lr'; the keys are listed in {cli.DEFAULT_CONFIG}"),
+    ],
+)
+def test_an_unknown_config_key_is_named_whole_with_the_blocks_that_have_it(monkeypatch, capsys, override, message):
+    """ml_collections names only the last part of an unknown ``--config.<key>`` (was: "unknown config key
+    'learning_rate'"); the same key in another block is the likely fix."""
+    monkeypatch.setattr(sys, "argv", ["train", override])
+    with pytest.raises(SystemExit) as exit_:
+        cli.define_config_flag(cli.DEFAULT_CONFIG)  # refused before the flag is registered
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -244,7 +244,7 @@ def _cli(*args, cwd, env_extra=None, timeout=900):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--config.optimizer.nme=sgd"], "unknown config key 'nme'"),
+        (["--config.optimizer.nme=sgd"], """unknown config key 'optimizer.nme' (Did you mean "name" instead of "nme"?)"""),
         (["--config.model.preset=huge"], "unknown model preset 'huge'"),
         (["--config.steps=ten"], "--config.steps=ten"),
     ],

@@ -215,6 +215,10 @@ def run(
     return summary
 
 
+# The optimizer settings that shape the learning-rate schedule (`optim.build.learning_rate_fn`), besides ``steps``.
+_SCHEDULE_KEYS = ("learning_rate", "schedule", "warmup_steps", "min_lr_ratio", "decay_fraction")
+
+
 def _saved_config(workdir: epath.Path) -> ml_collections.ConfigDict | None:
     """The config a run in ``workdir`` wrote before this one overwrites it (None if it wrote none or it is not JSON)."""
     try:
@@ -234,10 +238,15 @@ def _schedule_change(saved: ml_collections.ConfigDict | None, config: ml_collect
     now = float(build.learning_rate_fn(config.optimizer, config.steps)(step))
     if np.isclose(now, before, rtol=1e-6, atol=0.0):
         return None
-    why = f"steps={saved.steps} -> {config.steps}" if saved.steps != config.steps else "its optimizer's schedule settings changed"
+    changed = [
+        f"{name}={old} -> {new}"
+        for name, old, new in [("steps", saved.steps, config.steps)]
+        + [(f"optimizer.{k}", saved.optimizer.get(k), config.optimizer.get(k)) for k in _SCHEDULE_KEYS]
+        if old != new
+    ]
     return (
-        f"the learning rate of step {step + 1} is {now:.3g}, where the saved run's schedule gave {before:.3g} ({why}: "
-        "the schedule is recomputed for this run)"
+        f"the learning rate of step {step + 1} is {now:.3g}, where the saved run's schedule gave {before:.3g} "
+        f"({', '.join(changed) or 'its schedule changed'}: the schedule is recomputed for this run)"
     )
 
 

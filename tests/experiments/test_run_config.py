@@ -111,13 +111,17 @@ def test_rerun_of_a_finished_run_keeps_its_files_and_raised_steps_continue(run, 
     assert again["finished"] and again["final_val_loss"] is not None
     assert "already finished" in capsys.readouterr().err
     assert {name: (workdir / name).read_bytes() for name in before} == before
+    saved = config.optimizer.to_dict()
     config.unlock()
-    config.steps = 6
+    config.steps, config.optimizer.learning_rate = 6, 2e-3
     longer = trainer.run(config, workdir)
     err = capsys.readouterr().err
     assert "resuming from step 4 of 6" in err
-    before, now = (build.learning_rate_fn(config.optimizer, steps)(4) for steps in (4, 6))
-    assert f"the learning rate of step 5 is {float(now):.3g}, where the saved run's schedule gave {float(before):.3g} (steps=4 -> 6" in err
+    before, now = build.learning_rate_fn(saved, 4)(4), build.learning_rate_fn(config.optimizer, 6)(4)
+    assert (
+        f"the learning rate of step 5 is {float(now):.3g}, where the saved run's schedule gave {float(before):.3g} "
+        f"(steps=4 -> 6, optimizer.learning_rate={saved['learning_rate']} -> 0.002: the schedule is recomputed for this run)"
+    ) in err
     assert longer["steps"] == 6 and json.loads((workdir / "summary.json").read_text())["steps"] == 6
 
 

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-import ml_collections
 from absl import flags, logging
 from ml_collections import config_flags
 
@@ -118,15 +117,10 @@ def _config_keys(path: str) -> list[str]:
         config = module.get_config()
     except (OSError, ImportError, AttributeError, TypeError, ValueError):
         return []
+    # Imported on this error path only: it imports every optimizer's spec, which most scripts never need.
+    from experiments.configs import help as config_help
 
-    def keys(block: ml_collections.ConfigDict, prefix: str) -> list[str]:
-        return [
-            name
-            for key, value in block.items()
-            for name in (keys(value, f"{prefix}{key}.") if isinstance(value, ml_collections.ConfigDict) else [f"{prefix}{key}"])
-        ]
-
-    return keys(config, "")
+    return [name for name, _ in config_help.flatten(config)]
 
 
 def define_verbose_flag() -> flags.FlagHolder:

@@ -215,15 +215,11 @@ def run(
     return summary
 
 
-# The optimizer settings that shape the learning-rate schedule (`optim.build.learning_rate_fn`), besides ``steps``.
-_SCHEDULE_KEYS = ("learning_rate", "schedule", "warmup_steps", "min_lr_ratio", "decay_fraction")
-
-
 def _saved_config(workdir: epath.Path) -> ml_collections.ConfigDict | None:
     """The config a run in ``workdir`` wrote before this one overwrites it (None if it wrote none or it is not JSON)."""
     try:
-        return ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
-    except (OSError, ValueError, TypeError):  # JSONDecodeError is a ValueError
+        return restore.run_config(workdir)
+    except UsageError:
         return None
 
 
@@ -241,7 +237,7 @@ def _schedule_change(saved: ml_collections.ConfigDict | None, config: ml_collect
     changed = [
         f"{name}={old} -> {new}"
         for name, old, new in [("steps", saved.steps, config.steps)]
-        + [(f"optimizer.{k}", saved.optimizer.get(k), config.optimizer.get(k)) for k in _SCHEDULE_KEYS]
+        + [(f"optimizer.{k}", saved.optimizer.get(k), config.optimizer.get(k)) for k in build.SCHEDULE_KEYS]
         if old != new
     ]
     return (

@@ -166,6 +166,10 @@ def peak_learning_rate(config: Mapping[str, Any]) -> float:
     return float(peak)
 
 
+# The settings of an optimizer block that shape its learning-rate schedule (`learning_rate_fn`), besides the run's length.
+SCHEDULE_KEYS = ("learning_rate", "schedule", "warmup_steps", "min_lr_ratio", "decay_fraction")
+
+
 def learning_rate_fn(config: Mapping[str, Any], total_steps: int) -> optax.Schedule:
     """The schedule `build` uses, for logging the learning rate: from `peak_learning_rate`, over
     ``warmup_steps`` or, when None, `schedules.default_warmup`."""

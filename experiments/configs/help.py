@@ -78,12 +78,13 @@ def key_help() -> dict[str, str]:
     return {k: " ".join(v.split()) for k, v in out.items()}
 
 
-def _flatten(config: ml_collections.ConfigDict, prefix: str = "") -> list[tuple[str, object]]:
+def flatten(config: ml_collections.ConfigDict, prefix: str = "") -> list[tuple[str, object]]:
+    """``(dotted key, value)`` of every leaf of ``config``."""
     out = []
     for key in config.keys():
         value = config[key]
         if isinstance(value, ml_collections.ConfigDict):
-            out += _flatten(value, f"{prefix}{key}.")
+            out += flatten(value, f"{prefix}{key}.")
         else:
             out.append((prefix + key, value))
     return out
@@ -104,7 +105,7 @@ def listing(config: ml_collections.ConfigDict) -> str:
     lines, family = [], None
     preset = model_config.PRESETS.get(config.model.get("preset"), {}) if "model" in config else {}
     fields = {f: getattr(model_config.ModelConfig(), f) for f in model_config.ModelConfig.__dataclass_fields__}
-    for key, value in _flatten(config):
+    for key, value in flatten(config):
         parts = key.split(".")
         if parts[0] == "optimizer" and len(parts) == 3 and parts[1] != family and parts[1] in registry.OPTIMIZERS:
             family = parts[1]

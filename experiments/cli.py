@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import logging as std_logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -84,18 +85,20 @@ def define_config_flag(default: str) -> flags.FlagHolder:
             "repeats that run); --config.<key>=<value> overrides a key, --list_config lists them all.", lock_config=True,
         )  # fmt: skip
     except (AttributeError, KeyError) as e:  # config_flags applies --config.* overrides right here
-        usage_exit(unknown_key_message(str(e.args[0] if e.args else e), default, sys.argv[1:]))
+        usage_exit(unknown_key_message(str(e.args[0] if e.args else e), default, sys.argv[1:], flag_names=list(flags.FLAGS)))
 
 
-def unknown_key_message(error: str, default: str, argv: list[str]) -> str:
+def unknown_key_message(error: str, default: str, argv: list[str], flag_names: Sequence[str] = ()) -> str:
     """The line for a ``--config.<key>`` override that ml_collections refused with ``error``: the key's whole
-    path, ml_collections' near spelling in its block, and the keys of the same name in other blocks of the
-    config file ``default``."""
+    path, ml_collections' near spelling in its block, the keys of the same name in other blocks of the
+    config file ``default``, and the script's flag of that name (``--config.workdir`` for ``--workdir``)."""
     key, _, hint = error.replace("\\'", "'").replace("\\n", "\n").strip("'\"").partition("\n")
     key = key.strip("'")
     path = next((name for name in _override_names(argv) if name.rsplit(".", 1)[-1] == key), key)
     elsewhere = [name for name in _config_keys(default) if name.rsplit(".", 1)[-1] == key and name != path]
     hints = [hint.strip()] if hint.strip() else []
+    if path in flag_names and path != "config":
+        hints.append(f"--{path} is a flag of this script, not a config key")
     if elsewhere:
         moves = " or ".join(f"--config.{name}" for name in elsewhere)
         hints.append(f"or {moves}?" if hints else f"did you mean {moves}?")

@@ -163,6 +163,8 @@ def test_a_count_flag_below_one_is_named(capsys):
         ("--config.optimizer.muon.learning_rate=1", "unknown config key 'optimizer.muon.learning_rate' (did you mean --config.optimizer.learning_rate?)"),
         ("--config.model.seq_len=64", """unknown config key 'model.seq_len' (Did you mean "max_seq_len" instead of "seq_len"? or --config.data.seq_len?)"""),
         ("--config.lr=1", f"unknown config key 'lr'; the keys are listed in {cli.DEFAULT_CONFIG}"),
+        # absl's own flag, defined in every script: as --config.workdir for train.py's --workdir
+        ("--config.verbosity=1", "unknown config key 'verbosity' (--verbosity is a flag of this script, not a config key)"),
     ],
 )
 def test_an_unknown_config_key_is_named_whole_with_the_blocks_that_have_it(monkeypatch, capsys, override, message):

@@ -30,7 +30,7 @@ from lm.data.tokenize import MANIFEST, tokenize
 
 REPORT_KEYS = (
     "reached_target", "target_val_loss", "final_val_loss", "steps_to_target", "tokens_to_target", "seconds_to_target",
-    "compile_step_seconds", "tokens_per_second", "mfu", "num_params", "devices",
+    "compile_step_seconds", "tokens_per_second", "mfu", "num_params", "devices", "resumed_from_step",
 )  # fmt: skip
 STDLIB_REQUEST = "stdlib_request.json"  # what `stdlib_shards` wrote a folder for
 
@@ -61,11 +61,20 @@ def stdlib_shards(out: str | Path, *, max_files: int = 0, val_fraction: float = 
 
 
 def run(
-    config: ml_collections.ConfigDict, workdir: str | Path, *, shard_dir: str | Path = "", max_files: int = 0, val_fraction: float = 0.05
+    config: ml_collections.ConfigDict,
+    workdir: str | Path,
+    *,
+    shard_dir: str | Path = "",
+    max_files: int = 0,
+    val_fraction: float = 0.05,
+    interrupt_at: int | None = None,
 ) -> dict:
     """Trains ``config`` in ``workdir`` until its ``target_val_loss`` (or its ``steps``); returns the report.
 
     Without ``data.train_files`` the run reads `stdlib_shards` in ``shard_dir`` (default: under the corpus cache).
+    A workdir holding an interrupted speedrun resumes it (the report then times only the resumed steps: its
+    ``resumed_from_step``); one holding a finished speedrun is left as it is and its report returned.
+    ``interrupt_at`` simulates a preemption after that step: the trainer's ``{"interrupted": True, ...}`` is returned.
     """
     if config.get("target_val_loss") is None:
         raise cli.UsageError("the speedrun needs config.target_val_loss (3.28 for the record)")
@@ -73,20 +82,26 @@ def run(
         folder = stdlib_shards(shard_dir or corpus.default_cache_dir() / "speedrun-stdlib-shards", max_files=max_files, val_fraction=val_fraction)
         config = copy.deepcopy(config)
         config.data.train_files, config.data.val_files = str(folder / "train_*.bin"), str(folder / "val_*.bin")
-    summary = trainer.run(config, workdir)
+    summary, path = trainer.run(config, workdir, interrupt_at=interrupt_at), Path(workdir) / "speedrun.json"
+    if summary.get("interrupted"):
+        return summary
+    if summary.get("finished") and path.is_file():
+        return json.loads(path.read_text())
     report = {key: summary.get(key) for key in REPORT_KEYS}
-    (Path(workdir) / "speedrun.json").write_text(json.dumps(report, indent=2))
+    path.write_text(json.dumps(report, indent=2))
     return report
 
 
 def describe(report: dict) -> str:
     """One line: where the run stopped and what it took."""
     verdict = "reached" if report["reached_target"] else "did not reach"
-    return (
+    line = (
         f"{verdict} val loss {report['target_val_loss']} (last {report['final_val_loss']:.4f}) in {report['steps_to_target']} steps, "
         f"{report['tokens_to_target']:,} tokens, {report['seconds_to_target']:.1f} s of training without compilation "
         f"on {report['devices']} device(s)"
     )
+    resumed = report.get("resumed_from_step")
+    return f"{line} (resumed at step {resumed}: the seconds are those of steps {resumed + 1} on)" if resumed else line
 
 
 def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
@@ -99,6 +114,11 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
         if flags.FLAGS.verbose:
             raise
         cli.usage_exit(str(e))
+    except trainer.NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    if report.get("interrupted"):  # the trainer said where it stopped and how to resume
+        sys.exit(128 + report["signal"])
     print(describe(report))
     print(json.dumps(report))
     sys.exit(0 if report["reached_target"] else 1)

@@ -148,9 +148,10 @@ def run(
     if config.get("wandb") and config.wandb.project and importlib.util.find_spec("wandb") is None:
         raise UsageError(f"wandb.project={config.wandb.project} needs Weights & Biases: pip install -e '.[wandb]'")
     latest = restore_step if restore_step is not None else checkpointing.latest_step(workdir)
-    if latest is not None and latest >= config.steps:
+    reached = _reached_target(workdir, latest, config) if latest is not None and latest < config.steps else None
+    if latest is not None and (latest >= config.steps or reached is not None):
         _check_finished(workdir, latest, run_meta(config, spec.cfg, spec.shardings.replicas))
-        return _finished(workdir, latest, config.steps)
+        return _finished(workdir, latest, config.steps, reached)
     train_iter, val_batches = load_data(config, spec.cfg.vocab_size)
     saved_config = _saved_config(workdir) if latest is not None else None
     workdir.mkdir(parents=True, exist_ok=True)
@@ -257,13 +258,29 @@ def _check_finished(workdir: epath.Path, step: int, meta: dict) -> None:
         mgr.close()
 
 
-def _finished(workdir: epath.Path, step: int, steps: int) -> dict:
-    """The summary of a run whose checkpoint already reached ``steps``; nothing in ``workdir`` is touched."""
-    print(
-        f"{workdir} already finished: its checkpoint is at step {step} >= steps={steps}; its files are kept as they are "
-        "(raise --config.steps to train further)",
-        file=sys.stderr,
-    )
+def _reached_target(workdir: epath.Path, step: int, config: ml_collections.ConfigDict) -> float | None:
+    """The validation loss with which the run saved in ``workdir`` stopped at ``step`` on reaching a target at or
+    above ``config.target_val_loss`` (its ``summary.json``); None when it did not, or when there is no target."""
+    target, path = config.get("target_val_loss"), workdir / "summary.json"
+    if target is None or not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    if saved.get("reached_target") and saved.get("steps_to_target") == step and saved["final_val_loss"] <= target:
+        return saved["final_val_loss"]
+    return None
+
+
+def _finished(workdir: epath.Path, step: int, steps: int, reached_loss: float | None = None) -> dict:
+    """The summary of a run whose checkpoint already reached ``steps`` (or its target loss: ``reached_loss``);
+    nothing in ``workdir`` is touched."""
+    if reached_loss is None:
+        why, further = f"its checkpoint is at step {step} >= steps={steps}", "raise --config.steps to train further"
+    else:
+        why, further = f"it stopped at step {step} on reaching val loss {reached_loss:.4f}", "lower --config.target_val_loss to train further"
+    print(f"{workdir} already finished: {why}; its files are kept as they are ({further})", file=sys.stderr)
     path = workdir / "summary.json"
     summary = json.loads(path.read_text()) if path.is_file() else {"steps": step}
     return summary | {"finished": True}
@@ -368,9 +385,7 @@ def _loop(
                 print(f"stopped by signal {stop.signum} after step {done}; checkpoint saved, rerun with --workdir={workdir} to resume", file=sys.stderr)
                 return {"interrupted": True, "steps": done, "signal": stop.signum}
         progress.close()
-        summary = _summarize(settings, spec, workdir, step_times, last, val_loss, start)
-        if settings.target_val_loss is not None:
-            summary |= _to_target(settings, step_times, reached)
+        summary = _summarize(settings, spec, workdir, step_times, last, val_loss, start, reached)
         writer.write_summary(summary)
         return summary
     finally:
@@ -379,7 +394,7 @@ def _loop(
         writer.close()
 
 
-def _summarize(settings: LoopSettings, spec: RunSpec, workdir: epath.Path, step_times, last, val_loss, start) -> dict:
+def _summarize(settings: LoopSettings, spec: RunSpec, workdir: epath.Path, step_times, last, val_loss, start, reached) -> dict:
     timed = step_times[1:] or step_times  # the first step of a process includes compilation
     tokens_per_second = settings.tokens_per_step / float(np.median(timed)) if timed else 0.0
     fpt = flops_per_token(spec.cfg, settings.seq_len)
@@ -409,6 +424,8 @@ def _summarize(settings: LoopSettings, spec: RunSpec, workdir: epath.Path, step_
         "devices": spec.mesh.size,
         "mesh": dict(spec.mesh.shape),
     }
+    if settings.target_val_loss is not None:
+        summary |= _to_target(settings, step_times, reached, start)
     if jax.process_index() == 0:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
         model, optimizer = (settings.config or {}).get("model", {}), (settings.config or {}).get("optimizer", {})
@@ -417,13 +434,14 @@ def _summarize(settings: LoopSettings, spec: RunSpec, workdir: epath.Path, step_
     return summary
 
 
-def _to_target(settings: LoopSettings, step_times: list[float], reached: int | None) -> dict:
+def _to_target(settings: LoopSettings, step_times: list[float], reached: int | None, start: int) -> dict:
     """Steps, tokens and training seconds to ``settings.target_val_loss``, as modded-nanogpt times a record:
     the steps' time on the device without evaluations, and without compilation (the first step's time,
-    which includes it, is replaced by the median of the others)."""
+    which includes it, is replaced by the median of the others). A run resumed at step ``start`` > 0 times
+    only its own steps, ``start + 1`` on (its ``resumed_from_step``)."""
     timed = step_times[1:]
     seconds = sum(timed) + (float(np.median(timed)) if timed else 0.0)
-    steps = reached if reached is not None else len(step_times)
+    steps = reached if reached is not None else start + len(step_times)
     return {
         "target_val_loss": settings.target_val_loss,
         "reached_target": reached is not None,

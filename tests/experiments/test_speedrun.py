@@ -1,5 +1,6 @@
 """The speedrun harness (`experiments.speedrun`) end to end on stdlib shards: it stops at its target."""
 
+import functools
 import json
 
 import pytest
@@ -19,18 +20,36 @@ def _tiny_config():
     return config
 
 
-def test_harness_builds_stdlib_shards_and_stops_at_the_target(tmp_path):
-    report = speedrun.run(_tiny_config(), tmp_path / "run", shard_dir=tmp_path / "shards", max_files=12, val_fraction=0.3)
-    manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory):
+    return speedrun.stdlib_shards(tmp_path_factory.mktemp("shards"), max_files=12, val_fraction=0.3)
+
+
+def test_harness_builds_stdlib_shards_and_stops_at_the_target(tmp_path, shard_dir):
+    report = speedrun.run(_tiny_config(), tmp_path / "run", shard_dir=shard_dir, max_files=12, val_fraction=0.3)
+    manifest = json.loads((shard_dir / "manifest.json").read_text())
     assert manifest["tokenizer"] == "bytes" and manifest["splits"]["val"]["tokens"] > 256
     assert report["reached_target"] and report["steps_to_target"] == 4 and report["final_val_loss"] <= 5.6
     assert report["tokens_to_target"] == 4 * 4 * 32 and report["seconds_to_target"] > 0
     assert max(r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")) == 4  # stopped, not 8 steps
     assert json.loads((tmp_path / "run" / "speedrun.json").read_text()) == report
     assert "reached val loss 5.6" in speedrun.describe(report)
+    # A rerun into the finished workdir keeps it as it is (was: resumed at step 4 and trained to step 8, writing
+    # that run's report over this one).
+    assert speedrun.run(_tiny_config(), tmp_path / "run", shard_dir=shard_dir, max_files=12, val_fraction=0.3) == report
+    assert max(r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")) == 4
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps_to_target"] == 4
     # The shards are reused for the same request only: another one (here 13 files) would have trained on these 12.
-    assert speedrun.stdlib_shards(tmp_path / "shards", max_files=12, val_fraction=0.3) == tmp_path / "shards"
+    assert speedrun.stdlib_shards(shard_dir, max_files=12, val_fraction=0.3) == shard_dir  # as the runs above did
     with pytest.raises(cli.UsageError, match="holds shards written for .'max_files': 12, 'val_fraction': 0.3., not this run's"):
-        speedrun.stdlib_shards(tmp_path / "shards", max_files=13, val_fraction=0.3)
+        speedrun.stdlib_shards(shard_dir, max_files=13, val_fraction=0.3)
     with pytest.raises(cli.UsageError, match="--max_files=-1 must be >= 0"):  # was every file but the last
         speedrun.stdlib_shards(tmp_path / "other", max_files=-1)
+
+
+def test_a_preempted_speedrun_resumes_to_its_target_and_says_which_steps_it_timed(tmp_path, shard_dir):
+    run = functools.partial(speedrun.run, _tiny_config(), tmp_path / "run", shard_dir=shard_dir, max_files=12, val_fraction=0.3)
+    assert run(interrupt_at=2)["interrupted"]
+    report = run()
+    assert report["reached_target"] and report["steps_to_target"] == 4 and report["resumed_from_step"] == 2
+    assert "(resumed at step 2: the seconds are those of steps 3 on)" in speedrun.describe(report)

@@ -42,12 +42,15 @@ class Windows:
       streams: 1-D token arrays (may be memory-mapped); windows never cross from one to the next.
       seq_len: tokens per training sequence.
       starts: per stream, the window start offsets (default: ``0, seq_len, 2 * seq_len, ...``).
+      name: what the streams are, for the error (e.g. ``data.val_files=data/x/val_*.bin``).
 
     Raises:
       ValueError: no stream holds a single window.
     """
 
-    def __init__(self, streams: Sequence[np.ndarray], seq_len: int, starts: Sequence[np.ndarray] | None = None):
+    def __init__(
+        self, streams: Sequence[np.ndarray], seq_len: int, starts: Sequence[np.ndarray] | None = None, *, name: str = "the token streams"
+    ):
         self.streams = list(streams)
         self.seq_len = seq_len
         if starts is None:
@@ -56,7 +59,7 @@ class Windows:
         self._first = np.cumsum([0] + [len(s) for s in self.starts])
         if self._first[-1] < 1:
             raise ValueError(
-                f"the token streams hold {sum(len(s) for s in self.streams)} tokens and no window of seq_len + 1 = "
+                f"{name}: {sum(len(s) for s in self.streams)} tokens, not one window of seq_len + 1 = "
                 f"{seq_len + 1}; use more data or a smaller data.seq_len"
             )
 

@@ -173,12 +173,12 @@ def _open(pattern: str, what: str, vocab_size: int) -> tuple[list[np.ndarray], d
     return streams, read_manifest(files)
 
 
-def _windows(streams: list[np.ndarray], seq_len: int, data_config: DataConfig, separator_id: int | None) -> batches.Windows:
+def _windows(streams: list[np.ndarray], seq_len: int, data_config: DataConfig, separator_id: int | None, name: str) -> batches.Windows:
     if not data_config.bos_aligned:
-        return batches.Windows(streams, seq_len)
+        return batches.Windows(streams, seq_len, name=name)
     if separator_id is None:
         raise ValueError("data.bos_aligned needs the document separator: give data.separator_id or shards with a manifest.json")
-    return batches.Windows(streams, seq_len, [batches.document_starts(s, seq_len, separator_id) for s in streams])
+    return batches.Windows(streams, seq_len, [batches.document_starts(s, seq_len, separator_id) for s in streams], name=name)
 
 
 def build(
@@ -200,6 +200,8 @@ def build(
         for split, tokens in streams.items():
             shards.check_vocab(tokens, f"the byte-level corpus' {split} split", vocab_size)
         train, val = [[streams["train"]]], [streams["validation"]]
+        corpus_name = f"the byte-level corpus of {d.path or 'the standard library'}"
+        train_names, val_name = [f"{corpus_name}'s train split"], f"{corpus_name}'s validation split (data.val_fraction={d.val_fraction})"
         tokens_per_byte = 1.0
     else:
         if not d.val_files:
@@ -207,10 +209,12 @@ def build(
         what = "data.mixture" if d.mixture else "data.train_files"
         opened = [_open(p, what, vocab_size) for p, _ in patterns]
         train = [streams for streams, _ in opened]
+        train_names, val_name = [f"{what}={p}" for p, _ in patterns], f"data.val_files={d.val_files}"
         val, val_manifest = _open(d.val_files, "data.val_files", vocab_size)
         split = (val_manifest or {}).get("splits", {}).get("val")
         tokens_per_byte = split["tokens"] / split["bytes"] if split and split.get("bytes") else None
-    sources = [_windows(streams, seq_len, d, separator_id(d) if d.bos_aligned else None) for streams in train]
+    separator = separator_id(d) if d.bos_aligned else None
+    sources = [_windows(streams, seq_len, d, separator, name) for streams, name in zip(train, train_names, strict=True)]
     name = f"mixture={d.mixture} train_files={d.train_files} path={d.path} bos_aligned={d.bos_aligned}"
     shares = {"seed": seed, "process_index": process_index, "process_count": process_count, "name": name}
     if d.mixture:
@@ -221,7 +225,8 @@ def build(
         train_iter = batches.PackedBatches(sources[0], seq_len, batch, **shares)
     shard = {"process_index": process_index, "process_count": process_count}
     if d.val_tokens % (batch * seq_len):  # not whole batches: the last one padded and weighted
-        rows, weights = batches.leading_tokens(batches.Windows(val, seq_len), batch, d.val_tokens, **shard)
+        rows, weights = batches.leading_tokens(batches.Windows(val, seq_len, name=val_name), batch, d.val_tokens, **shard)
         return train_iter, ValidationSet(rows, tokens_per_byte, weights)
-    validation = batches.validation_batches(batches.Windows(val, seq_len), seq_len, batch, num_val, leading=bool(d.val_tokens), **shard)
+    val_windows = batches.Windows(val, seq_len, name=val_name)
+    validation = batches.validation_batches(val_windows, seq_len, batch, num_val, leading=bool(d.val_tokens), **shard)
     return train_iter, ValidationSet(validation, tokens_per_byte)

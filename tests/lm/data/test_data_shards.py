@@ -1,6 +1,7 @@
 """llm.c `.bin` / `.npy` shards (`lm.data.shards`), `lm.data.tokenize`, and windows over several shards (`lm.data.batches`)."""
 
 import base64
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lm.data import batches, documents, shards, tokenize, tokenizer
+from lm.data import batches, documents, input_pipeline, shards, tokenize, tokenizer
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -148,3 +149,14 @@ def test_windows_span_shards_and_align_to_documents():
     epoch = np.concatenate([next(it) for _ in range(2)])
     assert sorted(epoch[:, 0].tolist()) == sorted(windows[i][0] for i in range(10))  # every window once per epoch
     assert not np.array_equal(np.concatenate([next(it) for _ in range(2)]), epoch)  # reshuffled
+
+
+def test_too_little_data_names_the_split_that_holds_no_window(tmp_path):
+    """A validation split shorter than one window (1% of a few documents) names its files (was: "the token streams")."""
+    shards.write(tmp_path / "train_0.bin", np.arange(100, dtype=np.uint16))
+    shards.write(tmp_path / "val_0.bin", np.arange(12, dtype=np.uint16))
+    data = input_pipeline.DataConfig(seq_len=16, train_files=str(tmp_path / "train_*.bin"), val_files=str(tmp_path / "val_*.bin"))
+    with pytest.raises(ValueError, match=r"^data.val_files=.*val_\*.bin: 12 tokens, not one window of seq_len \+ 1 = 17; use more data"):
+        input_pipeline.build(data, 128, seed=0, batch_size=2, eval_batches=1)
+    with pytest.raises(ValueError, match=r"^data.train_files=.*train_\*.bin: 100 tokens, not one window of seq_len \+ 1 = 129"):
+        input_pipeline.build(dataclasses.replace(data, seq_len=128), 128, seed=0, batch_size=2, eval_batches=1)

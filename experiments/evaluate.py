@@ -11,7 +11,7 @@ file (``--text``): the file is one document, tokenized after a separator so ever
 once, in windows of ``--seq_len``:  ``bpb = sum_t -log2 p(x_t | x_<t) / utf8_bytes``.
 
 Multiple choice (``--tasks``): JSONL files, one question per line, ``{"context": str, "choices":
-[str, ...], "label": int}`` (HellaSwag / ARC converted to this shape; see the README). Each choice
+[str, ...], "label": int}``, or HellaSwag's and ARC's released lines as they are (`_question`). Each choice
 is scored by its log-likelihood after the context, ``sum_t log p(choice_t | context, choice_<t)``;
 ``acc`` picks the largest sum, ``acc_norm`` the largest sum per UTF-8 byte of the choice (the
 length-normalised score). Accuracies come with their standard error ``sqrt(a (1 - a) / n)``.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -180,20 +181,52 @@ class Question:
     label: int
 
 
+def _clean_hellaswag(text: str) -> str:
+    """HellaSwag's WikiHow text without its artifacts, as lm-evaluation-harness cleans it: `` [title]`` becomes
+    a sentence end, other ``[...]`` tags go, double spaces become one."""
+    text = re.sub(r"\[.*?\]", "", text.strip().replace(" [title]", ". "))
+    return text.replace("  ", " ")
+
+
+def _question(record: dict) -> Question:
+    """One task line: ours, ``{context, choices, label}``; HellaSwag's released line (``ctx_a``, ``ctx_b``,
+    ``activity_label``, ``endings``, ``label``); or ARC's (``question`` with ``stem`` and ``choices`` of ``text`` /
+    ``label``, or the Hugging Face layout with ``question`` and ``choices: {text, label}``; ``answerKey``).
+    HellaSwag and ARC are put as lm-evaluation-harness puts them, so accuracies compare with its tables:
+    ``"{activity}: {ctx_a} {Ctx_b}"`` and each ending after a space; ``"Question: {q}\\nAnswer:"`` and each
+    choice after a space."""
+    if "context" in record:
+        return Question(str(record["context"]), tuple(map(str, record["choices"])), int(record["label"]))
+    if "endings" in record:
+        if record["label"] == "":
+            raise ValueError("no label: HellaSwag's test split has none, its validation split has")
+        context = f"{record['activity_label']}: {record['ctx_a']} {record['ctx_b'].capitalize()}"
+        return Question(_clean_hellaswag(context), tuple(" " + _clean_hellaswag(e) for e in record["endings"]), int(record["label"]))
+    if "answerKey" in record:
+        question = record["question"]
+        if isinstance(question, dict):  # the released ARC-V1 files
+            stem, texts, labels = question["stem"], [c["text"] for c in question["choices"]], [c["label"] for c in question["choices"]]
+        else:  # the Hugging Face dataset's layout
+            stem, texts, labels = question, record["choices"]["text"], record["choices"]["label"]
+        return Question(f"Question: {stem}\nAnswer:", tuple(f" {t}" for t in texts), list(labels).index(record["answerKey"]))
+    raise KeyError("context (or HellaSwag's endings, or ARC's answerKey)")
+
+
 def read_questions(path: str | Path) -> list[Question]:
-    """The questions of a JSONL task file; a malformed line is an error naming the file and line."""
+    """The questions of a JSONL task file (`_question`'s layouts); a malformed line is an error naming the file and line."""
     path = Path(path)
     if not path.is_file():
-        raise cli.UsageError(f"task file {path} does not exist; give JSONL lines of {{context, choices, label}}")
+        raise cli.UsageError(f"task file {path} does not exist; give JSONL lines of {{context, choices, label}}, HellaSwag or ARC")
     questions = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-            question = Question(str(record["context"]), tuple(map(str, record["choices"])), int(record["label"]))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise cli.UsageError(f"{path} line {number} is not a {{context, choices, label}} JSON object ({e})") from e
+            question = _question(json.loads(line))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+            raise cli.UsageError(
+                f"{path} line {number} is not a {{context, choices, label}}, HellaSwag or ARC JSON object ({type(e).__name__}: {e})"
+            ) from e
         if len(question.choices) < 2 or not 0 <= question.label < len(question.choices):
             raise cli.UsageError(f"{path} line {number}: needs >= 2 choices and a label in [0, {len(question.choices)})")
         questions.append(question)

@@ -251,3 +251,27 @@ def test_every_io_failure_is_one_line_naming_the_file_exit_2(run, exported, tmp_
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and str(named) in lines[0], result.stderr
+
+
+def test_hellaswag_and_arc_lines_are_read_as_released(tmp_path):
+    """Their released JSONL lines need no conversion; the context and choices are lm-evaluation-harness's."""
+    hellaswag = {
+        "ind": 4, "activity_label": "Removing ice from car", "ctx_a": "Then, the man writes over the snow covering the window of a car.",
+        "ctx_b": "then", "ctx": "unused here", "split": "val", "label": 2,
+        "endings": [", the man adds wax to the windshield.", " dry it [title] Step two.  Rinse it [step] off.", " the man stops.", " he goes."],
+    }  # fmt: skip
+    arc = {"id": "q1", "question": {"stem": "Which is a gas?", "choices": [{"text": "ice", "label": "A"}, {"text": "steam", "label": "B"}]}, "answerKey": "B"}
+    arc_hf = {"id": "q2", "question": "Which is a gas?", "choices": {"text": ["ice", "steam", "rock"], "label": ["1", "2", "3"]}, "answerKey": "3"}
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (hellaswag, arc, arc_hf)) + "\n")
+    first, second, third = evaluate.read_questions(path)
+    assert first == evaluate.Question(
+        "Removing ice from car: Then, the man writes over the snow covering the window of a car. Then",
+        (" , the man adds wax to the windshield.", " dry it. Step two. Rinse it off.", " the man stops.", " he goes."),
+        2,
+    )
+    assert second == evaluate.Question("Question: Which is a gas?\nAnswer:", (" ice", " steam"), 1)
+    assert third == evaluate.Question("Question: Which is a gas?\nAnswer:", (" ice", " steam", " rock"), 2)
+    path.write_text(json.dumps(hellaswag | {"label": ""}) + "\n")
+    with pytest.raises(cli.UsageError, match="line 1 .*no label: HellaSwag's test split has none"):
+        evaluate.read_questions(path)

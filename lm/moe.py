@@ -29,7 +29,7 @@ Dispatch (the expert weights are stacked ``(experts, embed, mlp)``):
 - capacity (``capacity_factor > 0``): expert ``e`` takes at most ``C = ceil(cf T k / E)`` slots, in
   order of priority (all first choices, then all second choices, ... as in Switch/GShard), by the
   position ``cumsum`` gives each slot within its expert; slots past ``C`` are dropped (output 0) and
-  counted.
+  counted. In training and evaluation only: decoding from a KV cache is dropless (``decoding=True``).
 - expert parallel: under a mesh with an ``expert`` axis the dropless dispatch runs per shard inside
   `jax.shard_map`: each device routes its own tokens, sends each slot to the device that holds its
   expert with an all-to-all, runs its local experts and sends the results back. On GPU and TPU the
@@ -244,8 +244,13 @@ class MoE(nnx.Module):
             SwiGLU(d, cfg.n_shared_experts * f, out_scale=out_scale, dtype=self.dtype, rngs=rngs) if cfg.n_shared_experts else None
         )
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """``x`` ``(batch, seq, embed)`` -> ``(y, stats)``; ``stats`` as `balancing_losses` takes them."""
+    def __call__(self, x: jax.Array, *, decoding: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """``x`` ``(batch, seq, embed)`` -> ``(y, stats)``; ``stats`` as `balancing_losses` takes them.
+
+        ``decoding`` (from a KV cache) dispatches dropless whatever ``capacity_factor`` is, so a sample's
+        tokens never depend on the other samples of its batch or on how its prompt was split between
+        prefill and steps.
+        """
         b, s, d = x.shape
         logits = self.router(x)  # (b, s, E) float32
         n_experts = logits.shape[-1]
@@ -256,7 +261,7 @@ class MoE(nnx.Module):
         dropped = jnp.zeros((), jnp.float32)
         ep = _expert_parallel_size()
         matmul, is_kernel = gmm_api.grouped_matmul(self.matmul)
-        if self.capacity_factor > 0:
+        if self.capacity_factor > 0 and not decoding:
             cap = capacity(b * s, self.k, n_experts, self.capacity_factor)
             y, n_dropped = with_capacity(flat, experts, gates, *weights, cap)
             dropped = n_dropped.astype(jnp.float32)

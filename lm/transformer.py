@@ -96,8 +96,8 @@ class Block(nnx.Module):
         if self.attn is not None:
             attn_out, cache = self.attn.decode(self.attn_norm(x), cache, start, *(() if ve is None else (ve,)))
             x = x + attn_out
-        mlp_out = self.mlp(self.mlp_norm(x))
-        return x + (mlp_out[0] if isinstance(self.mlp, MoE) else mlp_out), cache
+        h = self.mlp_norm(x)
+        return x + (self.mlp(h, decoding=True)[0] if isinstance(self.mlp, MoE) else self.mlp(h)), cache
 
 
 def _block_fn(
@@ -285,7 +285,8 @@ class Transformer(nnx.Module):
 
         ``cache`` (`lm.kv_cache`) holds the earlier positions' keys and values (or MLA latents); the
         returned one also holds ``tokens``'. With ``start=0`` and an empty cache this is prefill and
-        equals ``__call__``'s logits.
+        equals ``__call__``'s logits; an MoE model with a ``capacity_factor`` decodes dropless, so it equals
+        ``__call__`` at ``capacity_factor=0``.
         """
         x = self._streams(constrain(self.embed(tokens), ACTIVATION))
         if speedrun_config.layer_dependent(self.cfg):

@@ -22,6 +22,8 @@ CONFIGS = {
     "gqa": {},
     "mla_q_lora_v_dim": {"attention_type": "mla", "q_lora_rank": 48, "v_head_dim": 24},
     "mla_unrolled": {"attention_type": "mla", "scan_layers": False},
+    # capacity 1 slot an expert per 2 tokens: the full forward drops slots, decoding is dropless
+    "moe_capacity": {"n_experts": 4, "experts_per_token": 2, "capacity_factor": 0.5},
 }
 
 
@@ -52,7 +54,8 @@ def model(request):
     model_def = model_lib.define(cfg)
     params = random_params(model_def, seed=1)
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (2, SEQ)), jnp.int32)
-    full = jax.jit(lambda p, t: model_lib.apply(model_def, p, t))(params, tokens)
+    dropless_def = model_lib.define(dataclasses.replace(cfg, capacity_factor=0.0))  # what decoding computes
+    full = jax.jit(lambda p, t: model_lib.apply(dropless_def, p, t))(params, tokens)
     decode = jax.jit(lambda p, t, c, s: model_lib.decode(model_def, p, t, c, s))
     return cfg, params, tokens, full, decode
 
@@ -102,6 +105,11 @@ def test_prefill_and_step_by_step_decode_equal_the_full_forward_at_every_positio
         logits, cache = decode(params, tokens[:, t : t + 1], cache, jnp.int32(t))
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-4, rtol=1e-4)
+    if cfg.capacity_factor > 0:  # a sample's logits do not depend on the rest of its batch (were: its slots competed)
+        alone, _ = decode(params, tokens[:1, :prefill], kv_cache.init(cfg, 1, SEQ), 0)
+        np.testing.assert_allclose(alone, full[:1, :prefill], atol=1e-4, rtol=1e-4)
+        capped = model_lib.apply(model_lib.define(cfg), params, tokens)  # the training forward drops slots here
+        assert not np.allclose(capped, full, atol=1e-2)
 
 
 def test_absorbed_mla_decode_equals_materialised_attention():

@@ -104,7 +104,8 @@ def from_run(workdir: str | Path, step: int | None = None, mesh: str = "", token
 
 
 def from_hf(directory: str | Path, mesh: str = "", tokenizer_spec: str = "") -> Scorer:
-    """A `Scorer` of a transformers checkpoint; its ``tokenizer.json`` unless ``tokenizer_spec`` names one (else bytes)."""
+    """A `Scorer` of a transformers checkpoint; its tokenizer file (`tokenizer.find_in`) unless ``tokenizer_spec``
+    names one (else bytes)."""
     directory = Path(directory)
     device_mesh = mesh_lib.make_mesh(mesh)
     rules = rules_lib.make_rules("fsdp")
@@ -112,8 +113,8 @@ def from_hf(directory: str | Path, mesh: str = "", tokenizer_spec: str = "") -> 
         model_def, params = hf.load_model(directory, device_mesh, rules)
     except (hf.CheckpointError, FileNotFoundError) as e:
         raise cli.UsageError(str(e)) from e
-    default = str(directory / "tokenizer.json") if (directory / "tokenizer.json").is_file() else "bytes"
-    return Scorer(model_def, params, device_mesh, rules, tokenizer.load(tokenizer_spec or default))
+    default = tokenizer.find_in(directory) or "bytes"
+    return Scorer(model_def, params, device_mesh, rules, tokenizer.load(tokenizer_spec or str(default)))
 
 
 # ------------------------------------------------------------------------------------ bits per byte
@@ -368,7 +369,7 @@ def define_flags() -> None:
     flags.DEFINE_string("val_files", None, "Held-out token shards (glob, comma-separated) to report bits per byte on.")
     flags.DEFINE_integer("max_tokens", None, f"Score at most this many tokens of --val_files (default {DEFAULT_MAX_TOKENS:,}); 0: all.")
     flags.DEFINE_list("tasks", [], "Multiple-choice JSONL files ({context, choices, label} per line).")
-    flags.DEFINE_string("tokenizer", None, "Tokenizer spec (lm.data.tokenizer.load); default: the run's, or --hf's tokenizer.json, else bytes.")
+    flags.DEFINE_string("tokenizer", None, "Tokenizer spec (lm.data.tokenizer.load); default: the run's, or --hf's tokenizer file, else bytes.")
     flags.DEFINE_string("mesh", "", "Mesh to evaluate on (sharding.mesh.make_mesh); empty: every device data-parallel.")
     flags.DEFINE_integer("seq_len", 0, "Window of --text and --val_files scoring; 0: the run's data.seq_len (--hf: min(1024, max_seq_len)).")
     flags.DEFINE_integer("batch_size", 16, "Rows per scoring batch (rounded up to a multiple of the batch shards).")

@@ -14,7 +14,6 @@ an export holds the weights only (token ``i`` is byte ``i``; see `lm.data.tokeni
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import sys
@@ -25,6 +24,7 @@ from absl import app, flags, logging
 from experiments import cli
 from experiments.restore import TOKENIZER_NAMES, load_params, run_manifest
 from lm import hf
+from lm.data import tokenizer
 
 
 def copy_tokenizer(manifest: dict | None, out: Path) -> Path | None:
@@ -37,7 +37,7 @@ def copy_tokenizer(manifest: dict | None, out: Path) -> Path | None:
     if not source.is_file():
         logging.warning("the run's tokenizer %s is gone; the export holds no tokenizer (copy it in by hand)", source)
         return None
-    if hashlib.sha256(source.read_bytes()).hexdigest() != manifest.get("tokenizer_sha256"):
+    if tokenizer.file_fingerprint(source) != manifest.get("tokenizer_sha256"):
         logging.warning("%s changed since the shards were tokenized; the export holds no tokenizer", source)
         return None
     target = out / TOKENIZER_NAMES.get(source.suffix, source.name)

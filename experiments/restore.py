@@ -22,7 +22,7 @@ from sharding import partition
 # What a run copies of its training data into its workdir (`experiments.trainer`), so its readers need
 # nothing else: the shards' manifest, and the tokenizer file it names under one of these names.
 DATA_MANIFEST = "data_manifest.json"
-TOKENIZER_NAMES = {".json": "tokenizer.json", ".model": "tokenizer.model", ".tiktoken": "tokenizer.tiktoken"}
+TOKENIZER_NAMES = {Path(name).suffix: name for name in tokenizer.FILE_NAMES}
 
 
 def load_params(workdir: str | Path, step: int | None = None) -> tuple[model_lib.ModelDef, model_lib.Params, int]:

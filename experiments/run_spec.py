@@ -85,7 +85,30 @@ def _hf_model_config(config: ml_collections.ConfigDict, overrides: dict) -> mode
     if conflicts:
         raise ValueError(f"init_from_hf={directory} fixes the architecture, but the config sets {', '.join(conflicts)}; drop those keys")
     computes = {k: v for k, v in overrides.items() if k not in hf.CONFIG_FIELDS}
+    _check_hf_tokenizer(directory, data_config(config))
     return hf.read_config(directory, **computes, document_separator=input_pipeline.document_separator(data_config(config)))
+
+
+def _check_hf_tokenizer(directory: str, data: input_pipeline.DataConfig) -> None:
+    """A checkpoint that holds its tokenizer file trains only on data made with that file: the text corpus
+    (bytes) or shards whose manifest names another tokenizer would feed it ids that mean other text. Shards
+    without a manifest and checkpoints without a tokenizer (byte-level exports) are not checked."""
+    theirs = tokenizer_lib.find_in(directory)
+    if theirs is None:
+        return
+    if input_pipeline.train_patterns(data):
+        manifest = input_pipeline.train_manifest(data)
+        if manifest is None or manifest.get("tokenizer_sha256") is None:
+            return
+        ours, fingerprint = f"{manifest.get('tokenizer')} (the shards' manifest)", manifest["tokenizer_sha256"]
+    else:
+        ours, fingerprint = "the byte-level tokenizer (the text corpus)", tokenizer_lib.load("bytes").fingerprint
+    if tokenizer_lib.file_fingerprint(theirs) != fingerprint:
+        raise ValueError(
+            f"init_from_hf={directory} was trained with its {theirs.name}, but this run's data was made with {ours}; "
+            f"train on shards of its tokenizer: python -m experiments.tokenize --tokenizer={theirs} --out=DIR, then "
+            "--config.data.train_files='DIR/train_*.bin' --config.data.val_files='DIR/val_*.bin'"
+        )
 
 
 def balancing(config: ml_collections.ConfigDict) -> moe.Balancing:

@@ -37,6 +37,7 @@ TIKTOKEN_PATTERN = (
 )
 TIKTOKEN_EOS = "<|endoftext|>"
 MIN_BPE_VOCAB = 256 + 1  # `train_bpe`: every byte, plus the separator
+FILE_NAMES = ("tokenizer.json", "tokenizer.model", "tokenizer.tiktoken")  # in a checkpoint folder, by preference
 
 
 class TokenizerError(ValueError):
@@ -209,7 +210,18 @@ def load(spec: str = "bytes") -> Tokenizer:
     loader = _LOADERS.get(path.suffix)
     if loader is None:
         raise TokenizerError(f"tokenizer file {str(path)!r} has an unknown kind; expected tokenizer.json, a SentencePiece .model or a .tiktoken rank file")
-    return loader(path, hashlib.sha256(path.read_bytes()).hexdigest())
+    return loader(path, file_fingerprint(path))
+
+
+def file_fingerprint(path: str | Path) -> str:
+    """A tokenizer file's `Tokenizer.fingerprint` (its sha256), without loading it or its library."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def find_in(directory: str | Path) -> Path | None:
+    """The tokenizer file of a checkpoint folder (a transformers checkpoint, an export): the first of
+    `FILE_NAMES` it holds; None when it holds none (a byte-level export)."""
+    return next((Path(directory) / name for name in FILE_NAMES if (Path(directory) / name).is_file()), None)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> Path:

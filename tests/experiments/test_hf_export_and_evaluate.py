@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import cli, evaluate, export_hf, restore, trainer
+from experiments import cli, evaluate, export_hf, restore, run_spec, trainer
 from experiments.configs import default
 from lm import hf
 from lm import model as model_lib
-from lm.data import shards
+from lm.data import shards, tokenizer
 
 REPO = Path(evaluate.__file__).parents[1]
 TASK = REPO / "tests" / "data" / "eval" / "synthetic_choice.jsonl"
@@ -189,6 +190,32 @@ def test_the_runs_subword_tokenizer_is_copied_only_while_it_is_the_one_the_shard
     source.write_text('{"model": "changed since"}')
     (out / "tokenizer.json").unlink()
     assert export_hf.copy_tokenizer(manifest, out) is None and not (out / "tokenizer.json").exists()
+
+
+def test_a_checkpoints_tokenizer_must_be_the_one_its_training_data_was_made_with(exported, tmp_path):
+    """init_from_hf of a checkpoint holding a subword tokenizer trained on the byte-level corpus (was: silently,
+    its ids meaning other text); evaluate --hf reads a SentencePiece export's tokenizer.model (was: bytes)."""
+    folder = tmp_path / "hf"
+    shutil.copytree(exported, folder)
+    (folder / "tokenizer.model").write_bytes(b"stand-in SentencePiece model")
+    assert tokenizer.find_in(folder) == folder / "tokenizer.model" and tokenizer.find_in(exported) is None
+    (folder / "tokenizer.json").write_text('{"model": "stand-in"}')
+    assert tokenizer.find_in(folder) == folder / "tokenizer.json"  # transformers' own file first
+    with pytest.raises(ValueError, match=r"trained with its tokenizer.json, but this run's data was made with the byte-level tokenizer"):
+        run_spec.model_config(_config(init_from_hf=str(folder)))
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "val"):
+        shards.write(data / f"{split}_0.bin", np.arange(300, dtype=np.uint16) % 200)
+    files = {"init_from_hf": str(folder), "data.train_files": str(data / "train_*.bin"), "data.val_files": str(data / "val_*.bin")}
+    for tokenizer_file, accepted in ((folder / "tokenizer.json", True), (folder / "tokenizer.model", False)):
+        manifest = {"tokenizer": str(tokenizer_file), "tokenizer_sha256": tokenizer.file_fingerprint(tokenizer_file)}
+        (data / "manifest.json").write_text(json.dumps(manifest))
+        if accepted:
+            assert run_spec.model_config(_config(**files)).d_model == 64
+        else:
+            with pytest.raises(ValueError, match=r"made with .*tokenizer.model \(the shards' manifest\); train on shards of its tokenizer"):
+                run_spec.model_config(_config(**files))
 
 
 def test_bits_per_byte_of_held_out_shards(exported, tmp_path):

@@ -26,7 +26,8 @@ whole estimate, GSPMD splits the members. The reference estimators are google/le
 ``outer_trainers/truncated_pes.py`` and ``truncated_es.py``.
 
 Writes into ``--workdir``: ``checkpoint.npz`` (meta-parameters, meta-optimizer state, iteration, RNG;
-a re-run resumes from it, starting a fresh episode), ``metrics.jsonl`` (meta-loss per iteration),
+a re-run with the same settings resumes from it, starting a fresh episode; one of a finished run changes
+nothing; one with other settings is refused), ``metrics.jsonl`` (meta-loss per iteration),
 ``meta_loss.png``, and at the end the weights with their JSON record (``lopt.npz`` / ``lopt.json``,
 or ``--weights_name``).
 """
@@ -212,22 +213,28 @@ class MetaTrainer:
     def meta_params(self) -> Any:
         return self.unravel(self.theta)
 
-    def save(self, path: Path, history: list[float]) -> None:
+    def save(self, path: Path, history: list[float], run: dict | None = None) -> None:
+        """The meta-state, the meta-loss ``history`` and the caller's JSON-able ``run`` record, in one file."""
         leaves = jax.tree.leaves(self.opt_state)
         arrays = {f"opt_{i}": np.asarray(x) for i, x in enumerate(leaves)}
         key_data = np.asarray(jax.random.key_data(self.key))
         tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, theta=np.asarray(self.theta), key=key_data, iteration=self.iteration, history=np.asarray(history), **arrays)
+        np.savez(
+            tmp, theta=np.asarray(self.theta), key=key_data, iteration=self.iteration, history=np.asarray(history),
+            run=np.asarray(json.dumps(run or {})), **arrays,
+        )  # fmt: skip
         tmp.replace(path)
 
-    def restore(self, path: Path) -> list[float]:
+    def restore(self, path: Path) -> tuple[list[float], dict]:
+        """Loads what `save` wrote; returns the history and the run record (empty from older checkpoints)."""
         with np.load(path) as data:
             self.theta = jnp.asarray(data["theta"])
             treedef = jax.tree.structure(self.opt_state)
             self.opt_state = jax.tree.unflatten(treedef, [jnp.asarray(data[f"opt_{i}"]) for i in range(treedef.num_leaves)])
             self.key = jax.random.wrap_key_data(jnp.asarray(data["key"]))
             self.iteration = int(data["iteration"])
-            return [float(x) for x in data["history"]]
+            run = json.loads(str(data["run"])) if "run" in data else {}
+            return [float(x) for x in data["history"]], run
 
 
 def plot_meta_loss(history: list[float], path: Path, title: str) -> None:
@@ -285,6 +292,34 @@ def check_schedule(flag_values: flags.FlagValues = FLAGS) -> None:
         )
 
 
+def run_settings(flag_values: flags.FlagValues = FLAGS) -> dict:
+    """What shapes a meta-training run's trajectory: a resumed run must have the same (`check_resume`)."""
+    f = flag_values
+    settings = {
+        "estimator": f.estimator,
+        "tasks": f.tasks,
+        "pairs": f.pairs,
+        "sigma": f.sigma,
+        "truncation": f.truncation,
+        "horizons": [f.min_horizon, f.max_horizon],
+        "meta_optimizer": f"adamw lr={f.learning_rate} clip={f.clip} wd={f.weight_decay}",
+        "seed": f.seed,
+        "warm_start": f.init_weights or f.warm_start,
+    }
+    return settings | ({"mup_base_fan_in": f.mup_base_fan_in} if f.mup_base_fan_in else {})
+
+
+def check_resume(workdir: Path, saved: dict | None, settings: dict) -> None:
+    """Raises `cli.UsageError` when the checkpoint in ``workdir`` was written with ``saved`` settings other
+    than ``settings`` (a checkpoint that recorded none is not checked)."""
+    if not saved:
+        return
+    differ = sorted(k for k in saved.keys() | settings.keys() if saved.get(k) != settings.get(k))
+    if differ:
+        changes = ", ".join(f"{k}: {saved.get(k)} -> {settings.get(k)}" for k in differ)
+        raise cli.UsageError(f"{workdir} holds a meta-training run with other settings ({changes}); give its flags or a fresh --workdir")
+
+
 def main(argv: list[str]) -> None:
     del argv
     cli.quiet_logging(FLAGS.verbose)
@@ -307,37 +342,38 @@ def main(argv: list[str]) -> None:
                               initial=mlp_lopt.load_meta_params(mlp_lopt.weights_path(FLAGS.init_weights)) if FLAGS.init_weights else None)
     except ValueError as e:  # a population that does not split over the devices
         cli.usage_exit(str(e))
-    checkpoint = workdir / "checkpoint.npz"
-    history = trainer.restore(checkpoint) if checkpoint.exists() else []
+    checkpoint, settings = workdir / "checkpoint.npz", run_settings()
+    history, saved = trainer.restore(checkpoint) if checkpoint.exists() else ([], {})
+    try:
+        check_resume(workdir, saved.get("settings"), settings)
+    except cli.UsageError as e:
+        cli.usage_exit(str(e))
+    if history and trainer.iteration >= FLAGS.iterations:
+        print(
+            f"{workdir} already finished: its checkpoint is at meta-iteration {trainer.iteration} >= --iterations={FLAGS.iterations}; "
+            "its files are kept as they are (raise --iterations to train further)",
+            flush=True,
+        )
+        return
     if history:
         print(f"resumed at meta-iteration {trainer.iteration}", flush=True)
     rng = np.random.default_rng([FLAGS.seed, trainer.iteration])
-    started = time.time()
+    started, seconds_before = time.time(), saved.get("wall_seconds", 0.0)
     metrics = open(workdir / "metrics.jsonl", "a")
 
     def save_all() -> None:
         """Checkpoint, plot and the weights so far with their record (a run stopped early still ships)."""
-        trainer.save(checkpoint, history)
+        seconds = seconds_before + time.time() - started  # over every process of the run
+        trainer.save(checkpoint, history, {"settings": settings, "wall_seconds": seconds})
         plot_meta_loss(history, workdir / "meta_loss.png", f"{FLAGS.estimator.upper()} meta-training")
-        record = {
-            "estimator": FLAGS.estimator,
-            "tasks": FLAGS.tasks,
+        record = settings | {
             "iterations": trainer.iteration,
-            "pairs": FLAGS.pairs,
-            "sigma": FLAGS.sigma,
-            "truncation": FLAGS.truncation,
-            "horizons": [FLAGS.min_horizon, FLAGS.max_horizon],
-            "meta_optimizer": f"adamw lr={FLAGS.learning_rate} clip={FLAGS.clip} wd={FLAGS.weight_decay}",
-            "seed": FLAGS.seed,
-            "warm_start": FLAGS.init_weights or FLAGS.warm_start,
             "command": "python -m experiments.meta_train " + " ".join(sys.argv[1:]),
             "date": datetime.date.today().isoformat(),
             "machine": f"{platform.machine()} CPU, {len(devices)} jax device(s), no accelerator",
-            "wall_seconds": round(time.time() - started),
+            "wall_seconds": round(seconds),
             "final_meta_loss_mean_last_50": float(np.mean(history[-50:])) if history else None,
         }
-        if FLAGS.mup_base_fan_in:
-            record["mup_base_fan_in"] = FLAGS.mup_base_fan_in
         mlp_lopt.save_meta_params(workdir / f"{FLAGS.weights_name}.npz", trainer.meta_params(), record)
 
     def on_iteration(loss: float) -> None:

@@ -6,6 +6,9 @@ truncation and PES for the gradient through the whole unrolled history; toleranc
 standard errors of the mean over the (fixed-seed) samples.
 """
 
+import json
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,9 +140,9 @@ def test_checkpoint_resumes_the_meta_state(toy_task, tmp_path):
     trainer = meta_train.MetaTrainer([toy_task], **kwargs)
     trainer.theta, trainer.iteration = trainer.theta + 1.0, 2
     trainer.opt_state = jax.tree.map(lambda x: x + 1, trainer.opt_state)
-    trainer.save(tmp_path / "ck.npz", [1.0, 2.0])
+    trainer.save(tmp_path / "ck.npz", [1.0, 2.0], {"settings": {"pairs": 2}, "wall_seconds": 3.5})
     resumed = meta_train.MetaTrainer([toy_task], **{**kwargs, "seed": 5})
-    assert resumed.restore(tmp_path / "ck.npz") == [1.0, 2.0]
+    assert resumed.restore(tmp_path / "ck.npz") == ([1.0, 2.0], {"settings": {"pairs": 2}, "wall_seconds": 3.5})
     assert resumed.iteration == 2
     np.testing.assert_array_equal(resumed.theta, trainer.theta)
     for a, b in zip(jax.tree.leaves(resumed.opt_state), jax.tree.leaves(trainer.opt_state), strict=True):
@@ -163,6 +166,25 @@ def test_task_family_parses_widths_depths_and_model_presets():
     count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))  # noqa: E731
     preset = lopt_tasks.preset_model_def("small", 32).abstract_params
     assert count(jax.eval_shape(small.init, jax.random.key(0))) == count(preset) > 20 * count(jax.eval_shape(narrow.init, jax.random.key(0)))
+
+
+def test_a_resumed_run_must_have_the_checkpoints_settings():
+    """Was: a rerun with --estimator=es continued a PES run's meta-state and wrote a record naming ES alone."""
+    values = flags.FlagValues()
+    for name, default in {"pairs": 4, "truncation": 10, "min_horizon": 50, "max_horizon": 200, "seed": 0, "mup_base_fan_in": 0}.items():
+        flags.DEFINE_integer(name, default, name, flag_values=values)
+    for name, default in {"sigma": 0.01, "learning_rate": 3e-3, "clip": 1.0, "weight_decay": 1e-4}.items():
+        flags.DEFINE_float(name, default, name, flag_values=values)
+    for name, default in {"estimator": "pes", "tasks": "mlp_regression", "init_weights": ""}.items():
+        flags.DEFINE_string(name, default, name, flag_values=values)
+    flags.DEFINE_bool("warm_start", True, "warm_start", flag_values=values)
+    values.mark_as_parsed()
+    saved = json.loads(json.dumps(meta_train.run_settings(values)))  # as the checkpoint holds them
+    meta_train.check_resume(Path("w"), saved, meta_train.run_settings(values))
+    meta_train.check_resume(Path("w"), None, meta_train.run_settings(values))  # an older checkpoint: not checked
+    values["estimator"].value, values["sigma"].value = "es", 0.02
+    with pytest.raises(cli.UsageError, match=r"^w holds a meta-training run with other settings \(estimator: pes -> es, sigma: 0.01 -> 0.02\)"):
+        meta_train.check_resume(Path("w"), saved, meta_train.run_settings(values))
 
 
 @pytest.mark.parametrize(

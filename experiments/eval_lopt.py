@@ -15,7 +15,8 @@ and a 3x deeper one (``lm-w16-d3``). Per task, with the protocol of `experiments
 
 The *final loss* of a run is its mean loss on `EVAL_BATCHES` fresh batches after the last step.
 Writes ``results.json`` (settings, final losses per seed, curves), ``results.md`` (the table) and
-``curves.png`` (training loss, smoothed, seed 0).
+``curves.png`` (training loss, smoothed, seed 0). A rerun into a workdir that holds results prints them
+when its settings are the same and is refused when they differ; nothing is overwritten.
 """
 
 from __future__ import annotations
@@ -169,6 +170,24 @@ def define_flags() -> None:
     cli.define_verbose_flag()
 
 
+def earlier_results(workdir: Path, record: dict) -> dict | None:
+    """The results ``workdir`` already holds for the settings ``record`` (None: it holds none).
+
+    Raises:
+      cli.UsageError: it holds results of other settings, which a rerun would overwrite.
+    """
+    path = workdir / "results.json"
+    if not path.is_file():
+        return None
+    earlier = json.loads(path.read_text())
+    record = json.loads(json.dumps(record))  # as it would be written
+    differ = sorted(k for k in earlier["config"].keys() | record.keys() if earlier["config"].get(k) != record.get(k))
+    if differ:
+        changes = ", ".join(f"{k}: {earlier['config'].get(k)} -> {record.get(k)}" for k in differ)
+        raise cli.UsageError(f"{workdir} holds results of other settings ({changes}); give a fresh --workdir")
+    return earlier["results"]
+
+
 def main(argv: list[str]) -> None:
     del argv
     cli.quiet_logging(FLAGS.verbose)
@@ -177,15 +196,22 @@ def main(argv: list[str]) -> None:
     weights = mlp_lopt.weights_path(FLAGS.weights)
     meta = mlp_lopt.load_meta_params(weights)
     base = int(mlp_lopt.load_record(weights).get("mup_base_fan_in", 0))
+    record = {
+        "tasks": FLAGS.tasks, "steps": FLAGS.steps, "seeds": FLAGS.seeds, "adamw_grid": FLAGS.adamw_grid,
+        "weights": str(weights), "weights_record": mlp_lopt.load_record(weights),
+    }  # fmt: skip
     results = {}
     try:
+        if (earlier := earlier_results(workdir, record)) is not None:
+            print(f"{workdir} already holds these results; its files are kept as they are", flush=True)
+            print(table(earlier))
+            return
         grid = learning_rates(FLAGS.adamw_grid)
         for task in lopt_tasks.family(FLAGS.tasks):
             results[task.name] = evaluate_task(task, meta, steps=FLAGS.steps, seeds=FLAGS.seeds, grid=grid, mup_base_fan_in=base)
             print(table({task.name: results[task.name]}).splitlines()[-1], flush=True)
     except cli.UsageError as e:
         cli.usage_exit(str(e))
-    record = {"steps": FLAGS.steps, "seeds": FLAGS.seeds, "weights": str(weights), "weights_record": mlp_lopt.load_record(weights)}
     (workdir / "results.json").write_text(json.dumps({"config": record, "results": results}, indent=1) + "\n")
     (workdir / "results.md").write_text(table(results))
     plot(results, workdir / "curves.png")

@@ -1,5 +1,7 @@
 """experiments.eval_lopt's protocol on a toy task: grid on seed 0, tuned and default AdamW, the table."""
 
+import json
+
 import pytest
 
 from experiments import cli, eval_lopt, lopt_tasks
@@ -32,3 +34,13 @@ def test_counts_and_a_grid_that_cannot_run_are_named():
         eval_lopt.learning_rates(["1e-3", "fast"])
     with pytest.raises(cli.UsageError, match="learning rates must be > 0"):
         eval_lopt.learning_rates(["-1e-3"])
+
+
+def test_a_rerun_reads_the_results_of_its_settings_and_refuses_to_overwrite_others(tmp_path):
+    """Was: every rerun wrote over results.json, whose record did not even name the tasks or the grid."""
+    record = {"tasks": "lm-w16-d1", "steps": 200, "seeds": 2, "adamw_grid": ["1e-3", "3e-3"], "weights": "mulo.npz", "weights_record": {"n0": 16}}
+    assert eval_lopt.earlier_results(tmp_path, record) is None
+    (tmp_path / "results.json").write_text(json.dumps({"config": record, "results": {"lm-w16-d1": {"lopt": {}}}}))
+    assert eval_lopt.earlier_results(tmp_path, record) == {"lm-w16-d1": {"lopt": {}}}
+    with pytest.raises(cli.UsageError, match=r"holds results of other settings \(steps: 200 -> 100, tasks: lm-w16-d1 -> lm-w64-d1\); give a fresh"):
+        eval_lopt.earlier_results(tmp_path, record | {"steps": 100, "tasks": "lm-w64-d1"})

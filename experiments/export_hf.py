@@ -67,6 +67,8 @@ def export(
         config_path = out / hf.CONFIG
         ids = {f"{k}_token_id": manifest.get(f"{k}_id") for k in ("bos", "eos")}
         config_path.write_text(json.dumps(json.loads(config_path.read_text()) | ids, indent=2) + "\n")
+    for stale in tokenizer.FILE_NAMES:  # an earlier export's: evaluate --hf would read it for this model's ids
+        (out / stale).unlink(missing_ok=True)
     tokenizer_file = copy_tokenizer(manifest, out)
     logging.info("exported step %d of %s", saved_step, workdir)
     return files + ([tokenizer_file] if tokenizer_file else [])

@@ -85,14 +85,19 @@ def _hf_model_config(config: ml_collections.ConfigDict, overrides: dict) -> mode
     if conflicts:
         raise ValueError(f"init_from_hf={directory} fixes the architecture, but the config sets {', '.join(conflicts)}; drop those keys")
     computes = {k: v for k, v in overrides.items() if k not in hf.CONFIG_FIELDS}
-    _check_hf_tokenizer(directory, data_config(config))
     return hf.read_config(directory, **computes, document_separator=input_pipeline.document_separator(data_config(config)))
 
 
-def _check_hf_tokenizer(directory: str, data: input_pipeline.DataConfig) -> None:
-    """A checkpoint that holds its tokenizer file trains only on data made with that file: the text corpus
-    (bytes) or shards whose manifest names another tokenizer would feed it ids that mean other text. Shards
-    without a manifest and checkpoints without a tokenizer (byte-level exports) are not checked."""
+def check_hf_tokenizer(config: ml_collections.ConfigDict) -> None:
+    """A run that starts from ``config.init_from_hf``, a checkpoint holding its tokenizer file, trains only on
+    data made with that file: the text corpus (bytes) or shards whose manifest names another tokenizer would
+    feed it ids that mean other text. Shards without a manifest and checkpoints without a tokenizer
+    (byte-level exports) are not checked.
+
+    Raises:
+      ValueError: the data was made with another tokenizer; the line names the command that makes shards of its.
+    """
+    directory, data = config.init_from_hf, data_config(config)
     theirs = tokenizer_lib.find_in(directory)
     if theirs is None:
         return

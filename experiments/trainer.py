@@ -24,7 +24,7 @@ from etils import epath
 
 from experiments import checkpointing, hardware, metrics_io, profiling, restore, storage, train_lib
 from experiments.cli import UsageError
-from experiments.run_spec import RunSpec, balancing, build_run, data_config, resolve, run_meta, upgrade_meta
+from experiments.run_spec import RunSpec, balancing, build_run, check_hf_tokenizer, data_config, resolve, run_meta, upgrade_meta
 from lm import hf, speedrun_config
 from lm.data import batches as batches_lib
 from lm.data import input_pipeline
@@ -152,6 +152,11 @@ def run(
     if latest is not None and (latest >= config.steps or reached is not None):
         _check_finished(workdir, latest, run_meta(config, spec.cfg, spec.shardings.replicas))
         return _finished(workdir, latest, config.steps, reached)
+    if latest is None and config.get("init_from_hf"):
+        try:
+            check_hf_tokenizer(config)
+        except ValueError as e:
+            raise UsageError(str(e)) from e
     train_iter, val_batches = load_data(config, spec.cfg.vocab_size)
     saved_config = _saved_config(workdir) if latest is not None else None
     workdir.mkdir(parents=True, exist_ok=True)

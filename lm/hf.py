@@ -666,7 +666,9 @@ def save(
 
     Tensors go into one ``model.safetensors`` when they fit in ``max_shard_bytes``, else into
     ``model-0000k-of-0000n.safetensors`` files of at most that size (a larger single tensor gets a file
-    of its own) with the ``model.safetensors.index.json`` that maps each name to its file.
+    of its own) with the ``model.safetensors.index.json`` that maps each name to its file. The weight files
+    of an earlier save into ``directory`` are removed first: a stale index would be read before a new single
+    file, and stale shards after a new index.
     """
     from safetensors.numpy import save_file
 
@@ -674,6 +676,8 @@ def save(
     directory.mkdir(parents=True, exist_ok=True)
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype={dtype!r} must be one of {', '.join(EXPORT_DTYPES)}")
+    for stale in [directory / SINGLE_FILE, directory / INDEX_FILE, *directory.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
     tensors = {name: t.astype(EXPORT_DTYPES[dtype]) for name, t in to_hf_tensors(cfg, params).items()}
     (directory / CONFIG).write_text(json.dumps(to_hf_config(cfg, dtype), indent=2) + "\n")
     shards: list[dict[str, np.ndarray]] = [{}]

@@ -192,7 +192,7 @@ def test_the_runs_subword_tokenizer_is_copied_only_while_it_is_the_one_the_shard
     assert export_hf.copy_tokenizer(manifest, out) is None and not (out / "tokenizer.json").exists()
 
 
-def test_a_checkpoints_tokenizer_must_be_the_one_its_training_data_was_made_with(exported, tmp_path):
+def test_a_checkpoints_tokenizer_must_be_the_one_its_training_data_was_made_with(run, exported, tmp_path):
     """init_from_hf of a checkpoint holding a subword tokenizer trained on the byte-level corpus (was: silently,
     its ids meaning other text); evaluate --hf reads a SentencePiece export's tokenizer.model (was: bytes)."""
     folder = tmp_path / "hf"
@@ -201,8 +201,9 @@ def test_a_checkpoints_tokenizer_must_be_the_one_its_training_data_was_made_with
     assert tokenizer.find_in(folder) == folder / "tokenizer.model" and tokenizer.find_in(exported) is None
     (folder / "tokenizer.json").write_text('{"model": "stand-in"}')
     assert tokenizer.find_in(folder) == folder / "tokenizer.json"  # transformers' own file first
-    with pytest.raises(ValueError, match=r"trained with its tokenizer.json, but this run's data was made with the byte-level tokenizer"):
-        run_spec.model_config(_config(init_from_hf=str(folder)))
+    with pytest.raises(cli.UsageError, match=r"trained with its tokenizer.json, but this run's data was made with the byte-level tokenizer"):
+        trainer.run(_config(init_from_hf=str(folder)), tmp_path / "refused")
+    assert not (tmp_path / "refused" / "config.json").exists()
     data = tmp_path / "data"
     data.mkdir()
     for split in ("train", "val"):
@@ -212,10 +213,16 @@ def test_a_checkpoints_tokenizer_must_be_the_one_its_training_data_was_made_with
         manifest = {"tokenizer": str(tokenizer_file), "tokenizer_sha256": tokenizer.file_fingerprint(tokenizer_file)}
         (data / "manifest.json").write_text(json.dumps(manifest))
         if accepted:
-            assert run_spec.model_config(_config(**files)).d_model == 64
+            run_spec.check_hf_tokenizer(_config(**files))
         else:
             with pytest.raises(ValueError, match=r"made with .*tokenizer.model \(the shards' manifest\); train on shards of its tokenizer"):
-                run_spec.model_config(_config(**files))
+                run_spec.check_hf_tokenizer(_config(**files))
+    # An export into that folder replaces the earlier one whole (was: its index and shards were read before the
+    # new model.safetensors, and its tokenizer.json with them).
+    export_hf.export(run, folder)
+    assert sorted(p.name for p in folder.iterdir()) == [hf.CONFIG, hf.SINGLE_FILE]
+    for a, b in zip(jax.tree.leaves(hf.load_model(folder)[1]), jax.tree.leaves(hf.load_model(exported)[1]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_bits_per_byte_of_held_out_shards(exported, tmp_path):

@@ -228,10 +228,16 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> Pat
     """Trains a byte-level BPE of ``vocab_size`` ids on ``texts``; returns the path of its ``tokenizer.json``.
 
     Raises:
-      ValueError: ``vocab_size`` is below 257 (every byte and the separator).
+      ValueError: ``vocab_size`` is below 257 (every byte and the separator), or ``out_dir`` already holds a
+        ``tokenizer.json`` (shards made with it, and runs, name it and check its sha256: it is not written over).
     """
     if vocab_size < MIN_BPE_VOCAB:
         raise ValueError(f"--vocab_size={vocab_size} must be at least {MIN_BPE_VOCAB} (256 bytes and the separator)")
+    if (Path(out_dir) / "tokenizer.json").exists():
+        raise ValueError(
+            f"{Path(out_dir) / 'tokenizer.json'} exists and is not written over (shards made with it name it in their "
+            "manifest); give another --out or delete it"
+        )
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     bpe = Tokenizer(models.BPE())

@@ -101,6 +101,9 @@ def test_train_tokenizer_cli_on_given_text_and_bad_flags(tmp_path):
     assert nothing.returncode == 2 and "--max_bytes=0 must be >= 1" in nothing.stderr and not (tmp_path / "y").exists()
     with pytest.raises(ValueError, match="--vocab_size=100 must be at least 257"):
         tokenizer.train_bpe(["text"], 100, tmp_path / "small")
+    with pytest.raises(ValueError, match=r"tok/tokenizer.json exists and is not written over"):  # was: replaced, unlike the shards' --out
+        tokenizer.train_bpe(["text"], 300, tmp_path / "tok")
+    assert tokenizer.load(str(tmp_path / "tok" / "tokenizer.json")).fingerprint == tok.fingerprint
 
 
 def test_the_tokenizers_text_budget_counts_utf8_bytes():

@@ -95,9 +95,18 @@ def train_patterns(data_config: DataConfig) -> list[tuple[str, float]]:
 
 
 def manifest_vocab_size(data_config: DataConfig) -> int | None:
-    """The model vocabulary the training shards ask for: their manifests' largest, padded; None without one."""
+    """The model vocabulary the training shards ask for: their manifests' largest, padded; None without one.
+
+    A glob that matches nothing yet is skipped (a plan made before the data is fetched uses the model's own
+    vocabulary); reading the data names it.
+    """
     what = "data.mixture" if data_config.mixture else "data.train_files"
-    manifests = [read_manifest(documents.expand(p, what=what)) for p, _ in train_patterns(data_config)]
+    manifests = []
+    for pattern, _ in train_patterns(data_config):
+        try:
+            manifests.append(read_manifest(documents.expand(pattern, what=what)))
+        except documents.DocumentError:
+            continue
     sizes = [int(m["vocab_size"]) for m in manifests if m is not None]
     return padded(max(sizes)) if sizes else None
 

@@ -160,3 +160,15 @@ def test_too_little_data_names_the_split_that_holds_no_window(tmp_path):
         input_pipeline.build(data, 128, seed=0, batch_size=2, eval_batches=1)
     with pytest.raises(ValueError, match=r"^data.train_files=.*train_\*.bin: 100 tokens, not one window of seq_len \+ 1 = 129"):
         input_pipeline.build(dataclasses.replace(data, seq_len=128), 128, seed=0, batch_size=2, eval_batches=1)
+
+
+def test_the_model_vocabulary_comes_from_the_shards_manifest_once_they_exist(tmp_path):
+    """A plan made before the data is fetched (`experiments.plan` of the speedrun) keeps the model's vocabulary
+    (was: "matches no files"); reading missing shards still names them."""
+    data = input_pipeline.DataConfig(train_files=str(tmp_path / "train_*.bin"), val_files=str(tmp_path / "val_*.bin"))
+    assert input_pipeline.manifest_vocab_size(data) is None
+    with pytest.raises(documents.DocumentError, match="train_files=.*train_\\*.bin' matches no files"):
+        input_pipeline.build(data, 128, seed=0, batch_size=2, eval_batches=1)
+    shards.write(tmp_path / "train_0.bin", np.arange(300, dtype=np.uint16))
+    (tmp_path / "manifest.json").write_text(json.dumps({"vocab_size": 300}))
+    assert input_pipeline.manifest_vocab_size(data) == 384  # padded to a multiple of 128

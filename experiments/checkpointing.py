@@ -68,13 +68,22 @@ def save(mgr: ocp.CheckpointManager, step: int, state: Any, data_state: dict, me
     return mgr.save(step, args=args, force=force)
 
 
-def _diff(saved: Any, current: Any, prefix: str = "") -> list[str]:
+def _diff(saved: Any, current: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """``(key path, saved value, current value)`` wherever the two metas differ."""
     if isinstance(saved, dict) and isinstance(current, dict):
         out = []
         for key in sorted(set(saved) | set(current)):
             out += _diff(saved.get(key), current.get(key), f"{prefix}{key}.")
         return out
-    return [] if saved == current else [f"{prefix[:-1]}: checkpoint {saved!r} vs now {current!r}"]
+    return [] if saved == current else [(prefix[:-1], saved, current)]
+
+
+def _describe_differences(differences: list[tuple[str, Any, Any]], shown: int = 4) -> str:
+    """The first ``shown`` differences, the settings both sides have first (the other optimizer's keys that only
+    one side has follow from a changed ``optimizer.name``), and how many more there are."""
+    ordered = sorted(differences, key=lambda d: d[1] is None or d[2] is None)
+    text = "; ".join(f"{path}: checkpoint {old!r} vs now {new!r}" for path, old, new in ordered[:shown])
+    return text + (f"; and {len(ordered) - shown} more" if len(ordered) > shown else "")
 
 
 def _root_cause(error: BaseException) -> str:
@@ -153,7 +162,7 @@ def check_meta(mgr: ocp.CheckpointManager, step: int, meta: dict, upgrade: Calla
     differences = _diff(upgrade(saved_meta) if upgrade else saved_meta, meta)
     if differences:
         raise CheckpointMismatch(
-            f"{mgr.directory} holds a checkpoint of a different run ({'; '.join(differences[:4])}); "
+            f"{mgr.directory} holds a checkpoint of a different run ({_describe_differences(differences)}); "
             "use a fresh --workdir, or the checkpoint's original config"
         )
 

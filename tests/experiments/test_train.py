@@ -232,6 +232,9 @@ def test_workdir_with_another_models_checkpoint_is_refused(tmp_path):
     trainer.run(small_config(), tmp_path, interrupt_at=2)
     with pytest.raises(cli.UsageError, match="different run .*d_model: checkpoint 128 vs now 64"):
         trainer.run(small_config(steps=4, **{"model.d_model": 64}), tmp_path)
+    # the changed name first, not the other optimizer's keys that follow from it (were the four shown)
+    with pytest.raises(cli.UsageError, match=r"different run \(optimizer.name: checkpoint 'adamw' vs now 'muon'; .*; and \d+ more\)"):
+        trainer.run(small_config(steps=4, **{"optimizer.name": "muon"}), tmp_path)
 
 
 def _cli(*args, cwd, env_extra=None, timeout=900):

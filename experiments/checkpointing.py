@@ -157,7 +157,9 @@ def _shape_differences(state_dir: epath.Path, target: Any) -> list[str]:
 def check_meta(mgr: ocp.CheckpointManager, step: int, meta: dict, upgrade: Callable[[dict], dict] | None = None) -> None:
     """Raises `CheckpointMismatch` when checkpoint ``step``'s meta (read through ``upgrade``, which brings an older
     checkpoint's meta to today's form) differs from ``meta`` (another model, optimizer or replica count),
-    `CheckpointUnreadable` when its meta cannot be read."""
+    `CheckpointUnreadable` when its meta cannot be read, `CheckpointError` when ``step`` is not a saved step."""
+    if step not in (steps := mgr.all_steps()):
+        raise CheckpointError(f"no checkpoint at step {step} in {mgr.directory}; saved steps: {list(steps) or 'none'}")
     saved_meta = _read(mgr, step, lambda: mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())))["meta"]
     differences = _diff(upgrade(saved_meta) if upgrade else saved_meta, meta)
     if differences:
@@ -199,8 +201,6 @@ def restore(
                 logging.warning("%s holds only unfinished saves %s; starting from step 0", mgr.directory, sorted(unfinished))
             return None
         step = steps[-1]
-    elif step not in steps:
-        raise CheckpointError(f"no checkpoint at step {step} in {mgr.directory}; saved steps: {list(steps) or 'none'}")
     check_meta(mgr, step, meta, upgrade)
     differences = _read(mgr, step, lambda: _shape_differences(mgr.directory / str(step) / "state", target))
     if differences:

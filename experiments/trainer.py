@@ -148,9 +148,10 @@ def run(
     if config.get("wandb") and config.wandb.project and importlib.util.find_spec("wandb") is None:
         raise UsageError(f"wandb.project={config.wandb.project} needs Weights & Biases: pip install -e '.[wandb]'")
     latest = restore_step if restore_step is not None else checkpointing.latest_step(workdir)
+    if latest is not None:  # before anything in the workdir is written (a refused run left its config.json there)
+        _check_same_run(workdir, latest, run_meta(config, spec.cfg, spec.shardings.replicas))
     reached = _reached_target(workdir, latest, config) if latest is not None and latest < config.steps else None
     if latest is not None and (latest >= config.steps or reached is not None):
-        _check_finished(workdir, latest, run_meta(config, spec.cfg, spec.shardings.replicas))
         return _finished(workdir, latest, config.steps, reached)
     if latest is None and config.get("init_from_hf"):
         try:
@@ -252,8 +253,8 @@ def _schedule_change(saved: ml_collections.ConfigDict | None, config: ml_collect
     )
 
 
-def _check_finished(workdir: epath.Path, step: int, meta: dict) -> None:
-    """A finished run's checkpoint is this run's (the same model, optimizer and replicas), else a usage error."""
+def _check_same_run(workdir: epath.Path, step: int, meta: dict) -> None:
+    """Checkpoint ``step`` in ``workdir`` is this run's (the same model, optimizer and replicas), else a usage error."""
     mgr = checkpointing.manager(workdir, keep=None, every=1)  # keeps every step: opening it deletes nothing
     try:
         checkpointing.check_meta(mgr, step, meta, upgrade_meta)

@@ -15,7 +15,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from experiments import cli, run_spec, train_lib, trainer
+from experiments import cli, restore, run_spec, train_lib, trainer
 from experiments.configs import default
 from experiments.metrics_io import read_metrics
 from lm import config as config_lib
@@ -235,6 +235,8 @@ def test_workdir_with_another_models_checkpoint_is_refused(tmp_path):
     # the changed name first, not the other optimizer's keys that follow from it (were the four shown)
     with pytest.raises(cli.UsageError, match=r"different run \(optimizer.name: checkpoint 'adamw' vs now 'muon'; .*; and \d+ more\)"):
         trainer.run(small_config(steps=4, **{"optimizer.name": "muon"}), tmp_path)
+    # the refused runs wrote nothing (was: their config.json over the run's, which sample and export then read)
+    assert restore.run_config(tmp_path).model.d_model == 128 and restore.run_config(tmp_path).optimizer.name == "adamw"
 
 
 def _cli(*args, cwd, env_extra=None, timeout=900):

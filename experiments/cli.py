@@ -7,9 +7,9 @@ from __future__ import annotations
 import importlib.util
 import logging as std_logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from absl import flags, logging
 from ml_collections import config_flags
@@ -86,6 +86,12 @@ def define_config_flag(default: str) -> flags.FlagHolder:
         )  # fmt: skip
     except (AttributeError, KeyError) as e:  # config_flags applies --config.* overrides right here
         usage_exit(unknown_key_message(str(e.args[0] if e.args else e), default, sys.argv[1:], flag_names=list(flags.FLAGS)))
+
+
+def changed_settings(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
+    """``"key: old -> new, ..."`` over the keys whose values differ, sorted (empty when none do): what a rerun
+    into a folder written with ``old`` settings would change."""
+    return ", ".join(f"{k}: {old.get(k)} -> {new.get(k)}" for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k))
 
 
 def unknown_key_message(error: str, default: str, argv: list[str], flag_names: Sequence[str] = ()) -> str:

@@ -180,10 +180,7 @@ def earlier_results(workdir: Path, record: dict) -> dict | None:
     if not path.is_file():
         return None
     earlier = json.loads(path.read_text())
-    record = json.loads(json.dumps(record))  # as it would be written
-    differ = sorted(k for k in earlier["config"].keys() | record.keys() if earlier["config"].get(k) != record.get(k))
-    if differ:
-        changes = ", ".join(f"{k}: {earlier['config'].get(k)} -> {record.get(k)}" for k in differ)
+    if changes := cli.changed_settings(earlier["config"], json.loads(json.dumps(record))):  # the record as it would be written
         raise cli.UsageError(f"{workdir} holds results of other settings ({changes}); give a fresh --workdir")
     return earlier["results"]
 

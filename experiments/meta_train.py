@@ -312,11 +312,7 @@ def run_settings(flag_values: flags.FlagValues = FLAGS) -> dict:
 def check_resume(workdir: Path, saved: dict | None, settings: dict) -> None:
     """Raises `cli.UsageError` when the checkpoint in ``workdir`` was written with ``saved`` settings other
     than ``settings`` (a checkpoint that recorded none is not checked)."""
-    if not saved:
-        return
-    differ = sorted(k for k in saved.keys() | settings.keys() if saved.get(k) != settings.get(k))
-    if differ:
-        changes = ", ".join(f"{k}: {saved.get(k)} -> {settings.get(k)}" for k in differ)
+    if saved and (changes := cli.changed_settings(saved, settings)):
         raise cli.UsageError(f"{workdir} holds a meta-training run with other settings ({changes}); give its flags or a fresh --workdir")
 
 

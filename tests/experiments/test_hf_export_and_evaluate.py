@@ -199,6 +199,8 @@ def test_a_checkpoints_tokenizer_must_be_the_one_its_training_data_was_made_with
     shutil.copytree(exported, folder)
     (folder / "tokenizer.model").write_bytes(b"stand-in SentencePiece model")
     assert tokenizer.find_in(folder) == folder / "tokenizer.model" and tokenizer.find_in(exported) is None
+    with pytest.raises(tokenizer.TokenizerError, match="tokenizer.model"):  # read as SentencePiece (was: bytes, silently)
+        evaluate.from_hf(folder)
     (folder / "tokenizer.json").write_text('{"model": "stand-in"}')
     assert tokenizer.find_in(folder) == folder / "tokenizer.json"  # transformers' own file first
     with pytest.raises(cli.UsageError, match=r"trained with its tokenizer.json, but this run's data was made with the byte-level tokenizer"):

@@ -142,12 +142,36 @@ def _deepseek_only_routing(cfg: ModelConfig) -> list[str]:
     return differences
 
 
+def _computed_here_only(cfg: ModelConfig) -> list[str]:
+    """``cfg``'s options that none of the exported architectures computes: an export would drop them and
+    transformers would compute another function (some change no parameter, so nothing else would notice)."""
+    options = {
+        "model.attention_type=lightning (linear attention)": cfg.attention_type == "lightning",
+        f"model.mlp_activation={cfg.mlp_activation} (every exported MLP is SwiGLU)": cfg.mlp_activation != "swiglu",
+        f"model.logit_softcap={cfg.logit_softcap}": cfg.logit_softcap > 0,
+        "model.norm_scale=False": not cfg.norm_scale,
+        f"model.attention_scale={cfg.attention_scale} (transformers scales by 1/sqrt(head_dim))": cfg.attention_scale != 0,
+        f"model.embed_vocab_size={cfg.embed_vocab_size} (an embedding narrower than the head)": cfg.embed_vocab_size != 0,
+        f"model.value_embeddings={cfg.value_embeddings}": cfg.value_embeddings != 0,
+        "model.unet_skips=True": cfg.unet_skips,
+        "model.x0_mixing=True": cfg.x0_mixing,
+        f"model.skip_attention={cfg.skip_attention!r}": bool(cfg.skip_attention),
+        f"model.attention_window={cfg.attention_window} (block sliding windows)": cfg.attention_window != 0,
+    }
+    return [option for option, is_set in options.items() if is_set]
+
+
 def architecture(cfg: ModelConfig) -> str:
     """The transformers architecture of ``cfg`` (``LlamaForCausalLM``, ...); raises where there is none."""
     if cfg.parscale > 1:
         raise UnsupportedArchitecture(
             f"model.parscale={cfg.parscale}: transformers has no ParScale architecture (the authors' Qwen2ParScale is "
             "remote code) and a Llama / Qwen3 export would drop the prefixes and the aggregation; set model.parscale=1"
+        )
+    if unsupported := _computed_here_only(cfg):
+        raise UnsupportedArchitecture(
+            f"transformers' Llama, Qwen3, Mixtral, Qwen3-MoE and DeepSeek-V2 do not compute {', '.join(unsupported)}: "
+            "an export would be another model. Export a run without these options"
         )
     if cfg.attention_type == "mla":
         return _deepseek_architecture(cfg)
@@ -672,14 +696,15 @@ def save(
     """
     from safetensors.numpy import save_file
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype={dtype!r} must be one of {', '.join(EXPORT_DTYPES)}")
+    tensors = {name: t.astype(EXPORT_DTYPES[dtype]) for name, t in to_hf_tensors(cfg, params).items()}
+    hf_config = to_hf_config(cfg, dtype)  # both raise on a model without an equivalent: before anything is removed
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
     for stale in [directory / SINGLE_FILE, directory / INDEX_FILE, *directory.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)
-    tensors = {name: t.astype(EXPORT_DTYPES[dtype]) for name, t in to_hf_tensors(cfg, params).items()}
-    (directory / CONFIG).write_text(json.dumps(to_hf_config(cfg, dtype), indent=2) + "\n")
+    (directory / CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, tensor in tensors.items():

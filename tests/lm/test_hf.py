@@ -284,11 +284,36 @@ def test_config_round_trip():
         (dict(attention_type="mla", norm_eps=1e-5), "latents with eps 1e-06 whatever rms_norm_eps says: set model.norm_eps=1e-06"),
         (dict(n_experts=4, expert_mlp_dim=16, normalize_router_weights=True, router_scale=2.0), "only DeepSeek-V2 scales the gates"),
         (dict(qk_norm=True, n_experts=4, router_groups=2, router_topk_groups=1), "only DeepSeek-V2 routes within groups"),
+        (dict(attention_type="lightning", scan_layers=False), "do not compute model.attention_type=lightning"),
+        (dict(mlp_activation="relu2"), "model.mlp_activation=relu2"),
+        (dict(logit_softcap=15.0), "model.logit_softcap=15.0"),
+        (dict(norm_scale=False), "model.norm_scale=False"),
+        (dict(attention_scale=0.12), "model.attention_scale=0.12"),
+        (dict(embed_vocab_size=8, tie_embeddings=False), "model.embed_vocab_size=8"),
+        (dict(value_embeddings=1, n_kv_heads=4, scan_layers=False), "model.value_embeddings=1"),
+        (dict(unet_skips=True, scan_layers=False), "model.unet_skips=True"),
+        (dict(x0_mixing=True, scan_layers=False), "model.x0_mixing=True"),
+        (dict(skip_attention="1", scan_layers=False), "model.skip_attention='1'"),
+        (dict(attention_window=8, window_block=4), "model.attention_window=8"),
     ],
 )
 def test_architectures_without_an_equivalent_name_the_difference(changes, message):
     with pytest.raises(hf.UnsupportedArchitecture, match=message):
         hf.architecture(dataclasses.replace(CONFIGS["llama"], **changes))
+
+
+def test_a_refused_export_leaves_the_folders_earlier_export_as_it_was(tmp_path):
+    """A soft-capped or windowed model has a Llama's parameters: only the check stops a silent export of
+    another function. And a refusal (that one, or parameters that do not fit the config) comes before
+    the earlier export's weight files are removed."""
+    cfg, params = CONFIGS["llama"], _params(CONFIGS["llama"])
+    earlier = {path.name: path.read_bytes() for path in hf.save(tmp_path, cfg, params)}
+    capped = dataclasses.replace(cfg, logit_softcap=15.0, attention_window=8, window_block=4)
+    with pytest.raises(hf.UnsupportedArchitecture, match=r"model.logit_softcap=15.0, model.attention_window=8"):
+        hf.save(tmp_path, capped, params)
+    with pytest.raises(ValueError, match="do not match the model config"):
+        hf.save(tmp_path, dataclasses.replace(cfg, tie_embeddings=False), params)
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == earlier
 
 
 def test_a_trained_router_bias_refuses_to_export(tmp_path):

@@ -85,7 +85,10 @@ def _hf_model_config(config: ml_collections.ConfigDict, overrides: dict) -> mode
     if conflicts:
         raise ValueError(f"init_from_hf={directory} fixes the architecture, but the config sets {', '.join(conflicts)}; drop those keys")
     computes = {k: v for k, v in overrides.items() if k not in hf.CONFIG_FIELDS}
-    return hf.read_config(directory, **computes, document_separator=input_pipeline.document_separator(data_config(config)))
+    try:
+        return hf.read_config(directory, **computes, document_separator=input_pipeline.document_separator(data_config(config)))
+    except hf.CheckpointError as e:
+        raise ValueError(f"init_from_hf: {e}") from e
 
 
 def check_hf_tokenizer(config: ml_collections.ConfigDict) -> None:

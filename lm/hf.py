@@ -170,8 +170,8 @@ def architecture(cfg: ModelConfig) -> str:
         )
     if unsupported := _computed_here_only(cfg):
         raise UnsupportedArchitecture(
-            f"transformers' Llama, Qwen3, Mixtral, Qwen3-MoE and DeepSeek-V2 do not compute {', '.join(unsupported)}: "
-            "an export would be another model. Export a run without these options"
+            f"{', '.join(unsupported)}: transformers' Llama, Qwen3, Mixtral, Qwen3-MoE and DeepSeek-V2 compute none of "
+            "these, so their checkpoint of this model would compute another function; drop these settings"
         )
     if cfg.attention_type == "mla":
         return _deepseek_architecture(cfg)
@@ -397,9 +397,11 @@ def from_hf_config(hf: dict[str, Any], where: str = CONFIG, **overrides: Any) ->
     if arch == _QWEN3_MOE:
         fields |= _qwen3_moe_fields(hf, where)
     try:
-        return ModelConfig(**(fields | overrides))
+        cfg = ModelConfig(**(fields | overrides))
+        architecture(cfg)  # an override it does not compute (a soft-cap, a window) would make it another model
     except ValueError as e:
         raise UnsupportedArchitecture(f"{where}: {e}") from e
+    return cfg
 
 
 def _rope_fields(hf: dict[str, Any], arch: str, problems: list[str]) -> dict[str, Any]:

@@ -75,6 +75,10 @@ def test_a_run_starts_from_the_export(run, exported, tmp_path):
 def test_a_run_that_contradicts_the_checkpoint_is_refused(exported, tmp_path):
     with pytest.raises(cli.UsageError, match=r"model.d_model=96 \(config.json: 64\)"):
         trainer.run(_config(**{"init_from_hf": str(exported), "model.d_model": 96}), tmp_path)
+    # a setting the checkpoint's architecture does not compute (it has no parameters to contradict)
+    with pytest.raises(cli.UsageError, match=r"init_from_hf: .*model.logit_softcap=15.0: transformers'"):
+        trainer.run(_config(**{"init_from_hf": str(exported), "model.logit_softcap": 15.0}), tmp_path / "capped")
+    assert not (tmp_path / "capped").exists()
 
 
 def test_validation_bits_per_byte_match_training(run):

@@ -284,7 +284,7 @@ def test_config_round_trip():
         (dict(attention_type="mla", norm_eps=1e-5), "latents with eps 1e-06 whatever rms_norm_eps says: set model.norm_eps=1e-06"),
         (dict(n_experts=4, expert_mlp_dim=16, normalize_router_weights=True, router_scale=2.0), "only DeepSeek-V2 scales the gates"),
         (dict(qk_norm=True, n_experts=4, router_groups=2, router_topk_groups=1), "only DeepSeek-V2 routes within groups"),
-        (dict(attention_type="lightning", scan_layers=False), "do not compute model.attention_type=lightning"),
+        (dict(attention_type="lightning", scan_layers=False), "model.attention_type=lightning .linear attention.: transformers' Llama"),
         (dict(mlp_activation="relu2"), "model.mlp_activation=relu2"),
         (dict(logit_softcap=15.0), "model.logit_softcap=15.0"),
         (dict(norm_scale=False), "model.norm_scale=False"),

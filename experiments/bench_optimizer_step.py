@@ -1,7 +1,7 @@
 """Time one optimizer update per optimizer, relative to AdamW, on the `tiny` and `small` parameter trees.
 
     python -m experiments.bench_optimizer_step --optimizers=adamw,muon,normuon --trees=tiny,small \
-        --out=/tmp/bench_optimizer_step.json
+        --json_out=/tmp/bench_optimizer_step.json
     python -m experiments.bench_optimizer_step --optimizers=all --trees=gpt2-124m --repeats=5   # a GPU's table
 
 Each row is a jitted ``(params, grads, state) -> (params, state)`` step (update + apply_updates) on a
@@ -319,8 +319,8 @@ def main(argv: list[str]) -> None:
             vs_optax_min = f"{r['vs_optax_muon_min']:.2f}" if "vs_optax_muon_min" in r else ""
             min_ms = f"{r['min_ms']:.2f}" if "min_ms" in r else "-"
             print(f"{name:<22}{r['ms']:>10.2f}{min_ms:>10}{vs_adamw:>10}{vs_optax:>10}{vs_optax_min:>8}{r['state_bytes_per_param']:>9.2f}")
-    if f.out:
-        with open(f.out, "w") as file:
+    if f.json_out:
+        with open(f.json_out, "w") as file:
             json.dump(results, file, indent=2)
 
 
@@ -329,7 +329,7 @@ def define_flags() -> None:
     flags.DEFINE_list("optimizers", rows, "Rows to time; 'all': every registered optimizer.")
     flags.DEFINE_list("trees", ["tiny", "small"], f"Parameter trees, from {sorted(TREES)} or a dense model preset (gpt2-124m, llama-1b).")
     flags.DEFINE_integer("repeats", 20, "Timed calls per row (median and minimum reported).")
-    flags.DEFINE_string("out", "", "Write the results as JSON here.")
+    flags.DEFINE_string("json_out", "", "Write the results as JSON here.")
     flags.DEFINE_string(
         "train_batch", "", "BATCHxSEQ_LEN: time whole training steps of the preset named by --trees at this batch; empty: updates only."
     )

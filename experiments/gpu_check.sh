@@ -122,7 +122,7 @@ step speedrun 60 110 "$WORK/speedrun/speedrun.json" python3 -m experiments.speed
   --config.steps="${SPEEDRUN_STEPS:-40}" --config.eval_every="${SPEEDRUN_STEPS:-40}" --config.data.val_tokens="${SPEEDRUN_SEQ:-49152}" \
   --config.target_val_loss=0.01
 step optimizers 90 150 "$WORK/optimizers.json" python3 -m experiments.bench_optimizer_step --optimizers="$OPTIMIZERS" \
-  --trees="$OPTIMIZER_TREE" --train_batch="$BATCH" --train_dtype="$DTYPE" --repeats="$REPEATS" --out="$WORK/optimizers.json"
+  --trees="$OPTIMIZER_TREE" --train_batch="$BATCH" --train_dtype="$DTYPE" --repeats="$REPEATS" --json_out="$WORK/optimizers.json"
 throughput step_"$MOE" 30 60 "$MOE" "$BATCH" --config.model.attention=auto
 throughput step_"$LLAMA" 40 75 "$LLAMA" "$LLAMA_BATCH" --config.model.attention=auto
 throughput step_"$PRESET"_pallas 35 75 "$PRESET" "$BATCH" --config.model.attention=pallas
@@ -132,7 +132,7 @@ throughput step_"$LLAMA"_fp8 40 75 "$LLAMA" "$LLAMA_BATCH" --config.model.attent
 # Every registered optimizer's update alone on the preset's shapes: issue 44 item 4's one table of the registry
 # (the whole steps above time four; each of these compiles only its update).
 step optimizer_updates 120 200 "$WORK/optimizer_updates.json" python3 -m experiments.bench_optimizer_step --optimizers=all \
-  --trees="$OPTIMIZER_TREE" --repeats="$REPEATS" --out="$WORK/optimizer_updates.json"
+  --trees="$OPTIMIZER_TREE" --repeats="$REPEATS" --json_out="$WORK/optimizer_updates.json"
 
 # The tests beside the main job: both share the GPU, so neither takes its memory up front.
 TESTS_CMD=(env SPMDLAB_TEST_PLATFORMS="$TEST_PLATFORMS" SPMDLAB_TEST_CPU_DEVICES=1 XLA_PYTHON_CLIENT_PREALLOCATE=false

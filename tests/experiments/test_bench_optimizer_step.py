@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _bench(tmp_path, *flags):
     out = tmp_path / "bench.json"
-    command = [sys.executable, "-m", "experiments.bench_optimizer_step", *flags, f"--out={out}"]
+    command = [sys.executable, "-m", "experiments.bench_optimizer_step", *flags, f"--json_out={out}"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
     return result, (json.loads(out.read_text()) if out.exists() else None)

@@ -97,8 +97,7 @@ def _score_fn(model_def: model_lib.ModelDef, batch: jax.NamedSharding) -> Callab
 def from_run(workdir: str | Path, step: int | None = None, mesh: str = "", tokenizer_spec: str = "") -> tuple[Scorer, ml_collections.ConfigDict]:
     """A `Scorer` of the run in ``workdir`` (its tokenizer from its shards' manifest), and the run's config."""
     spec, params, _ = restore.restore_run(workdir, step, mesh=mesh, devices=0)
-    manifest = restore.run_manifest(workdir)
-    tok = tokenizer.load(tokenizer_spec or (manifest or {}).get("tokenizer", "bytes"))
+    tok = restore.load_tokenizer(workdir, tokenizer_spec)
     config = ml_collections.ConfigDict(json.loads((Path(workdir) / "config.json").read_text()))
     return Scorer(spec.model_def, params, spec.mesh, spec.rules, tok), config
 
@@ -143,10 +142,16 @@ def shards_bits_per_byte(scorer: Scorer, pattern: str, *, seq_len: int, batch_si
     ``manifest.json`` (its ``val`` split's tokens per byte, as training uses; None without one)."""
     try:
         files = documents.expand(pattern, what="--val_files")
+        manifest = input_pipeline.read_manifest(files)
+        if manifest is not None and manifest.get("tokenizer_sha256") not in (None, scorer.tokenizer.fingerprint):
+            raise ValueError(
+                f"--val_files={pattern} were tokenized with {manifest.get('tokenizer')}, not with this model's tokenizer "
+                f"({scorer.tokenizer.name}): their ids would mean other text to it; tokenize the text with the model's "
+                f"(python -m experiments.tokenize --tokenizer={scorer.tokenizer.name} --input=... --out=...)"
+            )
         streams = [shards.read(f) for f in files]
         for f, tokens in zip(files, streams, strict=True):
-            shards.check_vocab(tokens, f"shard {f}", scorer.model_def.config.vocab_size)
-        manifest = input_pipeline.read_manifest(files)
+            shards.check_vocab(tokens, f"shard {f}", scorer.model_def.config.vocab_size, trained=True)
     except (ValueError, FileNotFoundError) as e:
         raise cli.UsageError(str(e)) from e
     width = seq_len + 1

@@ -97,14 +97,16 @@ def read(path: str | os.PathLike) -> np.ndarray:
     raise ShardError(f"shard {path} is neither an llm.c .bin file nor a .npy token array")
 
 
-def check_vocab(tokens: np.ndarray, name: str, vocab_size: int) -> None:
+def check_vocab(tokens: np.ndarray, name: str, vocab_size: int, *, trained: bool = False) -> None:
     """Raises `ShardError` naming the tokens (``name``, e.g. ``"shard data/train_000000.bin"``) when an id
-    is negative or at least ``vocab_size``."""
+    is negative or at least ``vocab_size``; the fix it names is a larger vocabulary for a run to come, shards of
+    the model's tokenizer for a ``trained`` one."""
     if tokens.size == 0:
         return
     low, high = int(tokens.min()), int(tokens.max())
     if low < 0 or high >= vocab_size:
+        fix = "" if trained else f"set --config.model.vocab_size to at least {high + 1} or "
         raise ShardError(
             f"{name} holds token id {high if high >= vocab_size else low}, outside the model's vocabulary of "
-            f"{vocab_size}; set --config.model.vocab_size to at least {high + 1} or use shards of a matching tokenizer"
+            f"{vocab_size}; {fix}use shards of a matching tokenizer"
         )

@@ -245,6 +245,12 @@ def test_bits_per_byte_of_held_out_shards(exported, tmp_path):
     assert results["shards_tokens"] == 24 * len(windows) and len(windows) > 4
     assert results["shards_loss"] == pytest.approx(nats / (24 * len(windows)), rel=1e-5)
     assert results["shards_bits_per_byte"] == pytest.approx(results["shards_loss"] / math.log(2) * 1.5, rel=1e-6)
+    # shards of another tokenizer whose ids all fit the vocabulary (was: scored silently, as the model's tokens)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest | {"tokenizer": "bpe.json", "tokenizer_sha256": "0" * 64}))
+    with pytest.raises(cli.UsageError, match=r"tokenized with bpe.json, not with this model's tokenizer \(bytes\)"):
+        evaluate.evaluate(hf_dir=str(exported), val_files=str(tmp_path / "val_*.bin"), seq_len=24, batch_size=4)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest | {"tokenizer": "bytes", "tokenizer_sha256": scorer.tokenizer.fingerprint}))
+    assert evaluate.evaluate(hf_dir=str(exported), val_files=str(tmp_path / "val_*.bin"), seq_len=24, batch_size=4) == results
 
 
 def _broken_copy(exported, tmp_path, damage):

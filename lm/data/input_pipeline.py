@@ -182,6 +182,15 @@ def _open(pattern: str, what: str, vocab_size: int) -> tuple[list[np.ndarray], d
     return streams, read_manifest(files)
 
 
+def _check_one_tokenizer(named_manifests: list[tuple[str, dict | None]]) -> None:
+    """Raises `ValueError` when the manifests of a run's shards name tokenizers of different sha256: the ids of
+    one would mean other text to a model of the other."""
+    made_with = {name: (m["tokenizer_sha256"], m.get("tokenizer")) for name, m in named_manifests if m and m.get("tokenizer_sha256")}
+    if len({sha for sha, _ in made_with.values()}) > 1:
+        each = "; ".join(f"{name} with {tokenizer_name}" for name, (_, tokenizer_name) in made_with.items())
+        raise ValueError(f"the run's shards were made with different tokenizers ({each}); tokenize them all with one")
+
+
 def _windows(streams: list[np.ndarray], seq_len: int, data_config: DataConfig, separator_id: int | None, name: str) -> batches.Windows:
     if not data_config.bos_aligned:
         return batches.Windows(streams, seq_len, name=name)
@@ -220,6 +229,7 @@ def build(
         train = [streams for streams, _ in opened]
         train_names, val_name = [f"{what}={p}" for p, _ in patterns], f"data.val_files={d.val_files}"
         val, val_manifest = _open(d.val_files, "data.val_files", vocab_size)
+        _check_one_tokenizer([*zip(train_names, (m for _, m in opened)), (val_name, val_manifest)])
         split = (val_manifest or {}).get("splits", {}).get("val")
         tokens_per_byte = split["tokens"] / split["bytes"] if split and split.get("bytes") else None
     separator = separator_id(d) if d.bos_aligned else None

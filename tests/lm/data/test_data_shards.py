@@ -162,6 +162,20 @@ def test_too_little_data_names_the_split_that_holds_no_window(tmp_path):
         input_pipeline.build(dataclasses.replace(data, seq_len=128), 128, seed=0, batch_size=2, eval_batches=1)
 
 
+def test_training_and_validation_shards_of_different_tokenizers_are_refused(tmp_path):
+    """Byte-level validation shards beside subword training shards (was: validated silently, loss 7.2 at step 4)."""
+    for split, tokenizer_name, sha in (("train", "bpe.json", "a" * 64), ("val", "bytes", "b" * 64)):
+        (tmp_path / split).mkdir()
+        shards.write(tmp_path / split / f"{split}_0.bin", np.arange(100, dtype=np.uint16))
+        manifest = {"vocab_size": 128, "tokenizer": tokenizer_name, "tokenizer_sha256": sha}
+        (tmp_path / split / "manifest.json").write_text(json.dumps(manifest))
+    data = input_pipeline.DataConfig(seq_len=16, train_files=str(tmp_path / "train/*.bin"), val_files=str(tmp_path / "val/*.bin"))
+    with pytest.raises(ValueError, match=r"made with different tokenizers \(data.train_files=.* with bpe.json; data.val_files=.* with bytes\)"):
+        input_pipeline.build(data, 128, seed=0, batch_size=2, eval_batches=1)
+    (tmp_path / "val" / "manifest.json").write_text(json.dumps({"vocab_size": 128, "tokenizer": "bpe.json", "tokenizer_sha256": "a" * 64}))
+    input_pipeline.build(data, 128, seed=0, batch_size=2, eval_batches=1)
+
+
 def test_the_model_vocabulary_comes_from_the_shards_manifest_once_they_exist(tmp_path):
     """A plan made before the data is fetched (`experiments.plan` of the speedrun) keeps the model's vocabulary
     (was: "matches no files"); reading missing shards still names them."""

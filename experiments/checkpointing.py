@@ -169,6 +169,11 @@ def check_meta(mgr: ocp.CheckpointManager, step: int, meta: dict, upgrade: Calla
         )
 
 
+def read_data_state(mgr: ocp.CheckpointManager, step: int) -> dict:
+    """The input pipeline's state saved with checkpoint ``step`` (`CheckpointUnreadable` when it cannot be read)."""
+    return _read(mgr, step, lambda: mgr.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore())))["data"]
+
+
 def restore(
     mgr: ocp.CheckpointManager,
     target: Any,

@@ -159,6 +159,8 @@ def run(
         except ValueError as e:
             raise UsageError(str(e)) from e
     train_iter, val_batches = load_data(config, spec.cfg.vocab_size)
+    if latest is not None:  # as the meta: a resume refused for its data settings left its config.json there
+        _check_same_data(workdir, latest, train_iter)
     saved_config = _saved_config(workdir) if latest is not None else None
     workdir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
@@ -259,6 +261,18 @@ def _check_same_run(workdir: epath.Path, step: int, meta: dict) -> None:
     try:
         checkpointing.check_meta(mgr, step, meta, upgrade_meta)
     except checkpointing.CheckpointError as e:
+        raise UsageError(str(e)) from e
+    finally:
+        mgr.close()
+
+
+def _check_same_data(workdir: epath.Path, step: int, train_iter: batches_lib.PackedBatches) -> None:
+    """Checkpoint ``step`` in ``workdir`` was saved by the input pipeline ``train_iter`` resumes (the same data,
+    sequence length, batch and seed), else a usage error."""
+    mgr = checkpointing.manager(workdir, keep=None, every=1)
+    try:
+        train_iter.check_state(checkpointing.read_data_state(mgr, step))
+    except ValueError as e:  # a checkpointing.CheckpointError too
         raise UsageError(str(e)) from e
     finally:
         mgr.close()

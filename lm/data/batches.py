@@ -141,13 +141,17 @@ class PackedBatches:
     def get_state(self) -> dict:
         return {"step": self.step, "seed": self.seed, "seq_len": self.seq_len, "global_batch": self.global_batch, "name": self.name}
 
-    def set_state(self, state: dict) -> None:
+    def check_state(self, state: dict) -> None:
+        """Raises `ValueError` naming the first setting of a checkpointed ``state`` that differs from this pipeline's."""
         for key in ("seed", "seq_len", "global_batch", "name"):
             if state.get(key, getattr(self, key)) != getattr(self, key):  # checkpoints before "name" lack it
                 raise ValueError(
                     f"checkpointed data state has {key}={state[key]} but this run has {getattr(self, key)}; "
                     "resume with the original data settings or use a fresh workdir"
                 )
+
+    def set_state(self, state: dict) -> None:
+        self.check_state(state)
         self.step = int(state["step"])
         self._iter = None
 

@@ -235,8 +235,11 @@ def test_workdir_with_another_models_checkpoint_is_refused(tmp_path):
     # the changed name first, not the other optimizer's keys that follow from it (were the four shown)
     with pytest.raises(cli.UsageError, match=r"different run \(optimizer.name: checkpoint 'adamw' vs now 'muon'; .*; and \d+ more\)"):
         trainer.run(small_config(steps=4, **{"optimizer.name": "muon"}), tmp_path)
-    # the refused runs wrote nothing (was: their config.json over the run's, which sample and export then read)
-    assert restore.run_config(tmp_path).model.d_model == 128 and restore.run_config(tmp_path).optimizer.name == "adamw"
+    with pytest.raises(cli.UsageError, match="checkpointed data state has seq_len=32 but this run has 16"):
+        trainer.run(small_config(steps=4, **{"data.seq_len": 16}), tmp_path)
+    # the refused runs wrote nothing (was: their config.json over the run's, which sample, evaluate and export then read)
+    saved = restore.run_config(tmp_path)
+    assert (saved.model.d_model, saved.optimizer.name, saved.data.seq_len) == (128, "adamw", 32)
 
 
 def _cli(*args, cwd, env_extra=None, timeout=900):

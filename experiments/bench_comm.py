@@ -126,7 +126,7 @@ def define_flags() -> flags.FlagHolder:
     cli.define_cpu_devices_flag(8)
     flags.declare_key_flag("cpu_devices")
     flags.DEFINE_string("workdir", "", "Where the training runs go (default: a fresh temporary folder).")
-    flags.DEFINE_string("json_out", "", "Write the results here as JSON.")
+    cli.define_output_file_flag("json_out", "Write the results here as JSON.")
     cli.define_verbose_flag()
     return cli.define_config_flag(str(Path(__file__).parent / "configs" / "bench_comm.py"))
 

@@ -277,7 +277,7 @@ def define_flags() -> None:
     flags.DEFINE_string("exact_attention", "xla", "model.attention on the context meshes of the exactness check (pallas: interpret mode on CPU).")
     cli.define_cpu_devices_flag(8)
     flags.declare_key_flag("cpu_devices")
-    flags.DEFINE_string("json_out", "", "Write the results here as JSON.")
+    cli.define_output_file_flag("json_out", "Write the results here as JSON.")
     cli.define_verbose_flag()
 
 

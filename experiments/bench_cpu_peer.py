@@ -403,7 +403,7 @@ def define_flags() -> flags.FlagHolder:
     flags.DEFINE_integer("seed", 0, "Initialisation and batch seed.")
     flags.DEFINE_float("loss_rtol", 1e-4, "Largest relative difference of the two losses on the same weights.")
     flags.DEFINE_bool("products", True, "Also time both sides' matrix products at each preset's layer shapes (first batch shape).")
-    flags.DEFINE_string("json_out", None, "Also write every case as JSON here.")
+    cli.define_output_file_flag("json_out", "Also write every case as JSON here.")
     flags.DEFINE_enum("device", "auto", list(DEVICES), "Where both sides run: auto (CUDA where PyTorch and JAX see a GPU), cpu, cuda.")
     flags.DEFINE_string("dtype", None, "Our parameters and activations (float32, bfloat16); default: bfloat16 on CUDA, float32 on a CPU.")
     cli.define_verbose_flag()

@@ -53,7 +53,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("workers", 2, "Tokenizing processes.")
     flags.DEFINE_integer("bpe_vocab", 8192, "Vocabulary of the BPE tokenized in the tokenize row.")
     flags.DEFINE_integer("train_steps", 60, "Steps of the default job in the input_wait row.")
-    flags.DEFINE_string("json_out", "", "Write the results here as JSON.")
+    cli.define_output_file_flag("json_out", "Write the results here as JSON.")
 
 
 def loader_speed(streams: list[np.ndarray], batch: int, seq_len: int, batches: int, read_ahead: int) -> float:

@@ -337,7 +337,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("warmup", 3, "Untimed calls first (compilation included).")
     flags.DEFINE_integer("iters", 20, "Timed calls per row.")
     flags.DEFINE_float("peak_tflops", 989.0, "Dense peak TFLOP/s of the device in --dtype (H100 SXM bf16: 989).")
-    flags.DEFINE_string("json_out", "", "Write the rows as JSON here.")
+    cli.define_output_file_flag("json_out", "Write the rows as JSON here.")
     flags.DEFINE_list("quantized_shapes", bench_quantized_update.GPT2_124M_MATRICES, "Parameter shapes (AxBxC) of the quantized-update section.")
     flags.DEFINE_list("quantized_variants", list(bench_quantized_update.VARIANTS), "Rows of the quantized-update section.")
     flags.DEFINE_list("gmm_shapes", ["8x16384x768x2048"], "GROUPSxMxKxN grouped matmuls.")

@@ -43,7 +43,7 @@ def define_flags() -> None:
     flags.DEFINE_string("preset", "tiny", "model preset of the decode rows")
     flags.DEFINE_integer("warmup", 1, "untimed calls first (compilation included)")
     flags.DEFINE_integer("iters", 5, "timed samples per row")
-    flags.DEFINE_string("json_out", None, "write the rows here as JSON")
+    cli.define_output_file_flag("json_out", "Write the rows here as JSON.")
 
 
 def _grad_fn(attend):

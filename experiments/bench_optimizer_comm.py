@@ -97,7 +97,7 @@ def define_flags() -> flags.FlagHolder:
     flags.DEFINE_string("meshes", ";".join(MESHES), f"Semicolon-separated meshes: {'; '.join(MESHES)}.")
     cli.define_cpu_devices_flag(8)
     flags.declare_key_flag("cpu_devices")
-    flags.DEFINE_string("json_out", "", "Write the results here as JSON.")
+    cli.define_output_file_flag("json_out", "Write the results here as JSON.")
     cli.define_verbose_flag()
     return cli.define_config_flag(str(Path(__file__).parent / "configs" / "bench_comm.py"))
 

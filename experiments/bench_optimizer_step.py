@@ -329,7 +329,7 @@ def define_flags() -> None:
     flags.DEFINE_list("optimizers", rows, "Rows to time; 'all': every registered optimizer.")
     flags.DEFINE_list("trees", ["tiny", "small"], f"Parameter trees, from {sorted(TREES)} or a dense model preset (gpt2-124m, llama-1b).")
     flags.DEFINE_integer("repeats", 20, "Timed calls per row (median and minimum reported).")
-    flags.DEFINE_string("json_out", "", "Write the results as JSON here.")
+    cli.define_output_file_flag("json_out", "Write the results as JSON here.")
     flags.DEFINE_string(
         "train_batch", "", "BATCHxSEQ_LEN: time whole training steps of the preset named by --trees at this batch; empty: updates only."
     )

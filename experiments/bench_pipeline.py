@@ -52,7 +52,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("steps", 10, "Training steps of the exactness check; 0 skips it.")
     flags.DEFINE_list("microbatches", ["4", "8", "16"], "Microbatch counts of the memory table (stage:4).")
     flags.DEFINE_integer("seq_len", 32, "Sequence length.")
-    flags.DEFINE_string("json_out", None, "Also write the results as JSON here.")
+    cli.define_output_file_flag("json_out", "Also write the results as JSON here.")
     flags.DEFINE_integer("vocab_size", 8192, "Vocabulary of the vocab section's model.")
     flags.DEFINE_list("sections", ["bubbles", "memory", "exactness", "vocab", "skip"], "Which tables to measure.")
 

@@ -172,7 +172,7 @@ def define_flags() -> flags.FlagHolder:
     )  # fmt: skip
     cli.define_cpu_devices_flag()
     flags.declare_key_flag("cpu_devices")
-    flags.DEFINE_string("json_out", None, "Also write every case as JSON here.")
+    cli.define_output_file_flag("json_out", "Also write every case as JSON here.")
     cli.define_verbose_flag()
     return cli.define_config_flag(cli.DEFAULT_CONFIG)
 

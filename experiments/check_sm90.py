@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from experiments import timing
+from experiments import cli, timing
 from kernels_pallas import backends
 from kernels_pallas.attention import flash_attention
 from kernels_pallas.gmm import api as gmm_api
@@ -264,7 +264,7 @@ def main(argv: list[str]) -> None:
 
 def define_flags() -> None:
     flags.DEFINE_list("sections", ["attention", "gmm", "quantized_update"], "From attention, gmm, quantized_update.")
-    flags.DEFINE_string("json_out", "", "Write the rows as JSON here.")
+    cli.define_output_file_flag("json_out", "Write the rows as JSON here.")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging as std_logging
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -130,6 +131,30 @@ def _config_keys(path: str) -> list[str]:
     from experiments.configs import help as config_help
 
     return [name for name, _ in config_help.flatten(config)]
+
+
+def define_output_file_flag(name: str, help_text: str, flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagHolder:
+    """A string flag naming a file the script writes when its work is done (a results JSON). Its folder is made,
+    and the path checked, as the flags are parsed: a benchmark that ran for minutes used to lose its results
+    to a missing folder at the end."""
+    holder = flags.DEFINE_string(name, None, help_text + " Its folder is made if missing.", flag_values=flag_values)
+
+    def writable(path: str | None) -> bool:
+        if not path:
+            return True
+        out = Path(path).expanduser()
+        if out.is_dir():
+            raise flags.ValidationError(f"{path} is a folder; give a file name")
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise flags.ValidationError(f"cannot make the folder {out.parent} ({e.strerror}); give a writable path") from e
+        if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+            raise flags.ValidationError(f"{path} cannot be written; give a writable path")
+        return True
+
+    flags.register_validator(name, writable, flag_values=flag_values)
+    return holder
 
 
 def define_verbose_flag() -> flags.FlagHolder:

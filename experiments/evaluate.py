@@ -378,7 +378,7 @@ def define_flags() -> None:
     flags.DEFINE_string("mesh", "", "Mesh to evaluate on (sharding.mesh.make_mesh); empty: every device data-parallel.")
     flags.DEFINE_integer("seq_len", 0, "Window of --text and --val_files scoring; 0: the run's data.seq_len (--hf: min(1024, max_seq_len)).")
     flags.DEFINE_integer("batch_size", 16, "Rows per scoring batch (rounded up to a multiple of the batch shards).")
-    flags.DEFINE_string("out", None, "Also write the results JSON here.")
+    cli.define_output_file_flag("out", "Also write the results JSON here.")
     cli.define_cpu_devices_flag()
     cli.define_verbose_flag()
 

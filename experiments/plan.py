@@ -247,5 +247,5 @@ if __name__ == "__main__":
     flags.DEFINE_integer("num_devices", 8, "Fake devices when the mesh spec has a -1 (and no --hosts).")
     flags.DEFINE_integer("hosts", None, "Plan for a cluster of this many hosts (with --devices_per_host).")
     flags.DEFINE_integer("devices_per_host", None, "Devices (GPUs, TPU chips) per host of the cluster.")
-    flags.DEFINE_string("json_out", None, "Also write the report as JSON here.")
+    cli.define_output_file_flag("json_out", "Also write the report as JSON here.")
     app.run(functools.partial(main, config_holder), flags_parser=cli.parse_flags)

@@ -19,6 +19,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_train import small_config  # noqa: E402
 
 
+def test_an_output_file_flag_makes_its_folder_and_refuses_a_folder_or_unwritable_path(tmp_path):
+    """Every benchmark's --json_out (and evaluate's --out) is checked as the flags are parsed (bench_optimizer_step
+    ran its rows, then died in `open` on a missing folder, its results lost)."""
+    out = tmp_path / "new" / "deeper" / "results.json"
+    values = flags.FlagValues()
+    cli.define_output_file_flag("json_out", "Write the rows here.", flag_values=values)
+    values(["bench", f"--json_out={out}"])
+    assert out.parent.is_dir() and not out.exists()
+    (tmp_path / "a_file").write_text("")
+    for path, message in ((tmp_path, "is a folder; give a file name"), (tmp_path / "a_file" / "x.json", "cannot make the folder")):
+        values = flags.FlagValues()
+        cli.define_output_file_flag("json_out", "Write the rows here.", flag_values=values)
+        with pytest.raises(flags.IllegalFlagValueError, match=message):
+            values(["bench", f"--json_out={path}"])
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

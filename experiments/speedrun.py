@@ -55,7 +55,9 @@ def stdlib_shards(out: str | Path, *, max_files: int = 0, val_fraction: float = 
             )
         return out
     files = corpus.list_documents(corpus.stdlib_root(), python_only=True)
-    tokenize("bytes", files[:max_files] if max_files else files, out, val_fraction=val_fraction, shard_tokens=10**8, workers=1)
+    files = files[:max_files] if max_files else files
+    # a few stdlib files are Latin-1 / KOI8-R (test/encoded_modules): read as `experiments.tokenize` reads the stdlib
+    tokenize("bytes", files, out, val_fraction=val_fraction, shard_tokens=10**8, workers=1, errors="replace")
     (out / STDLIB_REQUEST).write_text(json.dumps(request))
     return out
 

@@ -47,6 +47,17 @@ def test_harness_builds_stdlib_shards_and_stops_at_the_target(tmp_path, shard_di
         speedrun.stdlib_shards(tmp_path / "other", max_files=-1)
 
 
+def test_stdlib_shards_read_the_stdlibs_files_that_are_not_utf8(tmp_path, monkeypatch):
+    """The README's CPU speedrun, all stdlib files, died on test/encoded_modules/module_iso_8859_1.py."""
+    latin1, plain = tmp_path / "module_iso_8859_1.py", tmp_path / "plain.py"
+    latin1.write_bytes("s = 'café'\n".encode("latin-1"))
+    plain.write_text("x = 1\n")
+    monkeypatch.setattr(speedrun.corpus, "list_documents", lambda root, python_only: [latin1, plain])
+    manifest = json.loads((speedrun.stdlib_shards(tmp_path / "shards") / "manifest.json").read_text())
+    assert sum(split["documents"] for split in manifest["splits"].values()) == 2
+    assert sum(split["bytes"] for split in manifest["splits"].values()) == latin1.stat().st_size + plain.stat().st_size
+
+
 def test_a_preempted_speedrun_resumes_to_its_target_and_says_which_steps_it_timed(tmp_path, shard_dir):
     run = functools.partial(speedrun.run, _tiny_config(), tmp_path / "run", shard_dir=shard_dir, max_files=12, val_fraction=0.3)
     assert run(interrupt_at=2)["interrupted"]

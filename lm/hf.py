@@ -171,7 +171,8 @@ def architecture(cfg: ModelConfig) -> str:
     if unsupported := _computed_here_only(cfg):
         raise UnsupportedArchitecture(
             f"{', '.join(unsupported)}: transformers' Llama, Qwen3, Mixtral, Qwen3-MoE and DeepSeek-V2 compute none of "
-            "these, so their checkpoint of this model would compute another function; drop these settings"
+            "these, so their checkpoint of this model would compute another function (a model with them neither exports "
+            "nor starts from a transformers checkpoint)"
         )
     if cfg.attention_type == "mla":
         return _deepseek_architecture(cfg)

@@ -45,15 +45,33 @@ def copy_tokenizer(manifest: dict | None, out: Path) -> Path | None:
     return target
 
 
+def check_out(out: Path) -> None:
+    """Raises `cli.UsageError` when ``out`` holds something an export would write over that is not an earlier
+    export: a training run (its ``config.json`` is the run's, which the export's would replace), or a
+    ``config.json`` that is not a transformers checkpoint's."""
+    if (out / "checkpoints").is_dir() or (out / "metrics.jsonl").is_file():
+        raise cli.UsageError(f"--out={out} holds a training run, whose config.json the export would replace; give another folder (e.g. {out / 'hf'})")
+    config = out / hf.CONFIG
+    if config.is_file():
+        try:
+            is_transformers = "architectures" in json.loads(config.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError):
+            is_transformers = False
+        if not is_transformers:
+            raise cli.UsageError(f"--out={out} holds a config.json that is not a transformers checkpoint's; give another folder")
+
+
 def export(
     workdir: str | Path, out: str | Path, *, step: int | None = None, max_shard_bytes: int = 5 * 2**30, dtype: str = "float32"
 ) -> list[Path]:
     """Writes checkpoint ``step`` (default: the newest) of the run in ``workdir`` into ``out``; returns the files.
 
     Raises:
-      cli.UsageError: no such run or checkpoint, or a model without a transformers equivalent (named).
+      cli.UsageError: no such run or checkpoint, a model without a transformers equivalent (named), or an ``out``
+        that holds something other than an earlier export (`check_out`).
     """
     workdir, out = Path(workdir), Path(out)
+    check_out(out)
     model_def, params, saved_step = load_params(workdir, step)
     try:
         hf.architecture(model_def.config)

@@ -181,6 +181,19 @@ def test_the_command_lines_export_and_evaluate(run, tmp_path):
     assert choice["n"] == 12 and choice == pytest.approx(in_process, rel=1e-5)
 
 
+def test_an_export_into_a_run_or_a_foreign_folder_is_refused_before_it_writes(run, tmp_path):
+    """--out=WORKDIR wrote the transformers config.json over the run's: sample, evaluate, export and a resume then
+    died with AttributeError: 'data'."""
+    before = {p: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    with pytest.raises(cli.UsageError, match=r"holds a training run, whose config.json the export would replace; .*/hf\)"):
+        export_hf.export(run, run)
+    assert {p: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    (tmp_path / hf.CONFIG).write_text('{"note": "my own settings"}')
+    with pytest.raises(cli.UsageError, match="holds a config.json that is not a transformers checkpoint's"):
+        export_hf.export(run, tmp_path)
+    assert (tmp_path / hf.CONFIG).read_text() == '{"note": "my own settings"}'
+
+
 def test_the_runs_subword_tokenizer_is_copied_only_while_it_is_the_one_the_shards_were_made_with(tmp_path):
     source = tmp_path / "bpe" / "tokenizer.json"
     source.parent.mkdir()

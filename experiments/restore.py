@@ -80,9 +80,13 @@ def run_config(workdir: str | Path) -> ml_collections.ConfigDict:
     if not path.is_file():
         raise cli.UsageError(f"{path} does not exist; pass the --workdir of a training run")
     try:
-        return ml_collections.ConfigDict(json.loads(path.read_text()))
-    except (OSError, UnicodeDecodeError, ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise cli.UsageError(f"{path} is not the JSON object a run writes ({e}); restore it from the run or train again") from e
+    if not isinstance(config, dict) or not {"model", "data", "optimizer"} <= config.keys():
+        kind = "a transformers checkpoint's" if isinstance(config, dict) and "architectures" in config else "not a run's"
+        raise cli.UsageError(f"{path} is {kind} config, without the model, data and optimizer blocks a run writes; restore it from the run or train again")
+    return ml_collections.ConfigDict(config)
 
 
 def run_manifest(workdir: str | Path) -> dict | None:

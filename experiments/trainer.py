@@ -153,6 +153,8 @@ def run(
     reached = _reached_target(workdir, latest, config) if latest is not None and latest < config.steps else None
     if latest is not None and (latest >= config.steps or reached is not None):
         return _finished(workdir, latest, config.steps, reached)
+    if latest is None:
+        _check_not_foreign(workdir)
     if latest is None and config.get("init_from_hf"):
         try:
             check_hf_tokenizer(config)
@@ -264,6 +266,20 @@ def _check_same_run(workdir: epath.Path, step: int, meta: dict) -> None:
         raise UsageError(str(e)) from e
     finally:
         mgr.close()
+
+
+def _check_not_foreign(workdir: epath.Path) -> None:
+    """A fresh run writes its ``config.json`` into ``workdir``: refuse one that holds another program's (a
+    transformers export's, which ``--workdir`` = ``init_from_hf`` replaced, leaving weights without a config)."""
+    if not (workdir / "config.json").is_file():
+        return
+    try:
+        restore.run_config(workdir)
+    except UsageError as e:
+        raise UsageError(
+            f"--workdir={workdir} holds a config.json that is not a training run's (a transformers export?), which this "
+            "run's would replace; give another --workdir"
+        ) from e
 
 
 def _check_same_data(workdir: epath.Path, step: int, train_iter: batches_lib.PackedBatches) -> None:

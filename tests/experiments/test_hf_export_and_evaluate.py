@@ -181,9 +181,16 @@ def test_the_command_lines_export_and_evaluate(run, tmp_path):
     assert choice["n"] == 12 and choice == pytest.approx(in_process, rel=1e-5)
 
 
-def test_an_export_into_a_run_or_a_foreign_folder_is_refused_before_it_writes(run, tmp_path):
+def test_an_export_into_a_run_or_a_foreign_folder_is_refused_before_it_writes(run, exported, tmp_path):
     """--out=WORKDIR wrote the transformers config.json over the run's: sample, evaluate, export and a resume then
-    died with AttributeError: 'data'."""
+    died with AttributeError: 'data'. And a run into an export (--workdir = init_from_hf) wrote its own over the
+    export's, leaving weights without a config."""
+    folder = tmp_path / "export"
+    shutil.copytree(exported, folder)
+    with pytest.raises(cli.UsageError, match="holds a config.json that is not a training run's .a transformers export.."):
+        trainer.run(_config(init_from_hf=str(folder)), folder)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in exported.iterdir())
+    assert (folder / hf.CONFIG).read_bytes() == (exported / hf.CONFIG).read_bytes()
     before = {p: p.read_bytes() for p in run.iterdir() if p.is_file()}
     with pytest.raises(cli.UsageError, match=r"holds a training run, whose config.json the export would replace; .*/hf\)"):
         export_hf.export(run, run)

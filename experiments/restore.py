@@ -83,9 +83,13 @@ def run_config(workdir: str | Path) -> ml_collections.ConfigDict:
         config = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise cli.UsageError(f"{path} is not the JSON object a run writes ({e}); restore it from the run or train again") from e
+    if isinstance(config, dict) and "architectures" in config:
+        raise cli.UsageError(
+            f"{path} is a transformers checkpoint's config, not a training run's: --workdir takes a run's folder "
+            "(evaluate --hf and --config.init_from_hf read an export)"
+        )
     if not isinstance(config, dict) or not {"model", "data", "optimizer"} <= config.keys():
-        kind = "a transformers checkpoint's" if isinstance(config, dict) and "architectures" in config else "not a run's"
-        raise cli.UsageError(f"{path} is {kind} config, without the model, data and optimizer blocks a run writes; restore it from the run or train again")
+        raise cli.UsageError(f"{path} is not a run's config, without the model, data and optimizer blocks a run writes; restore it from the run or train again")
     return ml_collections.ConfigDict(config)
 
 

@@ -354,6 +354,11 @@ def from_hf_config(hf: dict[str, Any], where: str = CONFIG, **overrides: Any) ->
 ``routed_scaling_factor`` and ``group_limited_greedy`` (``n_group``, ``topk_group``) become ``model.router_scale``,
 ``router_groups`` and ``router_topk_groups`` (groups are dropped where ``topk_group >= n_group``: that routes greedily).
     """
+    if "architectures" not in hf and {"model", "optimizer"} <= hf.keys():
+        raise CheckpointError(
+            f"{where} is a training run's config, not a transformers checkpoint's: export the run first "
+            "(python -m experiments.export_hf --workdir=RUN --out=DIR), or pass the run itself as --workdir"
+        )
     archs = _require(hf, "architectures", where)
     arch = archs[0] if isinstance(archs, list) and archs else archs
     if arch not in _MODEL_TYPES:

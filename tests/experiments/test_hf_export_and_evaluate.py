@@ -200,10 +200,13 @@ def test_an_export_into_a_run_or_a_foreign_folder_is_refused_before_it_writes(ru
         export_hf.export(run, tmp_path)
     assert (tmp_path / hf.CONFIG).read_text() == '{"note": "my own settings"}'
     # a workdir whose config.json an older export replaced is named as such (was: AttributeError: 'data')
-    for text, kind in (('{"architectures": ["LlamaForCausalLM"]}', "a transformers checkpoint's"), ("[1]", "not a run's")):
+    for text, message in (('{"architectures": ["LlamaForCausalLM"]}', "is a transformers checkpoint's config, not a training run's"),
+                          ("[1]", "is not a run's config, without the model, data and optimizer blocks")):  # fmt: skip
         (tmp_path / hf.CONFIG).write_text(text)
-        with pytest.raises(cli.UsageError, match=f"config.json is {kind} config, without the model, data and optimizer blocks"):
+        with pytest.raises(cli.UsageError, match=message):
             restore.run_config(tmp_path)
+    with pytest.raises(cli.UsageError, match="is a training run's config, not a transformers checkpoint's: export the run first"):
+        evaluate.from_hf(run)  # the run's folder given as an export
 
 
 def test_the_runs_subword_tokenizer_is_copied_only_while_it_is_the_one_the_shards_were_made_with(tmp_path):

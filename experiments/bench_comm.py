@@ -1,6 +1,6 @@
 r"""Bytes on the wire per training step, read from the compiled HLO, next to the loss each method reaches.
 
-    python -m experiments.bench_comm --cpu_devices=8 --steps=300 --json_out=/tmp/comm.json
+    python -m experiments.bench_comm --cpu_devices=8 --config.steps=300 --json_out=/tmp/comm.json
     python -m experiments.bench_comm --rows=adamw,demo --train=false   # bytes only
 
 Each row is a real training step of `experiments.train` on a ``data:8`` mesh (8 replicas): AdamW
@@ -11,8 +11,8 @@ collective of the optimised HLO module is counted by `experiments.hlo_bytes` (pa
 ``while`` trip counts, one branch per ``conditional`` amortised over ``H`` or a ``sync_period_K`` scope);
 per token divides by the tokens of one step (all replicas).
 
-With ``--train`` each row also trains ``tiny`` for ``--steps`` steps (same data, batch, schedule
-and seed) and reports the final validation loss.
+With ``--train`` each row also trains ``tiny`` for ``--config.steps`` steps (300 in its config; the same data,
+batch, schedule and seed for every row) and reports the final validation loss.
 """
 
 from __future__ import annotations

@@ -558,8 +558,10 @@ def plot_curves(results: dict, path: str | Path) -> None:
     fig.savefig(path)
 
 
-def define_flags(argv: list[str]) -> flags.FlagHolder:
-    """Flags; ``--quick`` makes `compare_quick.py` the default config (``--config.*`` still apply)."""
+def define_flags(argv: list[str] | None = None) -> flags.FlagHolder:
+    """Flags; ``--quick`` in ``argv`` (default: ``sys.argv``) makes `compare_quick.py` the default config
+    (``--config.*`` still apply)."""
+    argv = sys.argv if argv is None else argv
     flags.DEFINE_string("workdir", None, "Output folder; re-running on it skips finished runs. Default: a fresh folder under ./runs/.")
     flags.DEFINE_string("seeds", None, "Seeds, e.g. 0,1,2 (the first runs the grid); default: the config's compare.seeds.")
     flags.DEFINE_float("target_val_loss", None, "Adds the fewest-steps table: steps each optimizer needs to reach this validation loss.")
@@ -597,5 +599,5 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    config_holder = define_flags(sys.argv)
+    config_holder = define_flags()
     app.run(functools.partial(main, config_holder), flags_parser=cli.parse_flags)

@@ -238,9 +238,9 @@ def main(config_flag, argv) -> None:
     sys.exit(0 if report["fits"] else 1)
 
 
-if __name__ == "__main__":
+def define_flags() -> flags.FlagHolder:
+    """The command-line flags (defined under ``__main__`` only: scripts share absl's flag registry)."""
     cli.define_verbose_flag()
-    config_holder = cli.define_config_flag(cli.DEFAULT_CONFIG)
     flags.DEFINE_float("hbm_gb", 16.0, "Memory per device, GiB.")
     flags.DEFINE_bool("state_only", False, "Count parameters, gradients and optimizer state only; do not compile the step.")
     flags.DEFINE_bool("native", False, "Compile for this machine's devices instead of fake CPU devices.")
@@ -248,4 +248,9 @@ if __name__ == "__main__":
     flags.DEFINE_integer("hosts", None, "Plan for a cluster of this many hosts (with --devices_per_host).")
     flags.DEFINE_integer("devices_per_host", None, "Devices (GPUs, TPU chips) per host of the cluster.")
     cli.define_output_file_flag("json_out", "Also write the report as JSON here.")
+    return cli.define_config_flag(cli.DEFAULT_CONFIG)
+
+
+if __name__ == "__main__":
+    config_holder = define_flags()
     app.run(functools.partial(main, config_holder), flags_parser=cli.parse_flags)

@@ -1,7 +1,6 @@
 """experiments/gpu_check.sh: the one-call GPU check, run against a stand-in ``python3`` that records its calls
 (each benchmark has its own tests; the script's header gives the CPU-sized smoke run)."""
 
-import itertools
 import json
 import os
 import re
@@ -10,6 +9,9 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import command_lines  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "gpu_check.sh"
 WHEELS_LINE = (
@@ -96,40 +98,11 @@ def test_one_run_writes_at_most_8_files_tests_beside_the_main_job_and_skips_past
     assert sorted(os.listdir(out)) == sorted(["env.txt", "log.txt", *profiles, "results.jsonl", "tests.txt"])
 
 
-# Parses each command's arguments with its module's own flags (`define_flags`, then absl's parser, which applies the
-# `--config.<key>` overrides); prints the refusals as JSON. One process for all: each module's flags are removed
-# before the next one defines its own.
-PARSE_WITH_MODULE_FLAGS = """
-import contextlib, importlib, io, json, sys
-from absl import flags
-refusals = []
-for module_name, args in json.load(sys.stdin):
-    module, before, stderr = importlib.import_module(module_name), set(flags.FLAGS), io.StringIO()
-    sys.argv = [module_name, *args]
-    try:
-        with contextlib.redirect_stderr(stderr):
-            module.define_flags()
-            flags.FLAGS(sys.argv)
-    except (SystemExit, Exception) as e:
-        refusals.append([module_name, args, f"{type(e).__name__}: {e} {stderr.getvalue()}"])
-    for name in set(flags.FLAGS) - before:
-        delattr(flags.FLAGS, name)
-    flags.FLAGS.unparse_flags()
-print(json.dumps(refusals))
-"""
-
 
 def _module_commands(line: str) -> list[tuple[str, list[str]]]:
     """The ``python3 -m experiments.<module> ARGS`` calls of one dry-run line (inside ``bash -c`` too)."""
     tokens = shlex.split(re.split(r"timeout \d+\)?:? ", line, maxsplit=1)[1])
-    if tokens[:2] == ["bash", "-c"]:
-        tokens = shlex.split(tokens[2])
-    calls = []
-    for i, token in enumerate(tokens):
-        if token == "python3" and tokens[i + 1] == "-m" and tokens[i + 2].startswith("experiments."):
-            args = list(itertools.takewhile(lambda t: t not in ("&&", ";", "|", ">"), tokens[i + 3 :]))
-            calls.append((tokens[i + 2], args))
-    return calls
+    return command_lines.module_calls(shlex.split(tokens[2]) if tokens[:2] == ["bash", "-c"] else tokens)
 
 
 def test_every_command_parses_with_its_scripts_flags_and_config_keys(tmp_path):
@@ -141,11 +114,6 @@ def test_every_command_parses_with_its_scripts_flags_and_config_keys(tmp_path):
     assert {"experiments.train", "experiments.bench_throughput", "experiments.bench_optimizer_step", "experiments.speedrun",
             "experiments.profile_summary", "experiments.bench_kernels", "experiments.bench_cpu_peer"} <= modules  # fmt: skip
     commands.append(("experiments.bench_optimizer_step", ["--optimizers=adamw", "--out=x.json"]))  # the check can refuse
-    parsed = subprocess.run(
-        [sys.executable, "-c", PARSE_WITH_MODULE_FLAGS], input=json.dumps(commands), capture_output=True, text=True,
-        cwd=SCRIPT.parents[1], env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300,
-    )  # fmt: skip
-    assert parsed.returncode == 0, parsed.stderr[-3000:]
-    refusals = json.loads(parsed.stdout.splitlines()[-1])
-    assert [(module, args) for module, args, _ in refusals] == [commands[-1]], refusals
-    assert "Unknown command line flag 'out'" in refusals[0][2]
+    refused = command_lines.refusals(commands, cwd=SCRIPT.parents[1])
+    assert [(module, args) for module, args, _ in refused] == [commands[-1]], refused
+    assert "Unknown command line flag 'out'" in refused[0][2]

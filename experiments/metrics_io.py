@@ -5,6 +5,7 @@ files copied into a workdir in object storage when the writer closes)."""
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -25,8 +26,10 @@ class MetricsWriter:
     """Appends one JSON object per logged step and mirrors scalars to TensorBoard.
 
     On resume, records past the restored step are dropped first (they were logged after the last
-    checkpoint and are about to be logged again), so ``metrics.jsonl`` reads as one clean run. In
-    object storage (no append) the file is rewritten whole on every record.
+    checkpoint and are about to be logged again), so ``metrics.jsonl`` reads as one clean run; TensorBoard
+    gets the same as a session start at the next step (``purge_step``: it hides the earlier events of that
+    step and later, as it does for a restarted PyTorch run). In object storage (no append) the file is
+    rewritten whole on every record.
     """
 
     def __init__(
@@ -47,7 +50,9 @@ class MetricsWriter:
             kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
             self._text = None if self._text is None else self.path.read_text()
-        self._tb = SummaryWriter(str(workdir / "tensorboard"))
+        # the file is named by the second it opens in: the process and step tell apart two writers of one second
+        suffix = f".{os.getpid()}-{resume_step}"
+        self._tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step + 1, filename_suffix=suffix)
         if wandb and wandb.get("project"):
             # wandb writes local files only: into object storage they go through a local folder, copied on close.
             self._wandb_staging = storage.staging_folder(workdir, "spmdlab-wandb-")

@@ -2,6 +2,7 @@
 
 import json
 import math
+import struct
 
 import pytest
 
@@ -36,6 +37,34 @@ def test_summary_and_config_go_to_tensorboard_hparams(tmp_path):
     (events,) = (tmp_path / "tensorboard" / "hparams").glob("events.out.tfevents.*")
     data = events.read_bytes()
     assert b"optimizer.learning_rate" in data and b"optimizer.adamw.b1" in data and b"summary/final_val_loss" in data
+
+
+def _events(path):
+    """The `Event` protos of a TensorBoard event file (TFRecord framing: length, its CRC, data, its CRC)."""
+    from tensorboardX.proto import event_pb2
+
+    data, events, at = path.read_bytes(), [], 0
+    while at < len(data):
+        (length,) = struct.unpack("<Q", data[at : at + 8])
+        events.append(event_pb2.Event.FromString(data[at + 12 : at + 12 + length]))
+        at += 12 + length + 4
+    return events
+
+
+def test_a_resumed_run_purges_tensorboards_events_after_its_checkpoint(tmp_path):
+    """As ``metrics.jsonl`` drops the records past the restored step, TensorBoard is told to hide them (a session
+    start at the next step): they were logged by the preempted process and are logged again (were: two curves)."""
+    writer = metrics_io.MetricsWriter(tmp_path)
+    for record in RECORDS:
+        writer.write(record)
+    writer.close()
+    resumed = metrics_io.MetricsWriter(tmp_path, resume_step=1)
+    resumed.write(RECORDS[1])
+    resumed.close()
+    assert [r["step"] for r in metrics_io.read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    first, second = sorted((tmp_path / "tensorboard").glob("events.out.tfevents.*"))  # by the second, then the step
+    starts = [(e.step, e.session_log.status) for f in (first, second) for e in _events(f) if e.HasField("session_log")]
+    assert starts == [(1, 1), (2, 1)]  # SessionLog.START: a fresh run hides everything of an earlier one, a resume what follows its step
 
 
 def test_weights_and_biases_mirrors_a_run_offline(tmp_path):

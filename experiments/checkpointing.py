@@ -154,13 +154,18 @@ def _shape_differences(state_dir: epath.Path, target: Any) -> list[str]:
     return out
 
 
+def read_meta(mgr: ocp.CheckpointManager, step: int) -> dict:
+    """The meta saved with checkpoint ``step`` (`CheckpointUnreadable` when it cannot be read)."""
+    return _read(mgr, step, lambda: mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())))["meta"]
+
+
 def check_meta(mgr: ocp.CheckpointManager, step: int, meta: dict, upgrade: Callable[[dict], dict] | None = None) -> None:
     """Raises `CheckpointMismatch` when checkpoint ``step``'s meta (read through ``upgrade``, which brings an older
     checkpoint's meta to today's form) differs from ``meta`` (another model, optimizer or replica count),
     `CheckpointUnreadable` when its meta cannot be read, `CheckpointError` when ``step`` is not a saved step."""
     if step not in (steps := mgr.all_steps()):
         raise CheckpointError(f"no checkpoint at step {step} in {mgr.directory}; saved steps: {list(steps) or 'none'}")
-    saved_meta = _read(mgr, step, lambda: mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())))["meta"]
+    saved_meta = read_meta(mgr, step)
     differences = _diff(upgrade(saved_meta) if upgrade else saved_meta, meta)
     if differences:
         raise CheckpointMismatch(

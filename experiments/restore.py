@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 
 from experiments import checkpointing, cli, run_spec, storage, train_lib
@@ -33,7 +34,10 @@ def load_params(workdir: str | Path, step: int | None = None) -> tuple[model_lib
 
 def restore_run(workdir: str | Path, step: int | None = None, *, mesh: str = "", devices: int = 1):
     """``(run_spec.RunSpec, params, step)``: the run in ``workdir`` rebuilt on ``mesh`` over ``devices``
-    (0: all), its params restored from checkpoint ``step`` (default: the newest) into the run's shardings."""
+    (0: all), its params restored from checkpoint ``step`` (default: the newest) into the run's shardings.
+
+    The params are those the run evaluates: tail-averaged where it kept an average, and in a replica-local
+    run (``config.replicas``) the mean over its replicas, read on any mesh whatever the replica count."""
     workdir = storage.workdir(workdir)
     config = run_config(workdir)
     config.mesh, config.devices = mesh, devices  # checkpoints restore onto any mesh
@@ -42,10 +46,11 @@ def restore_run(workdir: str | Path, step: int | None = None, *, mesh: str = "",
         raise cli.UsageError(f"{workdir} holds no checkpoints; train longer than checkpoint_every steps or pick another run")
     mgr = checkpointing.manager(workdir, keep=config.keep_checkpoints, every=config.checkpoint_every)
     try:
+        replicas = _saved_replicas(mgr, step) if spec.shardings.replica_axis else 1
         with jax.set_mesh(spec.mesh), partition.use_rules(spec.rules):
-            target = train_lib.abstract_state(spec.model_def, spec.tx, spec.shardings)
+            target = train_lib.abstract_state(spec.model_def, spec.tx, spec.shardings, replicas=replicas)
             restored = checkpointing.restore(
-                mgr, target, run_spec.run_meta(config, spec.cfg), step, discard_newer=False, upgrade=run_spec.upgrade_meta
+                mgr, target, run_spec.run_meta(config, spec.cfg, replicas), step, discard_newer=False, upgrade=run_spec.upgrade_meta
             )
     except checkpointing.CheckpointError as e:
         raise cli.UsageError(str(e)) from e
@@ -54,7 +59,21 @@ def restore_run(workdir: str | Path, step: int | None = None, *, mesh: str = "",
     if restored is None:
         raise cli.UsageError(f"{workdir} holds no finished checkpoint; train longer than checkpoint_every steps")
     saved_step, state, _ = restored
-    return spec, evaluation_params(state["params"], state["opt_state"]), saved_step  # tail-averaged where the run kept one
+    params = evaluation_params(state["params"], state["opt_state"])  # tail-averaged where the run kept one
+    if spec.shardings.replica_axis:  # as the run evaluates them (`train_lib.jit_eval_step`)
+        mean = jax.jit(lambda p: jax.tree.map(lambda x: jnp.mean(x, axis=0), p), out_shardings=spec.shardings.params)
+        params = mean(params)
+    return spec, params, saved_step
+
+
+def _saved_replicas(mgr, step: int | None) -> int:
+    """The replica count of a replica-local run's checkpoint ``step`` (default: the newest), from its meta."""
+    steps = mgr.all_steps()
+    chosen = step if step is not None else (steps[-1] if steps else None)
+    if chosen is None or chosen not in steps:
+        return 1  # `checkpointing.restore` names the missing step
+    meta = run_spec.upgrade_meta(checkpointing.read_meta(mgr, chosen))
+    return int(meta.get("replicas", {}).get("count", 1))
 
 
 def load_tokenizer(workdir: str | Path, spec: str | None = None) -> tokenizer.Tokenizer:

@@ -105,8 +105,12 @@ def make_shardings(
     return Shardings(mesh, rules, params, state, jax.NamedSharding(mesh, batch_spec), replica_axis)
 
 
-def abstract_state(model_def: model_lib.ModelDef, tx: optax.GradientTransformation, shardings: Shardings) -> TrainState:
-    """`ShapeDtypeStruct`s with shardings for the whole train state: a restore target, no allocation."""
+def abstract_state(
+    model_def: model_lib.ModelDef, tx: optax.GradientTransformation, shardings: Shardings, replicas: int | None = None
+) -> TrainState:
+    """`ShapeDtypeStruct`s with shardings for the whole train state: a restore target, no allocation. ``replicas``:
+    the leading axis of a replica-local run's state (default: the mesh's replica count; a reader of a checkpoint
+    saved on more replicas than its mesh holds gives the saved count, over a replica axis of one device)."""
     shapes = {
         "params": model_def.abstract_params,
         "opt_state": jax.eval_shape(tx.init, model_def.abstract_params),
@@ -115,7 +119,8 @@ def abstract_state(model_def: model_lib.ModelDef, tx: optax.GradientTransformati
         "skipped": jax.ShapeDtypeStruct((), jnp.int32),
     }
     if shardings.replica_axis:
-        per_replica = lambda s: jax.ShapeDtypeStruct((shardings.replicas, *s.shape), s.dtype)  # noqa: E731
+        count = shardings.replicas if replicas is None else replicas
+        per_replica = lambda s: jax.ShapeDtypeStruct((count, *s.shape), s.dtype)  # noqa: E731
         shapes |= {k: jax.tree.map(per_replica, shapes[k]) for k in _PER_REPLICA}
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings.state)
 

@@ -16,7 +16,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from experiments import checkpointing, cli, run_spec, train_lib, trainer
+from experiments import checkpointing, cli, restore, run_spec, train_lib, trainer
 from experiments.configs import default
 from lm import config as config_lib
 from lm import model as model_lib
@@ -121,6 +121,12 @@ def test_a_replica_local_checkpoint_resumes_only_on_the_same_replica_count(tmp_p
     mgr.wait_until_finished()
     with pytest.raises(cli.UsageError, match="replicas.count: checkpoint 8 vs now 4"):
         trainer.run(_config("diloco", mesh="data:4,fsdp:2"), tmp_path)
+    # Its readers (sample, evaluate, export_hf) take the replica mean, as the run evaluates, on one device (were:
+    # refused, "replicas.count: checkpoint 8 vs now 1", so a replica-local run could not be used at all).
+    (tmp_path / "config.json").write_text(run_spec.resolve(_config("diloco"), spec.cfg).to_json_best_effort())
+    reader, params, step = restore.restore_run(tmp_path)
+    assert step == STEPS and reader.mesh.size == 1
+    jax.tree.map(lambda p, f: np.testing.assert_allclose(p, np.mean(f, axis=0), rtol=1e-6, atol=1e-7), params, final["params"])
 
 
 def _sgd_steps(mesh_spec, replica_axis, batches):

@@ -8,6 +8,7 @@ import importlib.util
 import logging as std_logging
 import os
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -200,6 +201,24 @@ def split_cpu_devices() -> None:
     """Applies ``--cpu_devices``; call in ``main`` before JAX starts its backend."""
     if flags.FLAGS.cpu_devices:
         cpu_devices.use(flags.FLAGS.cpu_devices)
+
+
+def fresh_workdir(name: str, process_count: int = 1) -> str:
+    """``runs/<date>-<time>-<name>``, made now by this process alone (``mkdir`` fails where it exists): a second run
+    started in the same second, as a sweep launched in a loop starts them, gets ``-2``, ``-3``, ... instead of
+    writing into the first one's folder. A job of several processes (``process_count``) needs ``--workdir``: each
+    process would pick its own."""
+    if process_count > 1:
+        raise UsageError(f"a job of {process_count} processes needs --workdir, the one folder they all write; give it")
+    stem = f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+    path, copies = stem, 1
+    while True:
+        try:
+            os.makedirs(path)
+            return path
+        except FileExistsError:
+            copies += 1
+            path = f"{stem}-{copies}"
 
 
 def start_processes() -> multihost.Start:

@@ -583,7 +583,7 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     config = config_flag.value
     if flags.FLAGS.seeds is not None:
         config.compare.seeds = flags.FLAGS.seeds
-    workdir = flags.FLAGS.workdir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-compare-{config.model.preset}"
+    workdir = flags.FLAGS.workdir or cli.fresh_workdir(f"compare-{config.model.preset}")
     try:
         results = compare(config, workdir, log=functools.partial(print, flush=True), target_val_loss=flags.FLAGS.target_val_loss)
     except cli.UsageError as e:

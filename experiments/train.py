@@ -18,8 +18,8 @@ from __future__ import annotations
 import functools
 import json
 import sys
-import time
 
+import jax
 from absl import app, flags
 
 from experiments import cli, host_memory, trainer
@@ -36,7 +36,10 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
     if flags.FLAGS.list_config:
         print(config_help.listing(config))
         return
-    workdir = flags.FLAGS.workdir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{config.model.preset}-{config.optimizer.name}"
+    try:
+        workdir = flags.FLAGS.workdir or cli.fresh_workdir(f"{config.model.preset}-{config.optimizer.name}", jax.process_count())
+    except cli.UsageError as e:
+        cli.usage_exit(str(e))
     if not flags.FLAGS.workdir:
         print(f"workdir: {workdir} (a fresh one; pass --workdir={workdir} to resume it)", file=sys.stderr)
     try:

@@ -19,6 +19,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_train import small_config  # noqa: E402
 
 
+def test_runs_started_in_the_same_second_get_their_own_workdirs(tmp_path, monkeypatch):
+    """A sweep launched in a loop without --workdir (was: every run of a second wrote into one folder)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli.time, "strftime", lambda _: "20261207-120000")
+    made = [cli.fresh_workdir("tiny-adamw") for _ in range(3)]
+    assert made == ["runs/20261207-120000-tiny-adamw", "runs/20261207-120000-tiny-adamw-2", "runs/20261207-120000-tiny-adamw-3"]
+    assert all((tmp_path / path).is_dir() for path in made)
+    with pytest.raises(cli.UsageError, match="a job of 2 processes needs --workdir"):
+        cli.fresh_workdir("tiny-adamw", process_count=2)
+
+
 def test_an_output_file_flag_makes_its_folder_and_refuses_a_folder_or_unwritable_path(tmp_path):
     """Every benchmark's --json_out (and evaluate's --out) is checked as the flags are parsed (bench_optimizer_step
     ran its rows, then died in `open` on a missing folder, its results lost)."""

@@ -214,6 +214,8 @@ def _question(record: dict) -> Question:
             stem, texts, labels = question["stem"], [c["text"] for c in question["choices"]], [c["label"] for c in question["choices"]]
         else:  # the Hugging Face dataset's layout
             stem, texts, labels = question, record["choices"]["text"], record["choices"]["label"]
+        if record["answerKey"] not in labels:
+            raise ValueError(f"answerKey {record['answerKey']!r} is none of the choices' labels {list(labels)}")
         return Question(f"Question: {stem}\nAnswer:", tuple(f" {t}" for t in texts), list(labels).index(record["answerKey"]))
     raise KeyError("context (or HellaSwag's endings, or ARC's answerKey)")
 

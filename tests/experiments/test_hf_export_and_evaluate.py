@@ -142,8 +142,10 @@ def test_text_bits_per_byte_of_the_run_and_its_export_agree(run, exported, tmp_p
 
 @pytest.mark.parametrize(
     "line, message",
-    [('{"context": "a", "choices": ["b"], "label": 0}', "needs >= 2 choices"), ("not json", "line 1 is not")],
-)
+    [('{"context": "a", "choices": ["b"], "label": 0}', "needs >= 2 choices"), ("not json", "line 1 is not"),
+     ('{"question": "Q?", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "answerKey": "C"}',
+      r"answerKey 'C' is none of the choices' labels \['A', 'B'\]")],  # was: "'C' is not in list"
+)  # fmt: skip
 def test_a_malformed_task_line_is_named(tmp_path, line, message):
     path = tmp_path / "task.jsonl"
     path.write_text(line + "\n")

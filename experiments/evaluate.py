@@ -337,7 +337,12 @@ def evaluate(
         path = Path(text)
         if not path.is_file():
             raise cli.UsageError(f"--text={text} does not exist")
-        results["text_bits_per_byte"] = text_bits_per_byte(scorer, path.read_text(encoding="utf-8"), seq_len=seq_len, batch_size=batch_size)
+        try:
+            content = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:  # was a traceback
+            bad = e.object[e.start : e.start + 4]
+            raise cli.UsageError(f"--text={text} is not UTF-8 (byte {e.start}: {bad!r}); convert it (e.g. iconv -f latin1 -t utf-8)") from e
+        results["text_bits_per_byte"] = text_bits_per_byte(scorer, content, seq_len=seq_len, batch_size=batch_size)
     if val_files:
         results |= shards_bits_per_byte(scorer, val_files, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens)
     for task in tasks:

@@ -84,6 +84,11 @@ def make_generate(
 
     def generate(params: model_lib.Params, prompt: jax.Array, rng: jax.Array) -> jax.Array:
         batch, prompt_len = prompt.shape
+        if prompt_len + max_new_tokens > cfg.max_seq_len:
+            raise ValueError(
+                f"the prompt's {prompt_len} tokens and max_new_tokens={max_new_tokens} need {prompt_len + max_new_tokens} "
+                f"positions, beyond model.max_seq_len={cfg.max_seq_len}; shorten the prompt or decode fewer tokens"
+            )
         cache = kv_cache.init(cfg, batch, prompt_len + max_new_tokens)
         logits, cache = model_lib.decode(model_def, params, prompt, cache, jnp.int32(0))
         rngs = jax.random.split(rng, max_new_tokens)

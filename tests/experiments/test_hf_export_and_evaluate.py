@@ -138,6 +138,9 @@ def test_text_bits_per_byte_of_the_run_and_its_export_agree(run, exported, tmp_p
     nats = -sum(_one_device_log_likelihood(forward, scorer.params, w, len(w) - 1) for w in windows)
     assert ours == pytest.approx(theirs, rel=1e-5)
     assert ours == pytest.approx(nats / math.log(2) / len(text.read_bytes()), rel=1e-5)
+    text.write_bytes(b"caf\xe9")  # Latin-1 (was: a UnicodeDecodeError traceback)
+    with pytest.raises(cli.UsageError, match=r"--text=.* is not UTF-8 \(byte 3: b'\\xe9'\)"):
+        evaluate.evaluate(hf_dir=str(exported), text=str(text), seq_len=24)
 
 
 @pytest.mark.parametrize(

@@ -52,8 +52,10 @@ def test_bad_workdir_and_settings_name_the_fix(mla_run, tmp_path):
     with pytest.raises(cli.UsageError, match="no checkpoint at step 5"):
         restore.load_params(mla_run, step=5)
     model_def, params, _ = restore.load_params(mla_run)
-    with pytest.raises(cli.UsageError, match="exceeds model.max_seq_len"):
+    with pytest.raises(cli.UsageError, match="max_new_tokens=5000 need 5002 positions, beyond model.max_seq_len"):
         sample.sample(model_def, params, "x", max_new_tokens=5000)
+    with pytest.raises(cli.UsageError, match=r"the prompt's \d+ tokens .* shorten the prompt"):  # was: "a cache of"
+        sample.sample(model_def, params, "x" * 5000, max_new_tokens=1)
     for count in (0, -1):  # a zero-row batch crashed inside jax; a negative one named no flag
         with pytest.raises(cli.UsageError, match=f"--num_samples={count} must be >= 1"):
             sample.sample(model_def, params, "x", num_samples=count)

@@ -220,13 +220,22 @@ def _question(record: dict) -> Question:
     raise KeyError("context (or HellaSwag's endings, or ARC's answerKey)")
 
 
+def _read_utf8(path: Path, what: str) -> str:
+    """The text of ``path``; a file that is not UTF-8 is one line naming ``what`` and the byte (was a traceback)."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad = e.object[e.start : e.start + 4]
+        raise cli.UsageError(f"{what} is not UTF-8 (byte {e.start}: {bad!r}); convert it (e.g. iconv -f latin1 -t utf-8)") from e
+
+
 def read_questions(path: str | Path) -> list[Question]:
     """The questions of a JSONL task file (`_question`'s layouts); a malformed line is an error naming the file and line."""
     path = Path(path)
     if not path.is_file():
         raise cli.UsageError(f"task file {path} does not exist; give JSONL lines of {{context, choices, label}}, HellaSwag or ARC")
     questions = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(_read_utf8(path, f"task file {path}").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -337,11 +346,7 @@ def evaluate(
         path = Path(text)
         if not path.is_file():
             raise cli.UsageError(f"--text={text} does not exist")
-        try:
-            content = path.read_bytes().decode("utf-8")
-        except UnicodeDecodeError as e:  # was a traceback
-            bad = e.object[e.start : e.start + 4]
-            raise cli.UsageError(f"--text={text} is not UTF-8 (byte {e.start}: {bad!r}); convert it (e.g. iconv -f latin1 -t utf-8)") from e
+        content = _read_utf8(path, f"--text={text}")
         results["text_bits_per_byte"] = text_bits_per_byte(scorer, content, seq_len=seq_len, batch_size=batch_size)
     if val_files:
         results |= shards_bits_per_byte(scorer, val_files, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens)

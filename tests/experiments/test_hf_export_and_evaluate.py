@@ -154,6 +154,9 @@ def test_a_malformed_task_line_is_named(tmp_path, line, message):
     path.write_text(line + "\n")
     with pytest.raises(cli.UsageError, match=message):
         evaluate.read_questions(path)
+    path.write_bytes(b'{"context": "caf\xe9"}\n')  # Latin-1 (was: a UnicodeDecodeError traceback)
+    with pytest.raises(cli.UsageError, match=r"task file .* is not UTF-8 \(byte 16"):
+        evaluate.read_questions(path)
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,14 @@ def get_config(path: str) -> ml_collections.ConfigDict:
         values = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"--config={path} is not a JSON config ({e})") from e
-    name = values.get("optimizer", {}).get("name", "adamw")
+    if isinstance(values, dict) and "architectures" in values:
+        raise ValueError(
+            f"--config={path} is a transformers checkpoint's config.json, not a run's: start from its weights with "
+            f"--config.init_from_hf={file.parent}"
+        )
+    if not isinstance(values, dict) or not {"model", "data", "optimizer"} <= values.keys():
+        raise ValueError(f"--config={path} is not a run's config.json (no model, data and optimizer blocks)")
+    name = values["optimizer"].get("name", "adamw")
     config = default.get_config(name)
     _merge(config, values)
     return config

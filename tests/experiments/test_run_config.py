@@ -74,6 +74,16 @@ def test_config_json_holds_every_resolved_value_and_only_the_optimizer_it_uses(r
     assert _count(written) < _count(default.get_config().to_dict()) / 2  # every optimizer's block: three times as many
 
 
+def test_a_config_json_that_is_not_a_runs_is_named(tmp_path):
+    """--config=EXPORT/config.json trained the default model with the transformers keys laid over it."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}))
+    with pytest.raises(ValueError, match=f"a transformers checkpoint's config.json, not a run's: .*--config.init_from_hf={tmp_path}"):
+        resolved.get_config(str(tmp_path / "config.json"))
+    (tmp_path / "config.json").write_text(json.dumps({"step": 3}))
+    with pytest.raises(ValueError, match="is not a run's config.json .no model, data and optimizer blocks."):
+        resolved.get_config(str(tmp_path / "config.json"))
+
+
 def test_run_repeats_from_its_config_json_alone(run, tmp_path):
     workdir, summary = run
     config = resolved.get_config(str(workdir / "config.json"))  # what --config=runs/x/config.json loads

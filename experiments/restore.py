@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from experiments import checkpointing, cli, run_spec, storage, train_lib
+from experiments.configs import resolved
 from lm import model as model_lib
 from lm.data import input_pipeline, tokenizer
 from optim.tail_average import evaluation_params
@@ -107,7 +108,7 @@ def run_config(workdir: str | Path) -> ml_collections.ConfigDict:
             f"{path} is a transformers checkpoint's config, not a training run's: --workdir takes a run's folder "
             "(evaluate --hf and --config.init_from_hf read an export)"
         )
-    if not isinstance(config, dict) or not {"model", "data", "optimizer"} <= config.keys():
+    if not resolved.is_run_config(config):
         raise cli.UsageError(f"{path} is not a run's config, without the model, data and optimizer blocks a run writes; restore it from the run or train again")
     return ml_collections.ConfigDict(config)
 

@@ -15,6 +15,15 @@ import ml_collections
 from experiments.configs import default
 
 
+RUN_BLOCKS = frozenset({"model", "data", "optimizer"})  # what every run's config.json holds
+
+
+def is_run_config(values: object) -> bool:
+    """Whether ``values`` (a parsed JSON) is a run's written config: a transformers config.json, or one of
+    another program, is not."""
+    return isinstance(values, dict) and RUN_BLOCKS <= values.keys()
+
+
 def _merge(base: ml_collections.ConfigDict, values: dict) -> None:
     for key, value in values.items():
         if isinstance(value, dict) and isinstance(base.get(key), ml_collections.ConfigDict):
@@ -41,7 +50,7 @@ def get_config(path: str) -> ml_collections.ConfigDict:
             f"--config={path} is a transformers checkpoint's config.json, not a run's: start from its weights with "
             f"--config.init_from_hf={file.parent}"
         )
-    if not isinstance(values, dict) or not {"model", "data", "optimizer"} <= values.keys():
+    if not is_run_config(values):
         raise ValueError(f"--config={path} is not a run's config.json (no model, data and optimizer blocks)")
     name = values["optimizer"].get("name", "adamw")
     config = default.get_config(name)

@@ -139,7 +139,7 @@ def text_bits_per_byte(scorer: Scorer, text: str, *, seq_len: int, batch_size: i
 def shards_bits_per_byte(scorer: Scorer, pattern: str, *, seq_len: int, batch_size: int, max_tokens: int = 0) -> dict:
     """Loss and bits per byte of held-out token shards (``.bin`` / ``.npy``, `lm.data.shards`), in disjoint windows
     of ``seq_len + 1`` tokens (the first ``max_tokens`` of them; 0: all). Bits per byte need the shards'
-    ``manifest.json`` (its ``val`` split's tokens per byte, as training uses; None without one)."""
+    ``manifest.json`` (the tokens per byte of the splits that list them: `lm.data.input_pipeline.tokens_per_byte`)."""
     try:
         files = documents.expand(pattern, what="--val_files")
         manifest = input_pipeline.read_manifest(files)
@@ -162,8 +162,8 @@ def shards_bits_per_byte(scorer: Scorer, pattern: str, *, seq_len: int, batch_si
         raise cli.UsageError(f"--val_files={pattern} holds fewer than seq_len + 1 = {width} tokens per file")
     sums = scorer.log_likelihoods(rows, np.ones(rows.shape, np.float32), batch_size)
     loss = -float(np.sum(sums)) / (rows.shape[0] * seq_len)
-    split = (manifest or {}).get("splits", {}).get("val")
-    bpb = loss / math.log(2) * split["tokens"] / split["bytes"] if split and split.get("bytes") else None
+    per_byte = input_pipeline.tokens_per_byte(files)
+    bpb = None if per_byte is None else loss / math.log(2) * per_byte
     return {"shards_loss": loss, "shards_bits_per_byte": bpb, "shards_tokens": int(rows.shape[0] * seq_len)}
 
 

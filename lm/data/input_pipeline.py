@@ -2,8 +2,8 @@
 
 With ``data.train_files`` or ``data.mixture`` (`lm.data.mixture`), and ``data.val_files``, the run reads
 llm.c ``.bin`` / ``.npy`` shards memory-mapped (`lm.data.shards`); a ``manifest.json`` beside them (written
-by ``experiments.tokenize``) gives the vocabulary, the document separator and the tokens and UTF-8
-bytes of the validation split. Without them the run reads `lm.data.corpus` (byte-level). Either way the
+by ``experiments.tokenize``) gives the vocabulary, the document separator and each split's tokens,
+UTF-8 bytes and files. Without them the run reads `lm.data.corpus` (byte-level). Either way the
 batches come from `lm.data.batches.PackedBatches`.
 
 Validation is a fixed set: the first ``data.val_tokens`` targets of the validation split, exactly (the
@@ -75,6 +75,23 @@ def read_manifest(files: list[Path]) -> dict | None:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON ({e}); rewrite it with experiments.tokenize or remove it") from e
+
+
+def tokens_per_byte(files: list[Path]) -> float | None:
+    """Tokens per UTF-8 byte of the text behind shard ``files``, from the ``manifest.json`` of each one's folder:
+    the splits that list them (``val_*.bin`` the validation split's, ``train_*.bin`` the training split's) summed.
+    None when a folder has no manifest or a file is in none of its splits (a shard copied in by hand)."""
+    tokens = text_bytes = 0
+    for folder in dict.fromkeys(Path(f).parent for f in files):
+        manifest = read_manifest([folder / MANIFEST]) or {}
+        listed = {name: split for split, summary in manifest.get("splits", {}).items() for name in summary.get("files", ())}
+        names = [Path(f).name for f in files if Path(f).parent == folder]
+        if any(name not in listed for name in names):
+            return None
+        for split in {listed[name] for name in names}:
+            tokens += manifest["splits"][split]["tokens"]
+            text_bytes += manifest["splits"][split].get("bytes", 0)
+    return tokens / text_bytes if text_bytes else None
 
 
 def padded(vocab_size: int) -> int:
@@ -220,7 +237,7 @@ def build(
         train, val = [[streams["train"]]], [streams["validation"]]
         corpus_name = f"the byte-level corpus of {d.path or 'the standard library'}"
         train_names, val_name = [f"{corpus_name}'s train split"], f"{corpus_name}'s validation split (data.val_fraction={d.val_fraction})"
-        tokens_per_byte = 1.0
+        val_tokens_per_byte = 1.0
     else:
         if not d.val_files:
             raise ValueError("training shards need data.val_files too (e.g. the val_*.bin shards beside them)")
@@ -230,8 +247,7 @@ def build(
         train_names, val_name = [f"{what}={p}" for p, _ in patterns], f"data.val_files={d.val_files}"
         val, val_manifest = _open(d.val_files, "data.val_files", vocab_size)
         _check_one_tokenizer([*zip(train_names, (m for _, m in opened)), (val_name, val_manifest)])
-        split = (val_manifest or {}).get("splits", {}).get("val")
-        tokens_per_byte = split["tokens"] / split["bytes"] if split and split.get("bytes") else None
+        val_tokens_per_byte = tokens_per_byte(documents.expand(d.val_files, what="data.val_files"))
     separator = separator_id(d) if d.bos_aligned else None
     sources = [_windows(streams, seq_len, d, separator, name) for streams, name in zip(train, train_names, strict=True)]
     name = f"mixture={d.mixture} train_files={d.train_files} path={d.path} bos_aligned={d.bos_aligned}"
@@ -245,7 +261,7 @@ def build(
     shard = {"process_index": process_index, "process_count": process_count}
     if d.val_tokens % (batch * seq_len):  # not whole batches: the last one padded and weighted
         rows, weights = batches.leading_tokens(batches.Windows(val, seq_len, name=val_name), batch, d.val_tokens, **shard)
-        return train_iter, ValidationSet(rows, tokens_per_byte, weights)
+        return train_iter, ValidationSet(rows, val_tokens_per_byte, weights)
     val_windows = batches.Windows(val, seq_len, name=val_name)
     validation = batches.validation_batches(val_windows, seq_len, batch, num_val, leading=bool(d.val_tokens), **shard)
-    return train_iter, ValidationSet(validation, tokens_per_byte)
+    return train_iter, ValidationSet(validation, val_tokens_per_byte)

@@ -272,7 +272,9 @@ def test_bits_per_byte_of_held_out_shards(exported, tmp_path):
     streams = [np.asarray(scorer.tokenizer.encode(f"def f{i}(x):\n    return x + {i}  # ünï\n" * 3), np.int32) for i in range(2)]
     for i, stream in enumerate(streams):
         shards.write(tmp_path / f"val_{i}.bin", stream)
-    manifest = {"splits": {"val": {"tokens": 300, "bytes": 200}}}  # 1.5 tokens per byte
+    shards.write(tmp_path / "train_0.bin", streams[0])
+    # 1.5 tokens per byte in the validation split, 1.25 in the training split
+    manifest = {"splits": {"train": {"tokens": 500, "bytes": 400, "files": ["train_0.bin"]}, "val": {"tokens": 300, "bytes": 200, "files": ["val_0.bin", "val_1.bin"]}}}
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     results = evaluate.evaluate(hf_dir=str(exported), val_files=str(tmp_path / "val_*.bin"), seq_len=24, batch_size=4)
     forward = _forward(scorer.model_def)
@@ -281,6 +283,13 @@ def test_bits_per_byte_of_held_out_shards(exported, tmp_path):
     assert results["shards_tokens"] == 24 * len(windows) and len(windows) > 4
     assert results["shards_loss"] == pytest.approx(nats / (24 * len(windows)), rel=1e-5)
     assert results["shards_bits_per_byte"] == pytest.approx(results["shards_loss"] / math.log(2) * 1.5, rel=1e-6)
+    # training shards take the training split's tokens per byte (was: the validation split's, whatever was scored);
+    # a shard the manifest does not list has none
+    on_train = evaluate.evaluate(hf_dir=str(exported), val_files=str(tmp_path / "train_0.bin"), seq_len=24, batch_size=4)
+    assert on_train["shards_bits_per_byte"] == pytest.approx(on_train["shards_loss"] / math.log(2) * 1.25, rel=1e-6)
+    shards.write(tmp_path / "val_9.bin", streams[1])
+    assert evaluate.evaluate(hf_dir=str(exported), val_files=str(tmp_path / "val_9.bin"), seq_len=24, batch_size=4)["shards_bits_per_byte"] is None
+    (tmp_path / "val_9.bin").unlink()
     # shards of another tokenizer whose ids all fit the vocabulary (was: scored silently, as the model's tokens)
     (tmp_path / "manifest.json").write_text(json.dumps(manifest | {"tokenizer": "bpe.json", "tokenizer_sha256": "0" * 64}))
     with pytest.raises(cli.UsageError, match=r"tokenized with bpe.json, not with this model's tokenizer \(bytes\)"):

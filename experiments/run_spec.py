@@ -69,8 +69,9 @@ def model_config(config: ml_collections.ConfigDict) -> model_config_lib.ModelCon
 
 
 def _hf_model_config(config: ml_collections.ConfigDict, overrides: dict) -> model_config_lib.ModelConfig:
-    """The model of the transformers checkpoint ``config.init_from_hf``; ``config.model`` may set only how it
-    computes (``dtype``, ``remat``, ``scan_layers``, ...), an architecture field that differs is an error."""
+    """The model of the transformers checkpoint ``config.init_from_hf``; ``config.model`` (its keys, and a chosen
+    preset's) may set only how it computes (``dtype``, ``remat``, ``scan_layers``, ...), an architecture field
+    that differs is an error."""
     directory = config.init_from_hf
     try:
         from_hf = hf.read_config(directory)
@@ -82,9 +83,18 @@ def _hf_model_config(config: ml_collections.ConfigDict, overrides: dict) -> mode
         for k, v in overrides.items()
         if k in hf.CONFIG_FIELDS and v != defaults[k] and v != getattr(from_hf, k)
     ]
+    preset = config.model.preset
+    chosen = {} if preset == model_config_lib.DEFAULT_PRESET else model_config_lib.PRESETS.get(preset)  # the default: no choice
+    if chosen is None:
+        raise ValueError(f"unknown model preset {preset!r}; set --config.model.preset to one of {', '.join(model_config_lib.PRESETS)}")
+    conflicts += [
+        f"model.preset={preset} ({k}={v!r}; config.json: {getattr(from_hf, k)!r})"
+        for k, v in chosen.items()
+        if k in hf.CONFIG_FIELDS and k not in overrides and v != getattr(from_hf, k)
+    ][:1]
     if conflicts:
         raise ValueError(f"init_from_hf={directory} fixes the architecture, but the config sets {', '.join(conflicts)}; drop those keys")
-    computes = {k: v for k, v in overrides.items() if k not in hf.CONFIG_FIELDS}
+    computes = {k: v for k, v in {**chosen, **overrides}.items() if k not in hf.CONFIG_FIELDS}
     try:
         return hf.read_config(directory, **computes, document_separator=input_pipeline.document_separator(data_config(config)))
     except hf.CheckpointError as e:

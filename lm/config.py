@@ -341,6 +341,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+DEFAULT_PRESET = "tiny"  # the README main job's model: --config.model.preset when unset
+
+
 def from_preset(name: str, **overrides: Any) -> ModelConfig:
     """The preset ``name`` with fields replaced by ``overrides`` (unknown fields are an error)."""
     if name not in PRESETS:

@@ -47,7 +47,7 @@ def optimizer_config(name: str = "adamw", learning_rate: float | None = None, *,
     return opt
 
 
-def model_block(preset: str = "tiny") -> ml_collections.ConfigDict:
+def model_block(preset: str = model_config.DEFAULT_PRESET) -> ml_collections.ConfigDict:
     """``preset`` and every `lm.config.ModelConfig` field (lm/config.py documents them); None keeps the preset's value."""
     set_by_presets = {key for values in model_config.PRESETS.values() for key in values}
     block = blocks.dataclass_block(model_config.ModelConfig, placeholders=set_by_presets)

@@ -79,6 +79,10 @@ def test_a_run_that_contradicts_the_checkpoint_is_refused(exported, tmp_path):
     with pytest.raises(cli.UsageError, match=r"init_from_hf: .*model.logit_softcap=15.0: transformers'"):
         trainer.run(_config(**{"init_from_hf": str(exported), "model.logit_softcap": 15.0}), tmp_path / "capped")
     assert not (tmp_path / "capped").exists()
+    # a preset chosen beside the checkpoint (was: ignored, the run trained the checkpoint's shape)
+    with pytest.raises(cli.UsageError, match=r"model.preset=small \(d_model=512; config.json: 64\); drop those keys"):
+        trainer.run(_config(**{"init_from_hf": str(exported), "model.preset": "small"}), tmp_path / "small")
+    assert not (tmp_path / "small").exists()
 
 
 def test_validation_bits_per_byte_match_training(run):

@@ -110,7 +110,8 @@ def abstract_state(
 ) -> TrainState:
     """`ShapeDtypeStruct`s with shardings for the whole train state: a restore target, no allocation. ``replicas``:
     the leading axis of a replica-local run's state (default: the mesh's replica count; a reader of a checkpoint
-    saved on more replicas than its mesh holds gives the saved count, over a replica axis of one device)."""
+    saved on another replica count gives the saved count; a count the mesh's replica axis does not divide is read
+    whole on every replica device)."""
     shapes = {
         "params": model_def.abstract_params,
         "opt_state": jax.eval_shape(tx.init, model_def.abstract_params),
@@ -118,11 +119,15 @@ def abstract_state(
         "bad_streak": jax.ShapeDtypeStruct((), jnp.int32),
         "skipped": jax.ShapeDtypeStruct((), jnp.int32),
     }
+    state = shardings.state
     if shardings.replica_axis:
         count = shardings.replicas if replicas is None else replicas
         per_replica = lambda s: jax.ShapeDtypeStruct((count, *s.shape), s.dtype)  # noqa: E731
         shapes |= {k: jax.tree.map(per_replica, shapes[k]) for k in _PER_REPLICA}
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings.state)
+        if count % shardings.replicas:  # e.g. 2 saved replicas read on data:8: every replica device reads both
+            whole = lambda sh: jax.NamedSharding(sh.mesh, jax.P(None, *sh.spec[1:]))  # noqa: E731
+            state = state | {k: jax.tree.map(whole, state[k]) for k in _PER_REPLICA}
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, state)
 
 
 def init_state(

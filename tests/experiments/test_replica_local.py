@@ -127,6 +127,14 @@ def test_a_replica_local_checkpoint_resumes_only_on_the_same_replica_count(tmp_p
     reader, params, step = restore.restore_run(tmp_path)
     assert step == STEPS and reader.mesh.size == 1
     jax.tree.map(lambda p, f: np.testing.assert_allclose(p, np.mean(f, axis=0), rtol=1e-6, atol=1e-7), params, final["params"])
+    # ... and on a mesh of more replicas than were saved, which does not divide them (was: IndivisibleError, and
+    # advice to delete the checkpoint): 2 saved replicas read on data:8
+    two = final | {k: jax.tree.map(lambda x: np.asarray(x)[:2], final[k]) for k in ("params", "opt_state")}
+    checkpointing.save(mgr, STEPS + 1, two, {}, run_spec.run_meta(_config("diloco"), spec.cfg, 2), force=True)
+    mgr.wait_until_finished()
+    reader, params, step = restore.restore_run(tmp_path, mesh="data:8", devices=8)
+    assert step == STEPS + 1 and reader.mesh.size == 8
+    jax.tree.map(lambda p, f: np.testing.assert_allclose(p, np.mean(f[:2], axis=0), rtol=1e-6, atol=1e-7), params, final["params"])
 
 
 def _sgd_steps(mesh_spec, replica_axis, batches):

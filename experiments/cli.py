@@ -158,9 +158,9 @@ def define_output_file_flag(name: str, help_text: str, flag_values: flags.FlagVa
     return holder
 
 
-def define_verbose_flag() -> flags.FlagHolder:
+def define_verbose_flag(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagHolder:
     """``--verbose``: tracebacks for bad input and the libraries' INFO logs (`quiet_logging`)."""
-    return flags.DEFINE_bool("verbose", False, "Show tracebacks for bad input, and library logs.")
+    return flags.DEFINE_bool("verbose", False, "Show tracebacks for bad input, and library logs.", flag_values=flag_values)
 
 
 def quiet_logging(verbose: bool = False) -> None:

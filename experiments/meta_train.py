@@ -254,28 +254,28 @@ def plot_meta_loss(history: list[float], path: Path, title: str) -> None:
 FLAGS = flags.FLAGS
 
 
-def define_flags() -> None:
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     """The command line's flags (defined only when run as a script, so importing this module defines none)."""
-    flags.DEFINE_string("workdir", None, "output folder (resumes from its checkpoint.npz)")
-    flags.DEFINE_enum("estimator", "pes", ESTIMATORS, "gradient estimator")
-    flags.DEFINE_string("tasks", "mlp_regression,mlp_classification,lm-w16-d1,lm-w32-d1", "task family (experiments.lopt_tasks.family)")
-    flags.DEFINE_integer("iterations", 1000, "meta-iterations (truncations)")
-    flags.DEFINE_integer("pairs", 4, "antithetic pairs (population = 2 * pairs, split over the devices)")
-    flags.DEFINE_float("sigma", 0.01, "perturbation standard deviation")
-    flags.DEFINE_integer("truncation", 10, "inner steps per truncation")
-    flags.DEFINE_integer("min_horizon", 50, "shortest inner run (steps)")
-    flags.DEFINE_integer("max_horizon", 200, "longest inner run (steps)")
-    flags.DEFINE_float("learning_rate", 3e-3, "meta-optimizer (AdamW) learning rate")
-    flags.DEFINE_float("clip", 1.0, "meta-gradient clipping norm")
-    flags.DEFINE_float("weight_decay", 1e-4, "meta-optimizer weight decay")
-    flags.DEFINE_integer("num_devices", 0, "CPU devices to split the population over (0: what jax has)")
-    flags.DEFINE_integer("seed", 0, "seed")
-    flags.DEFINE_integer("checkpoint_every", 50, "meta-iterations between checkpoints")
-    flags.DEFINE_string("weights_name", "lopt", "file name of the weights written at the end")
-    flags.DEFINE_bool("warm_start", True, "start from the Adam-like MLP (mlp_lopt.init_meta_params), else random")
-    flags.DEFINE_string("init_weights", "", "start from these meta-parameters instead (a shipped name such as lopt, or a .npz path)")
-    flags.DEFINE_integer("mup_base_fan_in", 0, "record this base width with the weights (μLO); 0: none")
-    cli.define_verbose_flag()
+    flags.DEFINE_string("workdir", None, "output folder (resumes from its checkpoint.npz)", flag_values=flag_values)
+    flags.DEFINE_enum("estimator", "pes", ESTIMATORS, "gradient estimator", flag_values=flag_values)
+    flags.DEFINE_string("tasks", "mlp_regression,mlp_classification,lm-w16-d1,lm-w32-d1", "task family (experiments.lopt_tasks.family)", flag_values=flag_values)
+    flags.DEFINE_integer("iterations", 1000, "meta-iterations (truncations)", flag_values=flag_values)
+    flags.DEFINE_integer("pairs", 4, "antithetic pairs (population = 2 * pairs, split over the devices)", flag_values=flag_values)
+    flags.DEFINE_float("sigma", 0.01, "perturbation standard deviation", flag_values=flag_values)
+    flags.DEFINE_integer("truncation", 10, "inner steps per truncation", flag_values=flag_values)
+    flags.DEFINE_integer("min_horizon", 50, "shortest inner run (steps)", flag_values=flag_values)
+    flags.DEFINE_integer("max_horizon", 200, "longest inner run (steps)", flag_values=flag_values)
+    flags.DEFINE_float("learning_rate", 3e-3, "meta-optimizer (AdamW) learning rate", flag_values=flag_values)
+    flags.DEFINE_float("clip", 1.0, "meta-gradient clipping norm", flag_values=flag_values)
+    flags.DEFINE_float("weight_decay", 1e-4, "meta-optimizer weight decay", flag_values=flag_values)
+    flags.DEFINE_integer("num_devices", 0, "CPU devices to split the population over (0: what jax has)", flag_values=flag_values)
+    flags.DEFINE_integer("seed", 0, "seed", flag_values=flag_values)
+    flags.DEFINE_integer("checkpoint_every", 50, "meta-iterations between checkpoints", flag_values=flag_values)
+    flags.DEFINE_string("weights_name", "lopt", "file name of the weights written at the end", flag_values=flag_values)
+    flags.DEFINE_bool("warm_start", True, "start from the Adam-like MLP (mlp_lopt.init_meta_params), else random", flag_values=flag_values)
+    flags.DEFINE_string("init_weights", "", "start from these meta-parameters instead (a shipped name such as lopt, or a .npz path)", flag_values=flag_values)
+    flags.DEFINE_integer("mup_base_fan_in", 0, "record this base width with the weights (μLO); 0: none", flag_values=flag_values)
+    cli.define_verbose_flag(flag_values)
 
 
 def check_schedule(flag_values: flags.FlagValues = FLAGS) -> None:
@@ -319,41 +319,49 @@ def check_resume(workdir: Path, saved: dict | None, settings: dict) -> None:
 def main(argv: list[str]) -> None:
     del argv
     cli.quiet_logging(FLAGS.verbose)
+    train(FLAGS)
+
+
+def train(f: flags.FlagValues) -> None:
+    """The command line's run, of parsed flags ``f``: meta-trains in ``f.workdir``, resuming its checkpoint.
+
+    Exits with status 2 and one line for bad flags, a population that does not split over the devices, or a
+    checkpoint of other settings."""
     try:
-        check_schedule()
+        check_schedule(f)
     except cli.UsageError as e:
         cli.usage_exit(str(e))
-    if FLAGS.num_devices:
-        cpu_devices.use(FLAGS.num_devices)
-    workdir = Path(FLAGS.workdir)
+    if f.num_devices:
+        cpu_devices.use(f.num_devices)
+    workdir = Path(f.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    tasks = lopt_tasks.family(FLAGS.tasks)
+    tasks = lopt_tasks.family(f.tasks)
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), ("population",), axis_types=(jax.sharding.AxisType.Auto,))
     try:
-        trainer = MetaTrainer(tasks, estimator=FLAGS.estimator, pairs=FLAGS.pairs, sigma=FLAGS.sigma,
-                              truncation=FLAGS.truncation, learning_rate=FLAGS.learning_rate, clip=FLAGS.clip,
-                              weight_decay=FLAGS.weight_decay, mesh=mesh, seed=FLAGS.seed,
-                              mup_base_fan_in=FLAGS.mup_base_fan_in, warm_start=FLAGS.warm_start,
-                              initial=mlp_lopt.load_meta_params(mlp_lopt.weights_path(FLAGS.init_weights)) if FLAGS.init_weights else None)
+        trainer = MetaTrainer(tasks, estimator=f.estimator, pairs=f.pairs, sigma=f.sigma,
+                              truncation=f.truncation, learning_rate=f.learning_rate, clip=f.clip,
+                              weight_decay=f.weight_decay, mesh=mesh, seed=f.seed,
+                              mup_base_fan_in=f.mup_base_fan_in, warm_start=f.warm_start,
+                              initial=mlp_lopt.load_meta_params(mlp_lopt.weights_path(f.init_weights)) if f.init_weights else None)
     except ValueError as e:  # a population that does not split over the devices
         cli.usage_exit(str(e))
-    checkpoint, settings = workdir / "checkpoint.npz", run_settings()
+    checkpoint, settings = workdir / "checkpoint.npz", run_settings(f)
     history, saved = trainer.restore(checkpoint) if checkpoint.exists() else ([], {})
     try:
         check_resume(workdir, saved.get("settings"), settings)
     except cli.UsageError as e:
         cli.usage_exit(str(e))
-    if history and trainer.iteration >= FLAGS.iterations:
+    if history and trainer.iteration >= f.iterations:
         print(
-            f"{workdir} already finished: its checkpoint is at meta-iteration {trainer.iteration} >= --iterations={FLAGS.iterations}; "
+            f"{workdir} already finished: its checkpoint is at meta-iteration {trainer.iteration} >= --iterations={f.iterations}; "
             "its files are kept as they are (raise --iterations to train further)",
             flush=True,
         )
         return
     if history:
         print(f"resumed at meta-iteration {trainer.iteration}", flush=True)
-    rng = np.random.default_rng([FLAGS.seed, trainer.iteration])
+    rng = np.random.default_rng([f.seed, trainer.iteration])
     started, seconds_before = time.time(), saved.get("wall_seconds", 0.0)
     metrics = open(workdir / "metrics.jsonl", "a")
 
@@ -361,37 +369,37 @@ def main(argv: list[str]) -> None:
         """Checkpoint, plot and the weights so far with their record (a run stopped early still ships)."""
         seconds = seconds_before + time.time() - started  # over every process of the run
         trainer.save(checkpoint, history, {"settings": settings, "wall_seconds": seconds})
-        plot_meta_loss(history, workdir / "meta_loss.png", f"{FLAGS.estimator.upper()} meta-training")
+        plot_meta_loss(history, workdir / "meta_loss.png", f"{f.estimator.upper()} meta-training")
         record = settings | {
             "iterations": trainer.iteration,
             "command": "python -m experiments.meta_train " + " ".join(sys.argv[1:]),
             "date": datetime.date.today().isoformat(),
-            "machine": f"{platform.machine()} CPU, {len(devices)} jax device(s), no accelerator",
+            "machine": f"{platform.machine()} host, {len(devices)} x {devices[0].device_kind} ({devices[0].platform})",
             "wall_seconds": round(seconds),
             "final_meta_loss_mean_last_50": float(np.mean(history[-50:])) if history else None,
         }
-        mlp_lopt.save_meta_params(workdir / f"{FLAGS.weights_name}.npz", trainer.meta_params(), record)
+        mlp_lopt.save_meta_params(workdir / f"{f.weights_name}.npz", trainer.meta_params(), record)
 
     def on_iteration(loss: float) -> None:
         history.append(loss)
         metrics.write(json.dumps({"iteration": trainer.iteration, "task": task.name, "meta_loss": loss}) + "\n")
         if trainer.iteration % 10 == 0:
             recent = history[-50:]
-            print(f"iteration {trainer.iteration}/{FLAGS.iterations}  {task.name}  meta-loss {loss:.4f} "
+            print(f"iteration {trainer.iteration}/{f.iterations}  {task.name}  meta-loss {loss:.4f} "
                   f"(mean of last {len(recent)}: {sum(recent) / len(recent):.4f})  {time.time() - started:.0f}s", flush=True)
             metrics.flush()
-        if trainer.iteration % FLAGS.checkpoint_every == 0:
+        if trainer.iteration % f.checkpoint_every == 0:
             save_all()
 
     with jax.set_mesh(mesh):
-        while trainer.iteration < FLAGS.iterations:
+        while trainer.iteration < f.iterations:
             task = tasks[rng.integers(len(tasks))]
-            truncations = rng.integers(FLAGS.min_horizon // FLAGS.truncation, FLAGS.max_horizon // FLAGS.truncation + 1)
-            truncations = min(truncations, FLAGS.iterations - trainer.iteration)
-            trainer.run_episode(task, int(truncations) * FLAGS.truncation, on_iteration)
+            truncations = rng.integers(f.min_horizon // f.truncation, f.max_horizon // f.truncation + 1)
+            truncations = min(truncations, f.iterations - trainer.iteration)
+            trainer.run_episode(task, int(truncations) * f.truncation, on_iteration)
     metrics.close()
     save_all()
-    print(f"wrote {workdir / FLAGS.weights_name}.npz", flush=True)
+    print(f"wrote {workdir / f.weights_name}.npz", flush=True)
 
 
 if __name__ == "__main__":

@@ -208,3 +208,42 @@ def test_a_schedule_that_cannot_run_is_named(flag, value, message):
     values[flag].value = value
     with pytest.raises(cli.UsageError, match=message):
         meta_train.check_schedule(values)
+
+
+def _command_line(workdir, *args):
+    values = flags.FlagValues()
+    meta_train.define_flags(values)
+    values(["meta_train", f"--workdir={workdir}", "--estimator=es", "--pairs=4", "--truncation=2", "--min_horizon=2",
+            "--max_horizon=4", "--checkpoint_every=2", "--nowarm_start", *args])  # fmt: skip
+    return values
+
+
+def test_the_command_line_writes_resumes_and_keeps_a_finished_run(toy_task, tmp_path, monkeypatch, capsys):
+    """`meta_train.train` as ``python -m experiments.meta_train`` runs it, on the toy family: the weights with their
+    record, the metrics and the checkpoint; a rerun of a finished run changes nothing, a raised --iterations
+    continues it, other settings are refused (the flags of a fresh FlagValues, so no subprocess compiles)."""
+    monkeypatch.setattr(lopt_tasks, "family", lambda names: [toy_task])
+    meta_train.train(_command_line(tmp_path, "--iterations=4"))
+    record = json.loads((tmp_path / "lopt.json").read_text())
+    assert record["iterations"] == 4 and record["estimator"] == "es" and record["pairs"] == 4
+    assert record["machine"].endswith(f"({jax.devices()[0].platform})")  # was "... no accelerator" on any machine
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["iteration"] for line in lines] == [1, 2, 3, 4] and all(np.isfinite(line["meta_loss"]) for line in lines)
+    assert np.isclose(record["final_meta_loss_mean_last_50"], np.mean([line["meta_loss"] for line in lines]))
+    weights = mlp_lopt.load_meta_params(tmp_path / "lopt.npz")
+    assert (tmp_path / "meta_loss.png").stat().st_size > 0 and (tmp_path / "checkpoint.npz").is_file()
+    finished = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    capsys.readouterr()
+    meta_train.train(_command_line(tmp_path, "--iterations=4"))
+    assert "already finished" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == finished
+    meta_train.train(_command_line(tmp_path, "--iterations=6"))
+    assert "resumed at meta-iteration 4" in capsys.readouterr().out
+    assert json.loads((tmp_path / "lopt.json").read_text())["iterations"] == 6
+    assert [json.loads(line)["iteration"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+    continued = mlp_lopt.load_meta_params(tmp_path / "lopt.npz")
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(weights), jax.tree.leaves(continued), strict=True))
+    with pytest.raises(SystemExit) as exit_info:
+        meta_train.train(_command_line(tmp_path, "--iterations=8", "--sigma=0.02"))
+    assert exit_info.value.code == 2 and "other settings (sigma: 0.01 -> 0.02)" in capsys.readouterr().err
+

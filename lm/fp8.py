@@ -163,6 +163,11 @@ def _backward(grad_dtype, w_dtype, residuals, g):
 _scaled_matmul.defvjp(_forward, _backward)
 
 
+def initial_scaling(name: str, shape: tuple[int, ...]) -> jax.Array:
+    """A scaling leaf's value before the first step: scales 1, amax histories 0 (`_scale` keeps 1 until an amax)."""
+    return jnp.zeros(shape, jnp.float32) if name.endswith("history") else jnp.ones(shape, jnp.float32)
+
+
 class Fp8DotGeneral(nnx.Module):
     """`nnx.Linear`'s ``dot_general`` in FP8 (`scaled_matmul` over ``x``'s last axis), holding delayed scaling's state.
 
@@ -173,7 +178,7 @@ class Fp8DotGeneral(nnx.Module):
         self.grad_dtype = recipe.grad_dtype
         if recipe.delayed:
             for name in SCALING_NAMES:
-                value = jnp.zeros((recipe.history,), jnp.float32) if name.endswith("history") else jnp.ones((1,), jnp.float32)
+                value = initial_scaling(name, (recipe.history,) if name.endswith("history") else (1,))
                 setattr(self, name, Fp8Scaling(value, out_sharding=(None,)))
 
     def __call__(self, x, kernel, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None):

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lm import fp8 as fp8_lib
 from lm import model as model_lib
 from lm import rope
 from lm.config import ModelConfig
@@ -665,7 +666,9 @@ def _checked_layout(cfg: ModelConfig, params: Params) -> dict[Path_, Source | No
 
 
 def to_hf_tensors(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
-    """Our parameters as transformers tensors by name (host NumPy arrays, float32)."""
+    """Our parameters as transformers tensors by name (host NumPy arrays, float32). An FP8 model (``model.fp8``)
+    exports its master weights: its scales and amax histories (`lm.fp8`) are training state, not weights."""
+    params = fp8_lib.split(params)[0]
     table = _checked_layout(cfg, params)
     flat = _flat(params)
     shapes = tensor_shapes(table, {path: leaf.shape for path, leaf in flat.items()})
@@ -804,7 +807,8 @@ def load_params(directory: str | Path, cfg: ModelConfig, abstract: Params, shard
 
     Args:
       directory: holds ``model.safetensors`` or the ``model.safetensors.index.json`` of its shards.
-      cfg: the model config (`read_config`); ``abstract``: its parameter shapes (`lm.model.define`).
+      cfg: the model config (`read_config`); ``abstract``: its parameter shapes (`lm.model.define`); an FP8
+        model's scaling state starts as `lm.fp8.initial_scaling`.
       shardings: a `jax.sharding.Sharding` per leaf; None: the first device.
 
     Raises:
@@ -812,7 +816,7 @@ def load_params(directory: str | Path, cfg: ModelConfig, abstract: Params, shard
       UnreadableCheckpoint: a file is missing, truncated or corrupt (named).
     """
     directory = Path(directory)
-    table = _checked_layout(cfg, abstract)
+    table = _checked_layout(cfg, fp8_lib.split(abstract)[0])
     weight_map = _weight_map(directory)
     flat_shardings = _flat(shardings) if shardings is not None else {}
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -829,6 +833,9 @@ def load_params(directory: str | Path, cfg: ModelConfig, abstract: Params, shard
     with _open_files({weight_map[name] for name in needed}) as handles:
         for path, leaf in flat.items():
             sharding = flat_shardings.get(path, default)
+            if path not in table:  # an FP8 model's scaling state (`lm.fp8`): as the model initialises it
+                out[path] = jax.jit(lambda name=path[-1], s=leaf.shape: fp8_lib.initial_scaling(name, s), out_shardings=sharding)()
+                continue
             source = table[path]
             if source is None:
                 out[path] = jax.jit(lambda s=leaf.shape: jnp.zeros(s, jnp.float32), out_shardings=sharding)()

@@ -10,6 +10,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from lm import config as config_lib
+from lm import fp8
 from lm import hf
 from lm import model as model_lib
 from sharding import mesh as mesh_lib
@@ -256,6 +257,30 @@ def test_a_bfloat16_export_holds_the_rounded_weights(tmp_path):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
         assert b.dtype == np.float32
         np.testing.assert_array_equal(np.asarray(a).astype(jax.numpy.bfloat16).astype(np.float32), np.asarray(b))
+
+
+def test_an_fp8_model_exports_its_master_weights_and_imports_with_fresh_scaling(tmp_path):
+    """``model.fp8``'s scales and amax histories are training state (`lm.fp8`): the export holds the weights of the
+    model without FP8, and an FP8 model imports them with its scaling as initialised (were: a ValueError naming
+    the scaling leaves, both ways)."""
+    cfg, fp8_cfg = CONFIGS["llama"], dataclasses.replace(CONFIGS["llama"], fp8="e4m3", fp8_amax_history=4)
+    params = _params(fp8_cfg)
+    params["blocks"]["attn"]["k_proj"]["dot_general"]["kernel_scale"] += 2.0  # as a trained run's scaling
+    weights, scaling = fp8.split(params)
+    assert scaling and jax.tree.structure(weights) == jax.tree.structure(_params(cfg))
+    hf.save(tmp_path / "fp8", fp8_cfg, params)
+    hf.save(tmp_path / "plain", cfg, weights)
+    assert load_file(tmp_path / "fp8" / hf.SINGLE_FILE).keys() == load_file(tmp_path / "plain" / hf.SINGLE_FILE).keys()
+    for name, tensor in load_file(tmp_path / "fp8" / hf.SINGLE_FILE).items():
+        np.testing.assert_array_equal(tensor, load_file(tmp_path / "plain" / hf.SINGLE_FILE)[name])
+    model_def, loaded = hf.load_model(tmp_path / "fp8", fp8="e4m3", fp8_amax_history=4)
+    loaded_weights, loaded_scaling = fp8.split(loaded)
+    for a, b in zip(jax.tree.leaves(weights), jax.tree.leaves(loaded_weights), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    fresh = fp8.split(model_lib.init_params(model_def, 0))[1]
+    assert jax.tree.structure(loaded_scaling) == jax.tree.structure(fresh)
+    for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(loaded_scaling), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_a_stacked_export_imports_unrolled(tmp_path):

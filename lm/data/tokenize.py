@@ -127,7 +127,7 @@ def tokenize(
 
     Raises:
       ValueError: bad arguments, an unreadable tokenizer or input, ``out`` already holds shards, or
-        the input holds no document.
+        the input holds no training document, or with ``val_fraction`` > 0 no validation document.
     """
     out = Path(out)
     if not 0.0 <= val_fraction < 1.0:
@@ -167,6 +167,13 @@ def tokenize(
             writer.close()
         if writers["train"].documents == 0:
             raise ValueError(f"the input ({len(files)} files) holds no training document; give more text or a lower --val_fraction")
+        if val_fraction > 0 and writers["val"].documents == 0:
+            raise ValueError(
+                f"none of the input's {writers['train'].documents} documents fell in the validation split (each goes there "
+                f"with probability --val_fraction={val_fraction}, by a hash of its text; a plain text file is one document, "
+                "a JSONL file one per line): give more documents, raise --val_fraction, or set --val_fraction=0 for "
+                "training shards only"
+            )
         manifest = {
             "format": "llm.c",
             "version": version,

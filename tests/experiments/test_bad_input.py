@@ -154,7 +154,7 @@ def test_cli_tokenize_and_train_tokenizer_refuse_non_utf8_with_exit_2(tmp_path):
     _one_line_exit_2(result, "in.txt is not UTF-8")
     result = _main("experiments.train_tokenizer", f"--input={tmp_path / 'in.txt'}", f"--out={tmp_path / 'tok'}", "--vocab_size=300", cwd=tmp_path)
     _one_line_exit_2(result, "in.txt is not UTF-8")
-    result = _main("experiments.tokenize", f"--input={tmp_path / 'in.txt'}", f"--out={tmp_path / 'out'}", "--workers=1", "--errors=replace", cwd=tmp_path)
+    result = _main("experiments.tokenize", f"--input={tmp_path / 'in.txt'}", f"--out={tmp_path / 'out'}", "--workers=1", "--errors=replace", "--val_fraction=0", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["splits"]["train"]["bytes"] == len(LATIN1)
 

@@ -49,13 +49,14 @@ def test_harness_builds_stdlib_shards_and_stops_at_the_target(tmp_path, shard_di
 
 def test_stdlib_shards_read_the_stdlibs_files_that_are_not_utf8(tmp_path, monkeypatch):
     """The README's CPU speedrun, all stdlib files, died on test/encoded_modules/module_iso_8859_1.py."""
-    latin1, plain = tmp_path / "module_iso_8859_1.py", tmp_path / "plain.py"
+    latin1, plain = tmp_path / "module_iso_8859_1.py", [tmp_path / f"plain{i}.py" for i in range(40)]
     latin1.write_bytes("s = 'café'\n".encode("latin-1"))
-    plain.write_text("x = 1\n")
-    monkeypatch.setattr(speedrun.corpus, "list_documents", lambda root, python_only: [latin1, plain])
+    for i, file in enumerate(plain):  # enough documents that some fall in the validation split
+        file.write_text(f"x = {i}\n")
+    monkeypatch.setattr(speedrun.corpus, "list_documents", lambda root, python_only: [latin1, *plain])
     manifest = json.loads((speedrun.stdlib_shards(tmp_path / "shards") / "manifest.json").read_text())
-    assert sum(split["documents"] for split in manifest["splits"].values()) == 2
-    assert sum(split["bytes"] for split in manifest["splits"].values()) == latin1.stat().st_size + plain.stat().st_size
+    assert sum(split["documents"] for split in manifest["splits"].values()) == 41
+    assert sum(split["bytes"] for split in manifest["splits"].values()) == sum(f.stat().st_size for f in [latin1, *plain])
 
 
 def test_a_preempted_speedrun_resumes_to_its_target_and_says_which_steps_it_timed(tmp_path, shard_dir):

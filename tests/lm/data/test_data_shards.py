@@ -117,6 +117,12 @@ def test_tokenize_refuses_to_overwrite_and_keeps_what_exists(tmp_path):
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
     with pytest.raises(ValueError, match="--workers=-1 must be >= 0"):  # was multiprocessing's, naming no flag
         tokenize.tokenize("bytes", files, tmp_path / "third", val_fraction=0.1, shard_tokens=10_000, workers=-1)
+    # one plain text file is one document, which the hash put in train (was: no val shard, and training then
+    # refused data.val_files, matching no file)
+    (tmp_path / "one.txt").write_text("def f(x):\n    return x\n" * 50)
+    with pytest.raises(ValueError, match=r"none of the input's 1 documents fell in the validation split .*--val_fraction=0 for"):
+        tokenize.tokenize("bytes", [tmp_path / "one.txt"], tmp_path / "fourth", val_fraction=0.1, shard_tokens=10_000, workers=1)
+    assert not (tmp_path / "fourth" / "manifest.json").exists()
 
 
 def test_tokenize_cli_with_a_subword_tokenizer_and_usage_errors(tmp_path):
@@ -128,7 +134,7 @@ def test_tokenize_cli_with_a_subword_tokenizer_and_usage_errors(tmp_path):
     def run(*args):
         return subprocess.run([sys.executable, "-m", "experiments.tokenize", *args], cwd=REPO, capture_output=True, text=True, check=False)
 
-    done = run(f"--tokenizer={ranks}", f"--input={tmp_path / 'in'}/*.jsonl", f"--out={tmp_path / 'out'}", "--workers=2")
+    done = run(f"--tokenizer={ranks}", f"--input={tmp_path / 'in'}/*.jsonl", f"--out={tmp_path / 'out'}", "--workers=2", "--val_fraction=0.2")
     assert done.returncode == 0, done.stderr[-2000:]
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["vocab_size"] == 261 and manifest["separator_id"] == 260 and len(manifest["tokenizer_sha256"]) == 64

@@ -84,7 +84,7 @@ def load(path: str = "", *, val_fraction: float = 0.02, cache_dir: str | os.Path
 
     Raises:
       FileNotFoundError: ``path`` does not exist.
-      ValueError: no text documents were found.
+      ValueError: no text documents were found, or (a folder) none fell in a split.
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"data.val_fraction={val_fraction} must lie strictly between 0 and 1")
@@ -109,6 +109,12 @@ def load(path: str = "", *, val_fraction: float = 0.02, cache_dir: str | os.Path
             for f in files:
                 split = "validation" if is_validation(f.relative_to(root).as_posix(), val_fraction) else "train"
                 chunks[split] += [tokenizer.encode(f.read_bytes()), eos]
+            if empty := [split for split in SPLITS if not chunks[split]]:
+                raise ValueError(
+                    f"none of the {len(files)} files under data.path {str(root)!r} fell in the {empty[0]} split "
+                    f"(data.val_fraction={val_fraction} of the files go to validation, by a hash of each path); "
+                    f"{'raise' if empty[0] == 'validation' else 'lower'} data.val_fraction or add files"
+                )
         for split in SPLITS:
             _write_stream(paths[split], chunks[split])
         (cache / "info.json").write_text(

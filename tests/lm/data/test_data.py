@@ -56,6 +56,18 @@ def test_single_file_corpus_holds_out_its_tail(tmp_path):
     assert tokenizer.decode(streams["validation"][:-1]) == "abcdefghij" * 10
 
 
+def test_a_folder_whose_files_all_fall_in_one_split_names_the_fix(tmp_path):
+    """Was: training stopped at 'validation split: 0 tokens ... use more data or a smaller data.seq_len'."""
+    root = tmp_path / "text"
+    _write_tree(root, 3)
+    paths = [f.relative_to(root).as_posix() for f in corpus.list_documents(root, python_only=False)]
+    assert not any(corpus.is_validation(p, 0.02) for p in paths) and all(corpus.is_validation(p, 0.999) for p in paths)
+    with pytest.raises(ValueError, match=r"none of the 3 files under data.path .* fell in the validation split .*; raise data.val_fraction"):
+        corpus.load(str(root), val_fraction=0.02, cache_dir=tmp_path / "cache")
+    with pytest.raises(ValueError, match=r"fell in the train split .*; lower data.val_fraction or add files"):
+        corpus.load(str(root), val_fraction=0.999, cache_dir=tmp_path / "cache")
+
+
 def test_missing_path_names_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         corpus.load(str(tmp_path / "nope"), cache_dir=tmp_path)

@@ -125,7 +125,7 @@ def define_flags() -> flags.FlagHolder:
     flags.DEFINE_bool("train", True, "Also train each row and report its final validation loss.")
     cli.define_cpu_devices_flag(8)
     flags.declare_key_flag("cpu_devices")
-    flags.DEFINE_string("workdir", "", "Where the training runs go (default: a fresh temporary folder).")
+    cli.define_output_folder_flag("workdir", "", "Where the training runs go (default: a fresh temporary folder).")
     cli.define_output_file_flag("json_out", "Write the results here as JSON.")
     cli.define_verbose_flag()
     return cli.define_config_flag(str(Path(__file__).parent / "configs" / "bench_comm.py"))

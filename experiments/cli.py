@@ -60,7 +60,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     except (flags.Error, KeyError, TypeError, ValueError) as e:
         usage_exit(_one_line(str(e)))
     if len(rest) > 1:
-        usage_exit(f"unexpected arguments {rest[1:]}; options are --workdir, --config and --config.<key>=<value>")
+        usage_exit(f"unexpected arguments {rest[1:]}; every option is a --flag=value (--helpfull lists them)")
     return rest
 
 
@@ -155,6 +155,27 @@ def define_output_file_flag(name: str, help_text: str, flag_values: flags.FlagVa
         return True
 
     flags.register_validator(name, writable, flag_values=flag_values)
+    return holder
+
+
+def define_output_folder_flag(
+    name: str, default: str | None, help_text: str, *, required: bool = False, flag_values: flags.FlagValues = flags.FLAGS
+) -> flags.FlagHolder:
+    """A string flag naming a folder the script writes into (made if missing; a ``gs://`` path is not checked). A
+    path that is a file, or lies under one, is refused as the flags are parsed: it used to end in a traceback from
+    ``makedirs`` after the script had started."""
+    holder = flags.DEFINE_string(name, default, help_text, required=required, flag_values=flag_values)
+
+    def a_folder(path: str | None) -> bool:
+        if not path or "://" in path:
+            return True
+        local = Path(path).expanduser()
+        existing = next((p for p in (local, *local.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            raise flags.ValidationError(f"{existing} is a file, not a folder; give a folder (it is made if missing)")
+        return True
+
+    flags.register_validator(name, a_folder, flag_values=flag_values)
     return holder
 
 

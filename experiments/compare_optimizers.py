@@ -562,7 +562,7 @@ def define_flags(argv: list[str] | None = None) -> flags.FlagHolder:
     """Flags; ``--quick`` in ``argv`` (default: ``sys.argv``) makes `compare_quick.py` the default config
     (``--config.*`` still apply)."""
     argv = sys.argv if argv is None else argv
-    flags.DEFINE_string("workdir", None, "Output folder; re-running on it skips finished runs. Default: a fresh folder under ./runs/.")
+    cli.define_output_folder_flag("workdir", None, "Output folder; re-running on it skips finished runs. Default: a fresh folder under ./runs/.")
     flags.DEFINE_string("seeds", None, "Seeds, e.g. 0,1,2 (the first runs the grid); default: the config's compare.seeds.")
     flags.DEFINE_float("target_val_loss", None, "Adds the fewest-steps table: steps each optimizer needs to reach this validation loss.")
     flags.DEFINE_bool("quick", False, f"The reduced comparison of {QUICK_CONFIG} (12 runs of 80 steps: about 7 minutes on 2 CPU cores).")

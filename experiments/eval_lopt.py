@@ -161,7 +161,7 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
     """The command line's flags (defined only when run as a script, so importing this module defines none)."""
-    flags.DEFINE_string("workdir", None, "output folder")
+    cli.define_output_folder_flag("workdir", None, "output folder")
     flags.DEFINE_string("tasks", "lm-w16-d1,lm-w64-d1,lm-w16-d3", "held-out tasks (experiments.lopt_tasks.family)")
     flags.DEFINE_string("weights", "mulo", "shipped weights name (mulo, lopt) or a .npz path")
     flags.DEFINE_integer("steps", 200, "training steps per run")
@@ -218,4 +218,4 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     define_flags()
     flags.mark_flag_as_required("workdir")
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -112,7 +112,7 @@ def main(argv: list[str]) -> None:
 
 def define_flags() -> None:
     flags.DEFINE_string("workdir", None, "A training run's workdir (its config.json and checkpoints).", required=True)
-    flags.DEFINE_string("out", None, "Folder to write the transformers checkpoint into.", required=True)
+    cli.define_output_folder_flag("out", None, "Folder to write the transformers checkpoint into.", required=True)
     flags.DEFINE_integer("step", None, "Checkpoint step to export; default: the newest.")
     flags.DEFINE_enum("dtype", "float32", list(hf.EXPORT_DTYPES), "Weight dtype of the export (float32 is exact).")
     flags.DEFINE_float("max_shard_mb", 5 * 1024, "Largest safetensors file in MiB; more tensors go into numbered files with an index.")
@@ -121,4 +121,4 @@ def define_flags() -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

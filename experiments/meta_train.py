@@ -256,7 +256,7 @@ FLAGS = flags.FLAGS
 
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     """The command line's flags (defined only when run as a script, so importing this module defines none)."""
-    flags.DEFINE_string("workdir", None, "output folder (resumes from its checkpoint.npz)", flag_values=flag_values)
+    cli.define_output_folder_flag("workdir", None, "output folder (resumes from its checkpoint.npz)", flag_values=flag_values)
     flags.DEFINE_enum("estimator", "pes", ESTIMATORS, "gradient estimator", flag_values=flag_values)
     flags.DEFINE_string("tasks", "mlp_regression,mlp_classification,lm-w16-d1,lm-w32-d1", "task family (experiments.lopt_tasks.family)", flag_values=flag_values)
     flags.DEFINE_integer("iterations", 1000, "meta-iterations (truncations)", flag_values=flag_values)
@@ -405,4 +405,4 @@ def train(f: flags.FlagValues) -> None:
 if __name__ == "__main__":
     define_flags()
     flags.mark_flag_as_required("workdir")
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -127,8 +127,8 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
 
 
 def define_flags() -> flags.FlagHolder:
-    flags.DEFINE_string("workdir", None, "Output folder (fresh: a finished speedrun is not rerun).", required=True)
-    flags.DEFINE_string("shards", "", "Folder for the stdlib shards of a run without data.train_files; default: under ~/.cache/spmdlab.")
+    cli.define_output_folder_flag("workdir", None, "Output folder (fresh: a finished speedrun is not rerun).", required=True)
+    cli.define_output_folder_flag("shards", "", "Folder for the stdlib shards of a run without data.train_files; default: under ~/.cache/spmdlab.")
     flags.DEFINE_integer("max_files", 0, "Stdlib shards from only the first N Python files (0: all).")
     cli.define_verbose_flag()
     cli.define_cpu_devices_flag()

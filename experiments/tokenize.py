@@ -21,7 +21,7 @@ def define_flags() -> None:
     """The command-line flags (defined under ``__main__`` only: scripts share absl's flag registry)."""
     flags.DEFINE_string("tokenizer", "bytes", "'bytes' or a local tokenizer.json / SentencePiece .model / .tiktoken file.")
     flags.DEFINE_string("input", "", "Text / JSONL / Parquet files (a glob, comma-separated globs or a folder); empty: the stdlib corpus.")
-    flags.DEFINE_string("out", None, "Output folder for train_*.bin, val_*.bin and manifest.json (must hold no manifest).")
+    cli.define_output_folder_flag("out", None, "Output folder for train_*.bin, val_*.bin and manifest.json (must hold no manifest).")
     flags.DEFINE_float("val_fraction", 0.01, "Share of documents (by a hash of their text) written to val_*.bin.")
     flags.DEFINE_integer("shard_tokens", 100_000_000, "Tokens per shard (modded-nanogpt's FineWeb shards hold 10^8).")
     flags.DEFINE_integer("workers", 0, "Tokenizing processes; 0: one per CPU core.")

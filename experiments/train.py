@@ -67,7 +67,7 @@ def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:
 
 def define_flags() -> flags.FlagHolder:
     """The command-line flags; config overrides of unknown keys exit with code 2."""
-    flags.DEFINE_string("workdir", None, "Output folder; default: a fresh folder under ./runs/.")
+    cli.define_output_folder_flag("workdir", None, "Output folder; default: a fresh folder under ./runs/.")
     cli.define_verbose_flag()
     cli.define_cluster_flags()
     cli.define_cpu_devices_flag()

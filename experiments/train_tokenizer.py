@@ -24,7 +24,7 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
     """The command-line flags (defined under ``__main__`` only: scripts share absl's flag registry)."""
     flags.DEFINE_integer("vocab_size", 8192, "Vocabulary size, the separator included.")
-    flags.DEFINE_string("out", None, "Output folder; receives tokenizer.json.")
+    cli.define_output_folder_flag("out", None, "Output folder; receives tokenizer.json.")
     flags.DEFINE_string("input", "", "Text / JSONL / Parquet files (glob, comma-separated globs or a folder); empty: the stdlib corpus.")
     flags.DEFINE_integer("max_bytes", 40_000_000, "Train on the first documents (in path order) until this many UTF-8 bytes are read.")
     flags.DEFINE_enum(

@@ -13,6 +13,7 @@ from absl import flags
 
 from experiments import cli, run_spec, trainer
 from lm.data import documents, tokenize
+from tests.experiments import command_lines
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
@@ -44,6 +45,30 @@ def test_an_output_file_flag_makes_its_folder_and_refuses_a_folder_or_unwritable
         cli.define_output_file_flag("json_out", "Write the rows here.", flag_values=values)
         with pytest.raises(flags.IllegalFlagValueError, match=message):
             values(["bench", f"--json_out={path}"])
+
+
+def test_an_output_folder_flag_refuses_a_file_or_a_path_under_one(tmp_path):
+    """Every script's output folder (--workdir, --out, --shards) is checked as the flags are parsed: a file there
+    ended in a traceback from ``makedirs`` (train, compare_optimizers), or an error naming errno 17."""
+    (tmp_path / "a_file").write_text("")
+    writers = {
+        "experiments.train": ["--workdir"], "experiments.compare_optimizers": ["--workdir"], "experiments.bench_comm": ["--workdir"],
+        "experiments.eval_lopt": ["--workdir"], "experiments.meta_train": ["--workdir"], "experiments.speedrun": ["--workdir", "--shards"],
+        "experiments.export_hf": ["--out"], "experiments.tokenize": ["--out"], "experiments.train_tokenizer": ["--out"],
+    }  # fmt: skip
+    required = {"experiments.export_hf": ["--workdir=run"], "experiments.speedrun": ["--workdir=run"]}
+    calls = [
+        (module, [*required.get(module, []), f"{flag}={path}"])
+        for module, names in writers.items()
+        for flag in names
+        for path in (tmp_path / "a_file", tmp_path / "a_file" / "below", tmp_path / "new" / "folder")
+    ]
+    refused = {(module, args[-1]): why for module, args, why in command_lines.refusals(calls)}
+    for module, args in calls:
+        if "a_file" in args[-1]:
+            assert "a_file is a file, not a folder; give a folder" in refused.get((module, args[-1]), ""), (module, args)
+        else:
+            assert (module, args[-1]) not in refused, refused[(module, args[-1])]
 
 
 @pytest.mark.parametrize(

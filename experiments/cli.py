@@ -9,6 +9,7 @@ import logging as std_logging
 import os
 import sys
 import time
+import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -59,9 +60,28 @@ def parse_flags(argv: list[str]) -> list[str]:
         rest = flags.FLAGS(argv)
     except (flags.Error, KeyError, TypeError, ValueError) as e:
         usage_exit(_one_line(str(e)))
+    except Exception as e:  # noqa: BLE001 (a --config file raised as it loaded: not Python, or a bug in it)
+        usage_exit(_config_load_error(e))
     if len(rest) > 1:
         usage_exit(f"unexpected arguments {rest[1:]}; every option is a --flag=value (--helpfull lists them)")
+    if "config" in flags.FLAGS and flags.FLAGS["config"].present:
+        try:  # ml_collections defers a config file's IOError (a folder, a missing file) to the config's first use
+            flags.FLAGS.config.keys()
+        except OSError as e:
+            usage_exit(_config_load_error(e))
     return rest
+
+
+def _config_load_error(e: Exception) -> str:
+    """One line for a ``--config`` file that failed to load: the cause, and where in the file when it raised."""
+    cause = e.__cause__ or e
+    frames = traceback.extract_tb(cause.__traceback__)
+    in_file = frames and not isinstance(cause, (OSError, SyntaxError)) and not frames[-1].filename.startswith("<")
+    where = f", at {frames[-1].filename} line {frames[-1].lineno}" if in_file else ""  # a SyntaxError names its line
+    return (
+        f"the --config file failed to load ({type(cause).__name__}: {' '.join(str(cause).split())}{where}); give a Python "
+        "file with get_config() (experiments/configs/) or a run's config.json"
+    )
 
 
 def _one_line(message: str) -> str:

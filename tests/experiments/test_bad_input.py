@@ -4,12 +4,14 @@ README's bad-input table that issue 42 added, each checked here."""
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from absl import flags
+from ml_collections import config_flags
 
 from experiments import cli, run_spec, trainer
 from lm.data import documents, tokenize
@@ -151,6 +153,28 @@ def _one_line_exit_2(result, message):
 def test_cli_zero_batch_and_missing_json_config_exit_2_in_one_line(tmp_path):
     _one_line_exit_2(_main("experiments.train", f"--workdir={tmp_path}", "--config.batch_size=0", cwd=tmp_path), "config.batch_size=0 must be >= 1")
     _one_line_exit_2(_main("experiments.train", "--config=nowhere/config.json", cwd=tmp_path), "--config=nowhere/config.json: no such file")
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ("", r"IsADirectoryError: \[Errno 21\] Is a directory: '.*'\)"),  # were tracebacks: the folder's at first use,
+        ("missing.py", r"No such file or directory: '.*missing.py'\)"),  # the missing file's too
+        ("notes.txt", r"SyntaxError: invalid syntax \(notes.txt, line 1\)\)"),  # not Python
+        ("bad.py", r"NameError: name 'hello' is not defined, at .*bad.py line 1\)"),  # a bug in it
+    ],
+)
+def test_a_config_file_that_fails_to_load_is_one_line_and_exit_2(config, message, tmp_path, monkeypatch, capsys):
+    (tmp_path / "notes.txt").write_text("hello world\n")
+    (tmp_path / "bad.py").write_text("hello\n")
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "config", flag_values=values, lock_config=True)
+    monkeypatch.setattr(flags, "FLAGS", values)  # `cli.parse_flags` parses the process's flags
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse_flags(["train", f"--config={tmp_path / config}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and re.search("error: the --config file failed to load .*" + message, err), err
+    assert err.rstrip().endswith("give a Python file with get_config() (experiments/configs/) or a run's config.json")
 
 
 LATIN1 = "café = 'naïve'\n".encode("latin-1") * 50

@@ -233,7 +233,8 @@ def read_questions(path: str | Path) -> list[Question]:
     """The questions of a JSONL task file (`_question`'s layouts); a malformed line is an error naming the file and line."""
     path = Path(path)
     if not path.is_file():
-        raise cli.UsageError(f"task file {path} does not exist; give JSONL lines of {{context, choices, label}}, HellaSwag or ARC")
+        state = "is a folder" if path.is_dir() else "does not exist"
+        raise cli.UsageError(f"task file {path} {state}; give a file of JSONL lines of {{context, choices, label}}, HellaSwag or ARC")
     questions = []
     for number, line in enumerate(_read_utf8(path, f"task file {path}").splitlines(), 1):
         if not line.strip():
@@ -345,8 +346,10 @@ def evaluate(
     if text:
         path = Path(text)
         if not path.is_file():
-            raise cli.UsageError(f"--text={text} does not exist")
+            raise cli.UsageError(f"--text={text} {'is a folder' if path.is_dir() else 'does not exist'}; give a UTF-8 text file")
         content = _read_utf8(path, f"--text={text}")
+        if not content:  # was scored as 0 bits per byte
+            raise cli.UsageError(f"--text={text} is empty; give a file with text to score")
         results["text_bits_per_byte"] = text_bits_per_byte(scorer, content, seq_len=seq_len, batch_size=batch_size)
     if val_files:
         results |= shards_bits_per_byte(scorer, val_files, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens)

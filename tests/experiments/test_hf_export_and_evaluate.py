@@ -145,6 +145,11 @@ def test_text_bits_per_byte_of_the_run_and_its_export_agree(run, exported, tmp_p
     text.write_bytes(b"caf\xe9")  # Latin-1 (was: a UnicodeDecodeError traceback)
     with pytest.raises(cli.UsageError, match=r"--text=.* is not UTF-8 \(byte 3: b'\\xe9'\)"):
         evaluate.evaluate(hf_dir=str(exported), text=str(text), seq_len=24)
+    text.write_text("")  # was: 0 bits per byte
+    with pytest.raises(cli.UsageError, match=r"--text=.* is empty; give a file with text to score"):
+        evaluate.evaluate(hf_dir=str(exported), text=str(text), seq_len=24)
+    with pytest.raises(cli.UsageError, match=r"--text=.* is a folder; give a UTF-8 text file"):  # was: "does not exist"
+        evaluate.evaluate(hf_dir=str(exported), text=str(text.parent), seq_len=24)
 
 
 @pytest.mark.parametrize(
@@ -161,6 +166,8 @@ def test_a_malformed_task_line_is_named(tmp_path, line, message):
     path.write_bytes(b'{"context": "caf\xe9"}\n')  # Latin-1 (was: a UnicodeDecodeError traceback)
     with pytest.raises(cli.UsageError, match=r"task file .* is not UTF-8 \(byte 16"):
         evaluate.read_questions(path)
+    with pytest.raises(cli.UsageError, match=r"task file .* is a folder; give a file of JSONL lines"):
+        evaluate.read_questions(tmp_path)
 
 
 @pytest.mark.parametrize(

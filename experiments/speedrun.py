@@ -30,7 +30,7 @@ from lm.data.tokenize import MANIFEST, tokenize
 
 REPORT_KEYS = (
     "reached_target", "target_val_loss", "final_val_loss", "steps_to_target", "tokens_to_target", "seconds_to_target",
-    "compile_step_seconds", "tokens_per_second", "mfu", "num_params", "devices", "resumed_from_step",
+    "compile_step_seconds", "tokens_per_second", "mfu", "num_params", "devices", "resumed_from_step", "timed_from_step",
 )  # fmt: skip
 STDLIB_REQUEST = "stdlib_request.json"  # what `stdlib_shards` wrote a folder for
 
@@ -74,8 +74,9 @@ def run(
     """Trains ``config`` in ``workdir`` until its ``target_val_loss`` (or its ``steps``); returns the report.
 
     Without ``data.train_files`` the run reads `stdlib_shards` in ``shard_dir`` (default: under the corpus cache).
-    A workdir holding an interrupted speedrun resumes it (the report then times only the resumed steps: its
-    ``resumed_from_step``); one holding a finished speedrun is left as it is and its report returned.
+    A workdir holding an interrupted speedrun resumes it (the report's seconds add those of the earlier processes,
+    which the trainer records per checkpoint; ``timed_from_step`` > 0 where that record is missing and only the
+    resumed steps are timed); one holding a finished speedrun is left as it is and its report returned.
     ``interrupt_at`` simulates a preemption after that step: the trainer's ``{"interrupted": True, ...}`` is returned.
     """
     if config.get("target_val_loss") is None:
@@ -102,8 +103,10 @@ def describe(report: dict) -> str:
         f"{report['tokens_to_target']:,} tokens, {report['seconds_to_target']:.1f} s of training without compilation "
         f"on {report['devices']} device(s)"
     )
-    resumed = report.get("resumed_from_step")
-    return f"{line} (resumed at step {resumed}: the seconds are those of steps {resumed + 1} on)" if resumed else line
+    resumed, timed_from = report.get("resumed_from_step"), report.get("timed_from_step", report.get("resumed_from_step"))
+    if timed_from:
+        return f"{line} (resumed at step {timed_from}: the seconds are those of steps {timed_from + 1} on)"
+    return f"{line} (resumed at step {resumed}; the seconds include the earlier processes' steps)" if resumed else line
 
 
 def main(config_flag: flags.FlagHolder, argv: list[str]) -> None:

@@ -36,6 +36,7 @@ from sharding import partition
 
 # Per-step metrics of an MoE model (lm/moe.py) written with the loss.
 MOE_METRICS = ("moe_balance_loss", "router_z_loss", "expert_load_max", "dropped_fraction")
+TIMING = "timing.jsonl"  # a run with a target loss: per checkpoint, the training seconds so far, which a resumed run adds
 
 
 class NonFiniteError(RuntimeError):
@@ -358,6 +359,7 @@ def _loop(
     writer = metrics_io.MetricsWriter(workdir, resume_step=start, enabled=lead, config=settings.config, wandb=settings.wandb)
     progress = Progress(settings.steps, start, lead)
     step_times: list[float] = []
+    seconds_before = _seconds_before(workdir, start) if settings.target_val_loss is not None else None  # a speedrun's
     last = {}
     val_loss = reached = None
     # Steps dispatched whose metrics have not been read: (step, metrics, dispatch time). Reading a
@@ -414,6 +416,8 @@ def _loop(
                     )
             if saving or reached is not None:
                 checkpointing.save(checkpoints.manager, done, state, train_iter.get_state(), checkpoints.meta, force=True)
+                if lead and seconds_before is not None:
+                    _record_seconds(workdir, done, seconds_before + _training_seconds(step_times))
             if reached is not None:
                 break
             if stopping:
@@ -421,7 +425,7 @@ def _loop(
                 print(f"stopped by signal {stop.signum} after step {done}; checkpoint saved, rerun with --workdir={workdir} to resume", file=sys.stderr)
                 return {"interrupted": True, "steps": done, "signal": stop.signum}
         progress.close()
-        summary = _summarize(settings, spec, workdir, step_times, last, val_loss, start, reached)
+        summary = _summarize(settings, spec, workdir, step_times, last, val_loss, start, reached, seconds_before)
         writer.write_summary(summary)
         return summary
     finally:
@@ -430,7 +434,9 @@ def _loop(
         writer.close()
 
 
-def _summarize(settings: LoopSettings, spec: RunSpec, workdir: epath.Path, step_times, last, val_loss, start, reached) -> dict:
+def _summarize(
+    settings: LoopSettings, spec: RunSpec, workdir: epath.Path, step_times, last, val_loss, start, reached, seconds_before
+) -> dict:
     timed = step_times[1:] or step_times  # the first step of a process includes compilation
     tokens_per_second = settings.tokens_per_step / float(np.median(timed)) if timed else 0.0
     fpt = flops_per_token(spec.cfg, settings.seq_len)
@@ -461,7 +467,7 @@ def _summarize(settings: LoopSettings, spec: RunSpec, workdir: epath.Path, step_
         "mesh": dict(spec.mesh.shape),
     }
     if settings.target_val_loss is not None:
-        summary |= _to_target(settings, step_times, reached, start)
+        summary |= _to_target(settings, step_times, reached, start, seconds_before)
     if jax.process_index() == 0:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
         model, optimizer = (settings.config or {}).get("model", {}), (settings.config or {}).get("optimizer", {})
@@ -470,20 +476,42 @@ def _summarize(settings: LoopSettings, spec: RunSpec, workdir: epath.Path, step_
     return summary
 
 
-def _to_target(settings: LoopSettings, step_times: list[float], reached: int | None, start: int) -> dict:
-    """Steps, tokens and training seconds to ``settings.target_val_loss``, as modded-nanogpt times a record:
-    the steps' time on the device without evaluations, and without compilation (the first step's time,
-    which includes it, is replaced by the median of the others). A run resumed at step ``start`` > 0 times
-    only its own steps, ``start + 1`` on (its ``resumed_from_step``)."""
+def _training_seconds(step_times: list[float]) -> float:
+    """One process's training seconds as modded-nanogpt times a record: the steps' time on the device without
+    evaluations, and without compilation (the first step's time, which includes it, is the others' median)."""
     timed = step_times[1:]
-    seconds = sum(timed) + (float(np.median(timed)) if timed else 0.0)
+    return sum(timed) + (float(np.median(timed)) if timed else 0.0)
+
+
+def _seconds_before(workdir: epath.Path, start: int) -> float | None:
+    """The training seconds of steps 1..``start`` (0 for a fresh run), from the earlier processes' `TIMING`
+    record of checkpoint ``start``; None when there is none (a checkpoint written before the record existed)."""
+    if start == 0:
+        return 0.0
+    path = workdir / TIMING
+    lines = path.read_text().splitlines() if path.exists() else []
+    return next((r["seconds"] for r in map(json.loads, reversed(lines)) if r["step"] == start), None)
+
+
+def _record_seconds(workdir: epath.Path, step: int, seconds: float) -> None:
+    """Adds checkpoint ``step``'s training seconds so far to `TIMING` (rewritten whole: a bucket has no append)."""
+    path = workdir / TIMING
+    earlier = path.read_text() if path.exists() else ""
+    path.write_text(earlier + json.dumps({"step": step, "seconds": seconds}) + "\n")
+
+
+def _to_target(settings: LoopSettings, step_times: list[float], reached: int | None, start: int, seconds_before: float | None) -> dict:
+    """Steps, tokens and training seconds (`_training_seconds`) to ``settings.target_val_loss``. A run resumed at
+    step ``start`` adds the earlier processes' seconds (``seconds_before``; ``timed_from_step`` 0); where they are
+    unknown it times only its own steps, ``start + 1`` on (``timed_from_step`` = ``start``)."""
     steps = reached if reached is not None else start + len(step_times)
     return {
         "target_val_loss": settings.target_val_loss,
         "reached_target": reached is not None,
         "steps_to_target": steps,
         "tokens_to_target": steps * settings.tokens_per_step,
-        "seconds_to_target": seconds,
+        "seconds_to_target": (seconds_before or 0.0) + _training_seconds(step_times),
+        "timed_from_step": start if seconds_before is None else 0,
         "compile_step_seconds": step_times[0] if step_times else None,
     }
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from experiments import cli, speedrun
+from experiments import cli, speedrun, trainer
 from experiments.configs import speedrun as speedrun_config
 from experiments.metrics_io import read_metrics
 
@@ -59,9 +59,20 @@ def test_stdlib_shards_read_the_stdlibs_files_that_are_not_utf8(tmp_path, monkey
     assert sum(split["bytes"] for split in manifest["splits"].values()) == sum(f.stat().st_size for f in [latin1, *plain])
 
 
-def test_a_preempted_speedrun_resumes_to_its_target_and_says_which_steps_it_timed(tmp_path, shard_dir):
+def test_a_preempted_speedrun_resumes_to_its_target_and_times_every_step(tmp_path, shard_dir):
+    """The report's seconds add the preempted process's (were: only the resumed steps', with steps_to_target
+    counting all of them), from the trainer's per-checkpoint record; without the record it says which it timed."""
     run = functools.partial(speedrun.run, _tiny_config(), tmp_path / "run", shard_dir=shard_dir, max_files=12, val_fraction=0.3)
     assert run(interrupt_at=2)["interrupted"]
+    (first,) = [json.loads(line) for line in (tmp_path / "run" / trainer.TIMING).read_text().splitlines()]
+    assert first["step"] == 2 and first["seconds"] > 0
     report = run()
     assert report["reached_target"] and report["steps_to_target"] == 4 and report["resumed_from_step"] == 2
-    assert "(resumed at step 2: the seconds are those of steps 3 on)" in speedrun.describe(report)
+    assert report["timed_from_step"] == 0 and report["seconds_to_target"] > first["seconds"]
+    assert "(resumed at step 2; the seconds include the earlier processes' steps)" in speedrun.describe(report)
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / trainer.TIMING).read_text().splitlines()] == [2, 4]
+    settings = trainer.LoopSettings(steps=4, batch_size=1, seq_len=1, eval_every=1, log_every=1, max_bad_steps=1, target_val_loss=5.6)
+    unknown = trainer._to_target(settings, [9.0, 1.0, 3.0], 4, 2, None)  # a checkpoint with no record: own steps only
+    assert unknown["timed_from_step"] == 2 and unknown["seconds_to_target"] == 1.0 + 3.0 + 2.0
+    assert trainer._to_target(settings, [9.0, 1.0, 3.0], 4, 2, 10.0)["seconds_to_target"] == 10.0 + 6.0
+    assert "the seconds are those of steps 3 on" in speedrun.describe(report | {"timed_from_step": 2})

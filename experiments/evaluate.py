@@ -142,13 +142,13 @@ def shards_bits_per_byte(scorer: Scorer, pattern: str, *, seq_len: int, batch_si
     ``manifest.json`` (the tokens per byte of the splits that list them: `lm.data.input_pipeline.tokens_per_byte`)."""
     try:
         files = documents.expand(pattern, what="--val_files")
-        manifest = input_pipeline.read_manifest(files)
-        if manifest is not None and manifest.get("tokenizer_sha256") not in (None, scorer.tokenizer.fingerprint):
-            raise ValueError(
-                f"--val_files={pattern} were tokenized with {manifest.get('tokenizer')}, not with this model's tokenizer "
-                f"({scorer.tokenizer.name}): their ids would mean other text to it; tokenize the text with the model's "
-                f"(python -m experiments.tokenize --tokenizer={scorer.tokenizer.name} --input=... --out=...)"
-            )
+        for folder, manifest in input_pipeline.folder_manifests(files).items():  # every folder's (was: the first's)
+            if manifest is not None and manifest.get("tokenizer_sha256") not in (None, scorer.tokenizer.fingerprint):
+                raise ValueError(
+                    f"--val_files={pattern}: the shards in {folder} were tokenized with {manifest.get('tokenizer')}, not with "
+                    f"this model's tokenizer ({scorer.tokenizer.name}): their ids would mean other text to it; tokenize the "
+                    f"text with the model's (python -m experiments.tokenize --tokenizer={scorer.tokenizer.name} --input=... --out=...)"
+                )
         streams = [shards.read(f) for f in files]
         for f, tokens in zip(files, streams, strict=True):
             shards.check_vocab(tokens, f"shard {f}", scorer.model_def.config.vocab_size, trained=True)

@@ -82,8 +82,8 @@ def tokens_per_byte(files: list[Path]) -> float | None:
     the splits that list them (``val_*.bin`` the validation split's, ``train_*.bin`` the training split's) summed.
     None when a folder has no manifest or a file is in none of its splits (a shard copied in by hand)."""
     tokens = text_bytes = 0
-    for folder in dict.fromkeys(Path(f).parent for f in files):
-        manifest = read_manifest([folder / MANIFEST]) or {}
+    for folder, manifest in folder_manifests(files).items():
+        manifest = manifest or {}
         listed = {name: split for split, summary in manifest.get("splits", {}).items() for name in summary.get("files", ())}
         names = [Path(f).name for f in files if Path(f).parent == folder]
         if any(name not in listed for name in names):
@@ -191,12 +191,20 @@ def document_separator(data_config: DataConfig) -> int | None:
     return separator
 
 
+def folder_manifests(files: list[Path]) -> dict[Path, dict | None]:
+    """The ``manifest.json`` (None: none) of each folder that holds some of ``files``, in their order."""
+    return {folder: read_manifest([folder / MANIFEST]) for folder in dict.fromkeys(Path(f).parent for f in files)}
+
+
 def _open(pattern: str, what: str, vocab_size: int) -> tuple[list[np.ndarray], dict | None]:
+    """The shards of ``pattern`` and their (first folder's) manifest; the folders' manifests must name one tokenizer."""
     files = documents.expand(pattern, what=what)
     streams = [shards.read(f) for f in files]
     for f, tokens in zip(files, streams):
         shards.check_vocab(tokens, f"shard {f}", vocab_size)
-    return streams, read_manifest(files)
+    manifests = folder_manifests(files)
+    _check_one_tokenizer([(f"{what} in {folder}", m) for folder, m in manifests.items()])
+    return streams, next(iter(manifests.values()))
 
 
 def _check_one_tokenizer(named_manifests: list[tuple[str, dict | None]]) -> None:

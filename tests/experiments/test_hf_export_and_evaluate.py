@@ -307,6 +307,13 @@ def test_bits_per_byte_of_held_out_shards(exported, tmp_path):
         evaluate.evaluate(hf_dir=str(exported), val_files=str(tmp_path / "val_*.bin"), seq_len=24, batch_size=4)
     (tmp_path / "manifest.json").write_text(json.dumps(manifest | {"tokenizer": "bytes", "tokenizer_sha256": scorer.tokenizer.fingerprint}))
     assert evaluate.evaluate(hf_dir=str(exported), val_files=str(tmp_path / "val_*.bin"), seq_len=24, batch_size=4) == results
+    # ... in any folder of the pattern (was: only the first folder's manifest was read)
+    other = tmp_path / "other"
+    other.mkdir()
+    shards.write(other / "val_0.bin", streams[0])
+    (other / "manifest.json").write_text(json.dumps({"tokenizer": "bpe.json", "tokenizer_sha256": "0" * 64}))
+    with pytest.raises(cli.UsageError, match=r"the shards in .*other were tokenized with bpe.json, not with this model's"):
+        evaluate.evaluate(hf_dir=str(exported), val_files=f"{tmp_path / 'val_*.bin'},{other / 'val_*.bin'}", seq_len=24, batch_size=4)
 
 
 def _broken_copy(exported, tmp_path, damage):

@@ -180,6 +180,13 @@ def test_training_and_validation_shards_of_different_tokenizers_are_refused(tmp_
         input_pipeline.build(data, 128, seed=0, batch_size=2, eval_batches=1)
     (tmp_path / "val" / "manifest.json").write_text(json.dumps({"vocab_size": 128, "tokenizer": "bpe.json", "tokenizer_sha256": "a" * 64}))
     input_pipeline.build(data, 128, seed=0, batch_size=2, eval_batches=1)
+    # two folders in one glob list (was: only the first folder's manifest was read)
+    (tmp_path / "more").mkdir()
+    shards.write(tmp_path / "more" / "train_1.bin", np.arange(100, dtype=np.uint16))
+    (tmp_path / "more" / "manifest.json").write_text(json.dumps({"vocab_size": 128, "tokenizer": "bytes", "tokenizer_sha256": "b" * 64}))
+    both = dataclasses.replace(data, train_files=f"{tmp_path / 'train/*.bin'},{tmp_path / 'more/*.bin'}")
+    with pytest.raises(ValueError, match=r"different tokenizers \(data.train_files in \S*more with bytes; data.train_files in \S*train with bpe.json\)"):
+        input_pipeline.build(both, 128, seed=0, batch_size=2, eval_batches=1)
 
 
 def test_the_model_vocabulary_comes_from_the_shards_manifest_once_they_exist(tmp_path):

@@ -121,7 +121,7 @@ def manifest_vocab_size(data_config: DataConfig) -> int | None:
     manifests = []
     for pattern, _ in train_patterns(data_config):
         try:
-            manifests.append(read_manifest(documents.expand(pattern, what=what)))
+            manifests += folder_manifests(documents.expand(pattern, what=what)).values()
         except documents.DocumentError:
             continue
     sizes = [int(m["vocab_size"]) for m in manifests if m is not None]

@@ -187,6 +187,9 @@ def test_training_and_validation_shards_of_different_tokenizers_are_refused(tmp_
     both = dataclasses.replace(data, train_files=f"{tmp_path / 'train/*.bin'},{tmp_path / 'more/*.bin'}")
     with pytest.raises(ValueError, match=r"different tokenizers \(data.train_files in \S*more with bytes; data.train_files in \S*train with bpe.json\)"):
         input_pipeline.build(both, 128, seed=0, batch_size=2, eval_batches=1)
+    for folder, vocab_size in (("more", 128), ("train", 300)):
+        (tmp_path / folder / "manifest.json").write_text(json.dumps({"vocab_size": vocab_size, "tokenizer": "bpe.json", "tokenizer_sha256": "a" * 64}))
+    assert input_pipeline.manifest_vocab_size(both) == 384  # the largest of every folder's (was: the first's, more's 128)
 
 
 def test_the_model_vocabulary_comes_from_the_shards_manifest_once_they_exist(tmp_path):

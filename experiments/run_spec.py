@@ -84,9 +84,7 @@ def _hf_model_config(config: ml_collections.ConfigDict, overrides: dict) -> mode
         if k in hf.CONFIG_FIELDS and v != defaults[k] and v != getattr(from_hf, k)
     ]
     preset = config.model.preset
-    chosen = {} if preset == model_config_lib.DEFAULT_PRESET else model_config_lib.PRESETS.get(preset)  # the default: no choice
-    if chosen is None:
-        raise ValueError(f"unknown model preset {preset!r}; set --config.model.preset to one of {', '.join(model_config_lib.PRESETS)}")
+    chosen = {} if preset == model_config_lib.DEFAULT_PRESET else model_config_lib.preset_fields(preset)  # the default: no choice
     conflicts += [
         f"model.preset={preset} ({k}={v!r}; config.json: {getattr(from_hf, k)!r})"
         for k, v in chosen.items()

@@ -344,12 +344,18 @@ PRESETS: dict[str, dict[str, Any]] = {
 DEFAULT_PRESET = "tiny"  # the README main job's model: --config.model.preset when unset
 
 
-def from_preset(name: str, **overrides: Any) -> ModelConfig:
-    """The preset ``name`` with fields replaced by ``overrides`` (unknown fields are an error)."""
+def preset_fields(name: str) -> dict[str, Any]:
+    """The fields preset ``name`` sets (an unknown name is an error naming the presets)."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; set --config.model.preset to one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def from_preset(name: str, **overrides: Any) -> ModelConfig:
+    """The preset ``name`` with fields replaced by ``overrides`` (unknown fields are an error)."""
+    preset = preset_fields(name)
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ValueError(f"unknown model fields {unknown}; known: {sorted(fields)}")
-    return ModelConfig(**{**PRESETS[name], **overrides})
+    return ModelConfig(**{**preset, **overrides})

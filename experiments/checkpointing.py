@@ -4,10 +4,13 @@ Each checkpoint holds three items: ``state`` (params, optimizer state, counters;
 *current* run's shardings, so a run can move to another mesh), ``data`` (the iterator position) and
 ``meta`` (model config, optimizer name and data settings, checked before anything is restored).
 
-A step that cannot be read (a truncated or corrupt file, a missing piece) is reported as a
+A step whose files are damaged (truncated, corrupt, a missing piece) is reported as a
 `CheckpointUnreadable` naming the step and the way out: delete that step's folder, or resume from
-an earlier step (``restore(..., step=N)``, the trainer's ``--restore_step``). Nothing falls back to
-an earlier step or to a fresh start by itself; only a workdir whose saves were all cut short
+an earlier step (``restore(..., step=N)``, the trainer's ``--restore_step``). A read that fails for
+a reason outside the files (storage unreachable or refusing access, memory exhausted) is a
+`CheckpointUnreadable` that says the files are not known to be damaged and names the cause to fix,
+never deletion; any other error is raised as it is (a bug, not a checkpoint's fault). Nothing falls
+back to an earlier step or to a fresh start by itself; only a workdir whose saves were all cut short
 (orbax's uncommitted temporary folders) starts afresh, with a warning.
 """
 
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -86,10 +91,54 @@ def _describe_differences(differences: list[tuple[str, Any, Any]], shown: int = 
     return text + (f"; and {len(ordered) - shown} more" if len(ordered) > shown else "")
 
 
-def _root_cause(error: BaseException) -> str:
+def _root_error(error: BaseException) -> BaseException:
     while error.__cause__ is not None:  # orbax wraps tensorstore's error, which names the file and the damage
         error = error.__cause__
+    return error
+
+
+def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {' '.join(str(error).split())[:240]}"
+
+
+# tensorstore reports a failed read as ``ValueError("<absl status code>: ...")``; these codes say the files hold
+# something other than what was written (a truncated chunk: OUT_OF_RANGE; a corrupt or missing one: DATA_LOSS,
+# FAILED_PRECONDITION, NOT_FOUND; malformed metadata: INVALID_ARGUMENT).
+_DAMAGE_CODES = frozenset({"DATA_LOSS", "OUT_OF_RANGE", "FAILED_PRECONDITION", "NOT_FOUND", "INVALID_ARGUMENT"})
+# ... and these that the files could not be reached, or the restore could not hold them: the fix is elsewhere.
+_OUTSIDE_CODES = {
+    "PERMISSION_DENIED": "check that this process may read {where}",
+    "UNAUTHENTICATED": "check this process's credentials for {where}",
+    "UNAVAILABLE": "the storage did not answer: rerun once {where} is reachable",
+    "DEADLINE_EXCEEDED": "the storage did not answer in time: rerun once {where} is reachable",
+    "ABORTED": "the read was interrupted: rerun",
+    "CANCELLED": "the read was cancelled: rerun",
+    "RESOURCE_EXHAUSTED": "memory ran out while restoring: rerun with more memory, or more devices to shard the state",
+}
+
+
+def _status_code(error: BaseException) -> str | None:
+    match = re.match(r"([A-Z_]+): ", str(error))
+    return match.group(1) if match else None
+
+
+def _is_damage(error: BaseException) -> bool:
+    if isinstance(error, (FileNotFoundError, json.JSONDecodeError)):  # a missing or malformed metadata file
+        return True
+    if isinstance(error, KeyError):  # orbax: 'Item "data" was not found in the checkpoint'
+        return "not found in the checkpoint" in str(error)
+    return isinstance(error, ValueError) and _status_code(error) in _DAMAGE_CODES
+
+
+def _outside_fix(error: BaseException) -> str | None:
+    """How to fix a read that failed for a reason outside the step's files (None: not such a failure)."""
+    if isinstance(error, PermissionError):
+        return _OUTSIDE_CODES["PERMISSION_DENIED"]
+    if isinstance(error, (ConnectionError, TimeoutError)):
+        return _OUTSIDE_CODES["UNAVAILABLE"]
+    if isinstance(error, MemoryError):
+        return _OUTSIDE_CODES["RESOURCE_EXHAUSTED"]
+    return _OUTSIDE_CODES.get(_status_code(error) or "")
 
 
 class _DrainingLoop(asyncio.SelectorEventLoop):
@@ -123,19 +172,27 @@ def _failed_reads_finish_before_their_loop_closes():
 
 
 def _read(mgr: ocp.CheckpointManager, step: int, read: Callable[[], T]) -> T:
-    """``read()`` of checkpoint ``step``; damage raises `CheckpointUnreadable` naming the step and the fix."""
+    """``read()`` of checkpoint ``step``; a failure of the step's files or of their storage raises
+    `CheckpointUnreadable` naming the step and the fix (deleting the step only where its files are damaged)."""
     try:
         with _failed_reads_finish_before_their_loop_closes():
             return read()
     except Exception as e:  # noqa: BLE001 (orbax and tensorstore raise many types for damaged files)
-        cause = _root_cause(e)
-    earlier = [s for s in mgr.all_steps() if s < step]
-    where = mgr.directory / str(step)
-    if earlier:
-        fix = f"delete {where} to resume from step {earlier[-1]}, or resume from it with --restore_step={earlier[-1]}"
-    else:
-        fix = f"delete {where} to start from step 0 (there is no earlier checkpoint)"
-    raise CheckpointUnreadable(f"checkpoint step {step} cannot be read ({cause}); {fix}")
+        error = _root_error(e)
+        where = mgr.directory / str(step)
+        if _is_damage(error):
+            earlier = [s for s in mgr.all_steps() if s < step]
+            if earlier:
+                fix = f"delete {where} to resume from step {earlier[-1]}, or resume from it with --restore_step={earlier[-1]}"
+            else:
+                fix = f"delete {where} to start from step 0 (there is no earlier checkpoint)"
+            raise CheckpointUnreadable(f"checkpoint step {step} cannot be read ({_describe(error)}); {fix}") from e
+        if (outside := _outside_fix(error)) is not None:
+            raise CheckpointUnreadable(
+                f"checkpoint step {step} cannot be read now ({_describe(error)}); its files are not known to be "
+                f"damaged, so keep them: {outside.format(where=where)}"
+            ) from e
+        raise
 
 
 def _names(path: tuple) -> tuple[str, ...]:

@@ -66,3 +66,49 @@ def test_an_older_checkpoints_meta_is_read_in_todays_form(tmp_path):
     with pytest.raises(checkpointing.CheckpointMismatch, match="model.context_parallel: checkpoint 'ring' vs now None"):
         checkpointing.check_meta(mgr, 1, now)  # read as written, the old meta differs
     mgr.close()
+
+
+def _failing(error: BaseException):
+    def restore(*args, **kwargs):
+        try:
+            raise error
+        except BaseException as cause:  # as orbax does: its own error around tensorstore's or the device's
+            raise RuntimeError("orbax could not restore the item") from cause
+
+    return restore
+
+
+@pytest.mark.parametrize(
+    "error, fix",
+    [
+        (ValueError('UNAVAILABLE: Error reading "w/0" in OCDBT database at "gs://bucket/run/": connection reset'), "reachable"),
+        (ValueError("PERMISSION_DENIED: HTTP response code: 403"), "may read"),
+        (PermissionError(13, "Permission denied"), "may read"),
+        (RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.00GiB"), "more memory"),
+    ],
+)
+def test_a_read_failing_outside_the_files_names_its_cause_and_never_advises_deleting(tmp_path, monkeypatch, error, fix):
+    """Storage that does not answer or refuses access, or memory that runs out, says nothing about the step's
+    files: the message keeps them (a deleted step cannot come back) and names what to fix."""
+    mgr = _saved(tmp_path, [1, 2])
+    monkeypatch.setattr(mgr, "restore", _failing(error))
+    with pytest.raises(checkpointing.CheckpointUnreadable, match=r"step 2 cannot be read now .*not known to be damaged") as info:
+        checkpointing.restore(mgr, {}, {"run": "a"})
+    assert fix in str(info.value) and "delete" not in str(info.value) and type(error).__name__ in str(info.value)
+    assert mgr.all_steps() == [1, 2]
+    mgr.close()
+
+
+def test_a_damaged_step_advises_deleting_it_and_any_other_error_is_raised_as_it_is(tmp_path, monkeypatch):
+    """Damage (tensorstore's DATA_LOSS here; truncated and missing files in tests/experiments/test_train.py) names
+    the step to delete; an error of the code that reads (a sharding that does not fit, a bug) is no verdict on the
+    files, and reaches the user as it was raised."""
+    mgr = _saved(tmp_path, [1, 2])
+    monkeypatch.setattr(mgr, "restore", _failing(ValueError('DATA_LOSS: Error reading "w/0": checksum mismatch')))
+    with pytest.raises(checkpointing.CheckpointUnreadable, match=r"step 2 cannot be read \(ValueError: DATA_LOSS.*delete .*2 .*--restore_step=1"):
+        checkpointing.restore(mgr, {}, {"run": "a"})
+    monkeypatch.setattr(mgr, "restore", _failing(ValueError("One of pjit outputs with pytree key path w was given the sharding")))
+    with pytest.raises(RuntimeError, match="orbax could not restore") as info:
+        checkpointing.restore(mgr, {}, {"run": "a"})
+    assert not isinstance(info.value, checkpointing.CheckpointError)
+    mgr.close()

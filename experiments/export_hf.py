@@ -74,12 +74,18 @@ def export(
     check_out(out)
     model_def, params, saved_step = load_params(workdir, step)
     try:
-        hf.architecture(model_def.config)
+        architecture = hf.architecture(model_def.config)
         files = hf.save(out, model_def.config, params, max_shard_bytes=max_shard_bytes, dtype=dtype)
     except hf.CheckpointError as e:
         raise cli.UsageError(str(e)) from e
     except OSError as e:
         raise cli.UsageError(f"cannot write the export into {out} ({e}); give --out a writable folder with room") from e
+    if model_def.config.n_experts and model_def.config.capacity_factor > 0:
+        logging.warning(
+            "model.capacity_factor=%g drops the tokens past an expert's capacity in the run's forward pass; %s routes "
+            "every token (dropless), as the run's own sampler does, so the export's logits equal the run's wherever no "
+            "token overflowed (compare evaluate --workdir and --hf on the same text)", model_def.config.capacity_factor, architecture,
+        )
     manifest = run_manifest(workdir)
     if manifest is not None:
         config_path = out / hf.CONFIG

@@ -63,6 +63,27 @@ def test_the_export_is_the_runs_model(run, exported):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_capacity_limited_moe_export_says_transformers_routes_every_token(tmp_path, monkeypatch, caplog):
+    """transformers' Mixtral has no expert capacity: the export is the dropless model the run samples with, and
+    says so, since its logits differ from the run's forward pass wherever a token overflowed."""
+    import dataclasses
+
+    from lm.config import ModelConfig
+
+    cfg = ModelConfig(
+        vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=16, mlp_dim=32, max_seq_len=32,
+        n_experts=4, experts_per_token=2, expert_mlp_dim=32, normalize_router_weights=True,
+    )  # fmt: skip
+    monkeypatch.setattr(export_hf, "run_manifest", lambda workdir: None)
+    for factor, warned in ((1.25, True), (0.0, False)):
+        model_def = model_lib.define(dataclasses.replace(cfg, capacity_factor=factor))
+        monkeypatch.setattr(export_hf, "load_params", lambda *_, m=model_def: (m, model_lib.init_params(m, 0), 4))
+        caplog.clear()
+        export_hf.export(tmp_path / "run", tmp_path / f"export{factor}")
+        assert ("routes every token (dropless)" in caplog.text) == warned, caplog.text
+        assert "MixtralForCausalLM" in caplog.text or not warned
+
+
 def test_a_run_starts_from_the_export(run, exported, tmp_path):
     config = _config(**{"init_from_hf": str(exported), "optimizer.learning_rate": 0.0, "steps": 2, "checkpoint_every": 2})
     trainer.run(config, tmp_path)

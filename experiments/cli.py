@@ -106,7 +106,11 @@ def define_config_flag(default: str) -> flags.FlagHolder:
             "config", default, "Config file (ml_collections; FILE.py:ARG passes ARG to its get_config, a run's config.json "
             "repeats that run); --config.<key>=<value> overrides a key, --list_config lists them all.", lock_config=True,
         )  # fmt: skip
-    except (AttributeError, KeyError) as e:  # config_flags applies --config.* overrides right here
+    except (AttributeError, KeyError, TypeError, ValueError) as e:  # config_flags applies --config.* overrides right here
+        if (message := setting_as_block_message(default, sys.argv[1:])) is not None:
+            usage_exit(message)  # ml_collections raises any of the four for it, depending on the setting's value
+        if isinstance(e, (TypeError, ValueError)):
+            raise
         usage_exit(unknown_key_message(str(e.args[0] if e.args else e), default, sys.argv[1:], flag_names=list(flags.FLAGS)))
 
 
@@ -122,7 +126,9 @@ def unknown_key_message(error: str, default: str, argv: list[str], flag_names: S
     config file ``default``, and the script's flag of that name (``--config.workdir`` for ``--workdir``)."""
     key, _, hint = error.replace("\\'", "'").replace("\\n", "\n").strip("'\"").partition("\n")
     key = key.strip("'")
-    path = next((name for name in _override_names(argv) if name.rsplit(".", 1)[-1] == key), key)
+    path = next((name for name in _override_names(argv) if name.rsplit(".", 1)[-1] == key), None) or next(
+        (name.rpartition(f".{key}.")[0] + f".{key}" for name in _override_names(argv) if f".{key}." in f".{name}"), key
+    ).lstrip(".")  # an unknown block ("model.x" of --config.model.x.y) is named down to itself
     elsewhere = [name for name in _config_keys(default) if name.rsplit(".", 1)[-1] == key and name != path]
     hints = [hint.strip()] if hint.strip() else []
     if path in flag_names and path != "config":
@@ -132,6 +138,18 @@ def unknown_key_message(error: str, default: str, argv: list[str], flag_names: S
         hints.append(f"or {moves}?" if hints else f"did you mean {moves}?")
     hint = f" ({' '.join(hints)})" if hints else ""
     return f"unknown config key {path!r}{hint}; the keys are listed in {default}"
+
+
+def setting_as_block_message(default: str, argv: list[str]) -> str | None:
+    """The line for a ``--config.<setting>.<key>`` override, which treats a setting of the config file ``default``
+    (a value, such as ``replicas``) as a block of keys; None when no override does."""
+    settings = set(_config_keys(default))
+    for name in _override_names(argv):
+        parts = name.split(".")
+        setting = next((".".join(parts[:k]) for k in range(1, len(parts)) if ".".join(parts[:k]) in settings), None)
+        if setting is not None:
+            return f"--config.{name}: {setting!r} is a setting, not a block of keys; give --config.{setting}=VALUE"
+    return None
 
 
 def _override_names(argv: list[str]) -> list[str]:

@@ -241,6 +241,12 @@ def test_a_count_flag_below_one_is_named(capsys):
         ("--config.lr=1", f"unknown config key 'lr'; the keys are listed in {cli.DEFAULT_CONFIG}"),
         # absl's own flag, defined in every script: as --config.workdir for train.py's --workdir
         ("--config.verbosity=1", "unknown config key 'verbosity' (--verbosity is a flag of this script, not a config key)"),
+        ("--config.model.x.y=1", "unknown config key 'model.x';"),
+        ("--config.x.y=1", "unknown config key 'x';"),
+        # a key below a setting: ml_collections raised TypeError (a str), ValueError (None) or AttributeError (an int)
+        ("--config.replicas.axis=data", "--config.replicas.axis: 'replicas' is a setting, not a block of keys; give --config.replicas=VALUE"),
+        ("--config.model.n_layers.x=1", "'model.n_layers' is a setting, not a block of keys; give --config.model.n_layers=VALUE"),
+        ("--config.steps.x=1", "'steps' is a setting, not a block of keys"),
     ],
 )
 def test_an_unknown_config_key_is_named_whole_with_the_blocks_that_have_it(monkeypatch, capsys, override, message):

@@ -97,6 +97,12 @@ def problems(cfg: Any) -> list[str]:
     return out
 
 
+DELAYED_UNDER_PIPELINE = (
+    "delayed FP8 scaling under a pipeline (a `stage` mesh axis) would sum the micro-batches' new scaling state; "
+    "set model.fp8_scaling=current"
+)
+
+
 class Fp8Scaling(nnx.Variable):
     """A scale or amax history of delayed scaling: set by the train step from its gradient, never by the optimizer."""
 
@@ -188,10 +194,7 @@ class Fp8DotGeneral(nnx.Module):
         state = {name: getattr(self, name)[...] for name in SCALING_NAMES if hasattr(self, name)}
         mesh = jax.sharding.get_abstract_mesh()
         if state and not mesh.empty and dict(mesh.shape).get(axes.STAGE, 1) > 1:
-            raise ValueError(
-                "delayed FP8 scaling under a pipeline (a `stage` mesh axis) would sum the micro-batches' new scaling "
-                "state; set model.fp8_scaling=current"
-            )
+            raise ValueError(DELAYED_UNDER_PIPELINE)
         y = scaled_matmul(x.reshape(-1, x.shape[-1]), kernel, state, self.grad_dtype)
         return jax.lax.reshape(y, (*x.shape[:-1], kernel.shape[-1]), out_sharding=out_sharding)
 

@@ -6,7 +6,8 @@ line naming the fix:
 
 - ``context`` (`lm.parallel.context_attention`): the sequence and head counts split over the shards;
 - ``stage`` (`lm.parallel.pipeline`): layers, microbatches and repeats split over the stages, and the
-  vocabulary under ``model.pipeline_vocab_parallel`` (`lm.parallel.vocab_parallel`);
+  vocabulary under ``model.pipeline_vocab_parallel`` (`lm.parallel.vocab_parallel`); FP8 scaled currently,
+  not by delayed scaling's history;
 - a replica-local train step (``replicas``, a mesh axis whose slices keep their own optimizer state)
   does not run beside a ``stage`` axis;
 - ``expert`` needs nothing beyond the rules' own checks (`sharding.rules.logical_to_mesh_spec`);

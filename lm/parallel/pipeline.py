@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lm import fp8
 from lm.config import ModelConfig
 from lm.parallel import skip_schedule
 from sharding import axes, partition
@@ -74,6 +75,8 @@ def check(cfg: ModelConfig, *, stages: int, batch: int, batch_shards: int = 1) -
         raise ValueError(f"a mesh with stage:{stages} pipelines the scanned block stack; set model.scan_layers=True")
     if (aux := uncarried_aux(cfg)) is not None:
         raise ValueError(f"{aux} is not carried through the pipeline yet; turn it off or use a mesh without a stage axis")
+    if cfg.fp8 != "none" and cfg.fp8_scaling == "delayed":
+        raise ValueError(fp8.DELAYED_UNDER_PIPELINE)
     if r < 1 or (schedule != "circular" and r != 1):
         raise ValueError(f"model.pipeline_repeats={r}: {schedule} takes repeats=1, circular any repeats >= 1")
     groups, n_layers = stages * r, cfg.n_layers

@@ -46,6 +46,10 @@ from lm.layers import project
 from lm.parallel import context_attention, pipeline
 from sharding.partition import constrain
 
+MESH_PROBLEM = (
+    "model.parscale > 1 runs on meshes without a `stage` or `context` axis (a pipeline's strided microbatches lose the "
+    "rows' streams; a split sequence cannot take the prefix first); drop those axes from --config.mesh"
+)
 STREAMS = "streams"  # logical axis of per-stream parameters: the prefixes, the aggregation's output
 _ACTIVATION = ("batch", "seq", "embed")
 _KV = ("batch", "seq", "kv_heads", "head_dim")
@@ -54,10 +58,7 @@ _KV = ("batch", "seq", "kv_heads", "head_dim")
 def expand(x: jax.Array, streams: int) -> jax.Array:
     """``(B, S, D) -> (B P, S, D)``: each example repeated for its ``P`` streams, example-major."""
     if pipeline.stage_count() > 1 or context_attention.sequence_split():
-        raise ValueError(
-            "model.parscale > 1 runs on meshes without a `stage` or `context` axis (a pipeline's strided microbatches "
-            "lose the rows' streams; a split sequence cannot take the prefix first); drop those axes from --config.mesh"
-        )
+        raise ValueError(MESH_PROBLEM)
     return constrain(jnp.repeat(x, streams, axis=0), _ACTIVATION)
 
 

@@ -11,7 +11,8 @@ line naming the fix:
 - a replica-local train step (``replicas``, a mesh axis whose slices keep their own optimizer state)
   does not run beside a ``stage`` axis;
 - ``expert`` needs nothing beyond the rules' own checks (`sharding.rules.logical_to_mesh_spec`);
-- a sliding window (``model.attention_window``) needs whole sequences: no ``context`` or ``seq`` split.
+- a sliding window (``model.attention_window``) needs whole sequences: no ``context`` or ``seq`` split;
+- ParScale's streams (``model.parscale``) run on neither a ``stage`` nor a ``context`` split.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import math
 import jax
 
 from lm.config import ModelConfig
+from lm import parscale
 from lm.parallel import context_attention, pipeline, vocab_parallel
 from sharding import axes
 from sharding.rules import Rules
@@ -45,9 +47,12 @@ def check(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules, *, batch: int
             f"over {', '.join(seq_axes)} of mesh {dict(mesh.shape)}; keep the sequence whole (no context axis; tp rules, not sp) "
             "or set model.attention_window=0"
         )
+    context_split = axes.CONTEXT in seq_rule and mesh.shape.get(axes.CONTEXT, 1) > 1
     if axes.CONTEXT in seq_rule:
         context_attention.check(cfg, seq_len, mesh.shape.get(axes.CONTEXT, 1), shards(mesh, rules, "heads"))
     stages = mesh.shape.get(axes.STAGE, 1)
+    if cfg.parscale > 1 and (stages > 1 or context_split):
+        raise ValueError(parscale.MESH_PROBLEM)
     pipeline.check(cfg, stages=stages, batch=batch, batch_shards=shards(mesh, rules, "batch"))
     vocab_parallel.check(cfg, stages)
     if replicas and stages > 1:

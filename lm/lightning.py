@@ -34,6 +34,8 @@ from sharding import partition
 
 _Q = ("batch", "seq", "heads", "head_dim")
 
+CONTEXT_PROBLEM = "model.attention_type=lightning does not run with the sequence split over a context axis; drop the context axis"
+
 
 def is_softmax_layer(cfg: ModelConfig, layer: int) -> bool:
     """Whether ``layer`` of a lightning model keeps softmax attention (every ``softmax_attention_every``-th)."""
@@ -102,7 +104,7 @@ class LightningAttention(nnx.Module):
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, order=None):
         """``(y, None)`` for ``x`` ``(batch, seq, d_model)`` (None: no softmax logits to track)."""
         if order is not None or context_attention.sequence_split():
-            raise ValueError("model.attention_type=lightning does not run with the sequence split over a context axis; drop the context axis")
+            raise ValueError(CONTEXT_PROBLEM)
         q, k, v = self._qkv(x)
         out, _ = self._attend(q, k, v, segment_ids, None)
         return self._output(x, out), None

@@ -12,7 +12,8 @@ line naming the fix:
   does not run beside a ``stage`` axis;
 - ``expert`` needs nothing beyond the rules' own checks (`sharding.rules.logical_to_mesh_spec`);
 - a sliding window (``model.attention_window``) needs whole sequences: no ``context`` or ``seq`` split;
-- ParScale's streams (``model.parscale``) run on neither a ``stage`` nor a ``context`` split.
+- ParScale's streams (``model.parscale``) run on neither a ``stage`` nor a ``context`` split, lightning
+  attention not on a ``context`` split.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import math
 import jax
 
 from lm.config import ModelConfig
-from lm import parscale
+from lm import lightning, parscale
 from lm.parallel import context_attention, pipeline, vocab_parallel
 from sharding import axes
 from sharding.rules import Rules
@@ -53,6 +54,8 @@ def check(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules, *, batch: int
     stages = mesh.shape.get(axes.STAGE, 1)
     if cfg.parscale > 1 and (stages > 1 or context_split):
         raise ValueError(parscale.MESH_PROBLEM)
+    if cfg.attention_type == "lightning" and context_split:
+        raise ValueError(lightning.CONTEXT_PROBLEM)
     pipeline.check(cfg, stages=stages, batch=batch, batch_shards=shards(mesh, rules, "batch"))
     vocab_parallel.check(cfg, stages)
     if replicas and stages > 1:

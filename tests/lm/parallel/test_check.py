@@ -30,6 +30,7 @@ def _mesh(**axes: int) -> jax.sharding.AbstractMesh:
         (dict(stage=2, data=4), dict(fp8="e4m3"), 8, 64, "", "delayed FP8 scaling under a pipeline .* set model.fp8_scaling=current"),
         (dict(stage=2, data=4), dict(parscale=2), 8, 64, "", "parscale > 1 runs on meshes without a `stage` or `context` axis"),
         (dict(context=2, data=4), dict(parscale=2, context_parallel="ring"), 8, 64, "", "parscale > 1 runs on meshes without"),
+        (dict(context=2, data=4), dict(attention_type="lightning", scan_layers=False), 8, 64, "", "lightning does not run with the sequence split"),
     ],
 )  # fmt: skip
 def test_each_mode_refuses_a_layout_it_cannot_run_in_one_line(mesh, fields, batch, seq_len, replicas, message):

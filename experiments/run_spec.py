@@ -27,6 +27,7 @@ from lm.parallel import check as parallel
 from lm.parallel import vocab_parallel
 from optim import build, registry, schedules
 from optim import spec as spec_lib
+from sharding import axes
 from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib
@@ -256,6 +257,7 @@ def build_run(config: ml_collections.ConfigDict) -> RunSpec:
                 f"the micro-batch of {config.batch_size // config.grad_accum_steps} sequences cannot be split over "
                 f"{n_batch_shards} batch shards of mesh {dict(mesh.shape)}; use a batch_size divisible by {n_batch_shards * config.grad_accum_steps}"
             )
+        _check_validation_batches(config, cfg, mesh)
         replica_axis = config.get("replicas") or None
         parallel.check(cfg, mesh, rules, batch=config.batch_size // config.grad_accum_steps, seq_len=config.data.seq_len, replicas=replica_axis or "")
         _check_attention_platform(config, mesh)
@@ -301,6 +303,19 @@ def _lookup(config: ml_collections.ConfigDict, key: str) -> Any:
             return None
         config = config[part]
     return config
+
+
+def _check_validation_batches(config: ml_collections.ConfigDict, cfg: model_config_lib.ModelConfig, mesh: jax.sharding.Mesh) -> None:
+    """A validation set of partial batches (``data.val_tokens`` not a multiple of a batch's targets) is scored with
+    per-target weights over the whole vocabulary, which a vocabulary split over the stages does not hold."""
+    per_batch = config.batch_size * config.data.seq_len
+    if cfg.pipeline_vocab_parallel and mesh.shape.get(axes.STAGE, 1) > 1 and config.data.val_tokens % per_batch:
+        whole = sorted({n for n in (per_batch * (config.data.val_tokens // per_batch), per_batch * -(-config.data.val_tokens // per_batch)) if n})
+        raise ValueError(
+            f"data.val_tokens={config.data.val_tokens} is not whole batches of {config.batch_size} x {config.data.seq_len} targets, "
+            f"and a partial batch is scored over the whole vocabulary, which model.pipeline_vocab_parallel splits over the "
+            f"stages; set data.val_tokens to a multiple of {per_batch} (e.g. {' or '.join(map(str, whole))})"
+        )
 
 
 def check_values(config: ml_collections.ConfigDict) -> None:

@@ -101,6 +101,11 @@ def test_an_output_folder_flag_refuses_a_file_or_a_path_under_one(tmp_path):
         pytest.param({"mesh": "data:2,seq:4", "rules": "sp", "devices": 8, "model.attention_window": 16, "model.window_block": 8},
                      "model.attention_window=16 attends within whole sequences, and the rules split the sequence over seq",
                      marks=pytest.mark.devices(8)),
+        # found at the first evaluation, after training had started (a traceback from the traced step)
+        pytest.param({"mesh": "stage:2,data:4", "devices": 8, "model.n_layers": 2, "model.pipeline_microbatches": 2,
+                      "model.pipeline_vocab_parallel": True, "model.tie_embeddings": False, "data.val_tokens": 1000},
+                     "data.val_tokens=1000 is not whole batches of 8 x 32 targets, .* a multiple of 256 \\(e.g. 768 or 1024\\)",
+                     marks=pytest.mark.devices(8)),
         ({"optimizer.name": "muon_clip", "model.attention_window": 16}, "muon_clip clips by the attention's max logits, .* model.attention_window=0"),
         ({"rule_overrides": "mlp=tensor"}, "rule_overrides mlp=tensor: mesh axis 'tensor' is not in mesh \\{'data': 1\\}"),
         ({"rule_overrides": "mlp=tensor?"}, None),  # an optional axis may be absent

@@ -72,14 +72,14 @@ GMM_TILING_FLAGS = ("block_m", "block_k", "block_n")
 def parse_dims(text: str) -> tuple[int, ...]:
     parts = text.strip().split("x")
     if not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise app.UsageError(f"shape {text!r} is not positive sizes joined by x, e.g. 12x768x3072")
+        raise cli.UsageError(f"shape {text!r} is not positive sizes joined by x, e.g. 12x768x3072")
     return tuple(int(p) for p in parts)
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int]:
     parts = text.strip().split("x")
     if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise app.UsageError(f"shape {text!r} is not BATCHxSEQxHEADSxHEAD_DIM, e.g. 16x1024x12x64")
+        raise cli.UsageError(f"shape {text!r} is not BATCHxSEQxHEADSxHEAD_DIM, e.g. 16x1024x12x64")
     return tuple(int(p) for p in parts)  # type: ignore[return-value]
 
 
@@ -110,7 +110,7 @@ def implementation(name: str, *, block_sizes: BlockSizes | None, interpret: bool
         if (reason := extras.tokamax_missing()) is not None:
             raise NotImplementedError(reason)
         return lambda q, k, v: attention_api.attention(q, k, v, implementation="tokamax")[0]
-    raise app.UsageError(f"unknown implementation {name!r}; use {', '.join(IMPLEMENTATIONS)}")
+    raise cli.UsageError(f"unknown implementation {name!r}; use {', '.join(IMPLEMENTATIONS)}")
 
 
 def tokamax_kernels(step, *args) -> str:
@@ -227,7 +227,7 @@ def bench_gmm(
     }
     unknown = sorted(set(implementations or ()) - set(impls))
     if unknown:
-        raise app.UsageError(f"unknown gmm implementation(s) {unknown}; use {', '.join(GMM_IMPLEMENTATIONS)}")
+        raise cli.UsageError(f"unknown gmm implementation(s) {unknown}; use {', '.join(GMM_IMPLEMENTATIONS)}")
     impls = {name: impls[name] for name in implementations or installed(GMM_IMPLEMENTATIONS)}
     rows = []
     for groups, m, k, n in shapes:
@@ -288,16 +288,22 @@ def environment() -> dict:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    f = flags.FLAGS
+    del argv  # cli.parse_flags refuses positional arguments
+    try:
+        run(flags.FLAGS)
+    except cli.UsageError as e:
+        cli.usage_exit(str(e))
+
+
+def run(f: flags.FlagValues) -> None:
+    """The sections ``f`` asks for: tables printed, rows written to ``--json_out``."""
     cli.require_counts("iters")
     unknown = sorted(set(f.sections) - set(SECTIONS))
     if unknown:
-        raise app.UsageError(f"unknown section(s) {unknown}; use {', '.join(SECTIONS)}")
+        raise cli.UsageError(f"unknown section(s) {unknown}; use {', '.join(SECTIONS)}")
     for mode in f.modes:
         if mode not in ("fwd", "fwd_bwd"):
-            raise app.UsageError(f"unknown mode {mode!r}; use fwd and/or fwd_bwd")
+            raise cli.UsageError(f"unknown mode {mode!r}; use fwd and/or fwd_bwd")
     env = environment()
     out = {**env}
     heading = f"{env['device_kind']} ({env['backend']}), jax {env['jax']}, {env['date']}"
@@ -350,4 +356,4 @@ def define_flags() -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

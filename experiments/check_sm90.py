@@ -240,16 +240,15 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    del argv  # cli.parse_flags refuses positional arguments
     f = flags.FLAGS
     unknown = sorted(set(f.sections) - {"attention", "gmm", "quantized_update"})
     if unknown:
-        raise app.UsageError(f"unknown section(s) {unknown}; use attention, gmm, quantized_update")
+        cli.usage_exit(f"unknown section(s) {unknown}; use attention, gmm, quantized_update")
     try:
         import triton  # noqa: F401
     except ImportError:
-        raise app.UsageError("the sm_90a check needs the pip triton package: pip install 'spmdlab[gpu-check]'") from None
+        cli.usage_exit("the sm_90a check needs the pip triton package: pip install 'spmdlab[gpu-check]'")
     rows = check(f.sections)
     print(f"sm_90a (H100), jax {jax.__version__}: Triton kernels of the default configurations")
     print(format_table(rows))
@@ -269,4 +268,4 @@ def define_flags() -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -52,9 +52,9 @@ def require_counts(*names: str, flag_values: flags.FlagValues = flags.FLAGS) -> 
         usage_exit(str(e))
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing with one-line errors and exit code 2 for bad flags; ``--config=X.json`` reads a
-    run's written config (`JSON_CONFIG`)."""
+def parse_flags(argv: list[str], *, arguments: int = 0) -> list[str]:
+    """absl flag parsing with one-line errors and exit code 2 for bad flags or more than ``arguments`` positional
+    arguments (`parse_flags_and_one_argument`); ``--config=X.json`` reads a run's written config (`JSON_CONFIG`)."""
     argv = [_json_config(arg) for arg in argv]
     try:
         rest = flags.FLAGS(argv)
@@ -62,14 +62,19 @@ def parse_flags(argv: list[str]) -> list[str]:
         usage_exit(_one_line(str(e)))
     except Exception as e:  # noqa: BLE001 (a --config file raised as it loaded: not Python, or a bug in it)
         usage_exit(_config_load_error(e))
-    if len(rest) > 1:
-        usage_exit(f"unexpected arguments {rest[1:]}; every option is a --flag=value (--helpfull lists them)")
+    if len(rest) > 1 + arguments:
+        usage_exit(f"unexpected arguments {rest[1 + arguments:]}; every option is a --flag=value (--helpfull lists them)")
     if "config" in flags.FLAGS and flags.FLAGS["config"].present:
         try:  # ml_collections defers a config file's IOError (a folder, a missing file) to the config's first use
             flags.FLAGS.config.keys()
         except OSError as e:
             usage_exit(_config_load_error(e))
     return rest
+
+
+def parse_flags_and_one_argument(argv: list[str]) -> list[str]:
+    """`parse_flags` for a script that takes one positional argument (a folder to read)."""
+    return parse_flags(argv, arguments=1)
 
 
 def _config_load_error(e: Exception) -> str:

@@ -359,8 +359,7 @@ def evaluate(
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        cli.usage_exit(f"unexpected arguments {argv[1:]}")
+    del argv  # cli.parse_flags refuses positional arguments
     f = flags.FLAGS
     cli.quiet_logging(f.verbose)
     cli.split_cpu_devices()
@@ -400,4 +399,4 @@ def define_flags() -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -10,6 +10,7 @@ import sys
 
 from absl import app, flags
 
+from experiments import cli
 from experiments.profiling import format_summary, load_events, summarize
 
 
@@ -29,6 +30,6 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags_and_one_argument)
 
 

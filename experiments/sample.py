@@ -69,8 +69,7 @@ def sample(
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        cli.usage_exit(f"unexpected arguments {argv[1:]}")
+    del argv  # cli.parse_flags refuses positional arguments
     f = flags.FLAGS
     cli.quiet_logging(f.verbose)
     try:
@@ -111,4 +110,4 @@ def define_flags() -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

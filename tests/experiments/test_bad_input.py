@@ -261,3 +261,15 @@ def test_an_unknown_config_key_is_named_whole_with_the_blocks_that_have_it(monke
     with pytest.raises(SystemExit) as exit_:
         cli.define_config_flag(cli.DEFAULT_CONFIG)  # refused before the flag is registered
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_every_script_parses_its_flags_into_one_line_errors():
+    """absl's own parser answers a mistyped flag with a "FATAL Flags parsing error" block and exit code 1;
+    `cli.parse_flags` with one line and exit code 2 (evaluate, sample and six more used absl's)."""
+    scripts = {p.name: p.read_text() for p in (REPO / "experiments").glob("*.py") if "app.run(" in p.read_text()}
+    assert len(scripts) >= 20, sorted(scripts)
+    pattern = re.compile(r"app\.run\(.*flags_parser=cli\.parse_flags")
+    assert sorted(name for name, text in scripts.items() if not pattern.search(text)) == []
+    result = _main("experiments.sample", "--workdir=w", "--bogus=1", cwd=REPO)
+    _one_line_exit_2(result, "Unknown command line flag 'bogus'")
+

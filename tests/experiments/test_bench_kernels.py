@@ -8,9 +8,8 @@ from pathlib import Path
 
 import jax
 import pytest
-from absl import app
 
-from experiments import bench_kernels
+from experiments import bench_kernels, cli
 from kernels_pallas.gmm import Tiling
 
 # What these rows assert is CPU behaviour (interpret-mode kernels, no cuDNN, no quantized-update kernel).
@@ -38,7 +37,7 @@ def test_tiny_cpu_run_times_checks_and_tabulates():
 
 def test_shapes_are_checked():
     assert bench_kernels.parse_shape("16x1024x12x64") == (16, 1024, 12, 64)
-    with pytest.raises(app.UsageError, match="BATCHxSEQxHEADSxHEAD_DIM"):
+    with pytest.raises(cli.UsageError, match="BATCHxSEQxHEADSxHEAD_DIM"):
         bench_kernels.parse_shape("16x1024x12")
     assert bench_kernels.attention_flops((1, 2, 1, 1), "fwd") == 8  # 4 B H T^2 D, halved by the causal mask
 

@@ -233,13 +233,18 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> None:
 
 
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+    """``--seq_lens``'s comma-separated sequence lengths."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise cli.UsageError(f"--seq_lens={text} is not comma-separated integers, e.g. 8192,32768") from None
 
 
 def main(argv: list[str]) -> None:
     del argv
     cli.quiet_logging(flags.FLAGS.verbose)
     f = flags.FLAGS
+    cli.require_counts("bytes_seq_len", "bytes_batch", "exact_seq_len", "exact_steps", "exact_batch")
     sections = [s.strip() for s in f.sections.split(",") if s.strip()]
     modes = [m.strip() for m in f.modes.split(",") if m.strip()]
     bad = [s for s in sections if s not in SECTIONS] + [m for m in modes if m not in context_attention.MODES]

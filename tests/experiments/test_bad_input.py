@@ -273,3 +273,9 @@ def test_every_script_parses_its_flags_into_one_line_errors():
     result = _main("experiments.sample", "--workdir=w", "--bogus=1", cwd=REPO)
     _one_line_exit_2(result, "Unknown command line flag 'bogus'")
 
+
+def test_bench_context_refuses_zero_steps_in_one_line(tmp_path):
+    """``--sections=exact --exact_steps=0`` ended in an IndexError traceback after the model was built."""
+    result = _main("experiments.bench_context", "--sections=exact", "--exact_steps=0", cwd=tmp_path)
+    _one_line_exit_2(result, "--exact_steps=0 must be >= 1")
+

@@ -232,14 +232,6 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> None:
         }))
 
 
-def _ints(text: str) -> list[int]:
-    """``--seq_lens``'s comma-separated sequence lengths."""
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise cli.UsageError(f"--seq_lens={text} is not comma-separated integers, e.g. 8192,32768") from None
-
-
 def main(argv: list[str]) -> None:
     del argv
     cli.quiet_logging(flags.FLAGS.verbose)
@@ -253,7 +245,7 @@ def main(argv: list[str]) -> None:
     results: dict[str, list[dict[str, Any]]] = {}
     try:
         if "memory" in sections:
-            results["memory"] = memory(modes, _ints(f.seq_lens), f.context)
+            results["memory"] = memory(modes, [int(n) for n in f.seq_lens], f.context)
         if "bytes" in sections:
             results["bytes"] = wire_bytes(modes, f.bytes_seq_len, f.context, f.bytes_batch)
         if "balance" in sections:
@@ -272,7 +264,7 @@ def define_flags() -> None:
     flags.DEFINE_string("sections", "memory,bytes,balance", f"Comma-separated sections: {', '.join(SECTIONS)}.")
     flags.DEFINE_string("modes", ",".join(context_attention.MODES), "Comma-separated context-parallel modes.")
     flags.DEFINE_integer("context", 8, "Context shards for the memory and bytes sections (mesh context:C).")
-    flags.DEFINE_string("seq_lens", "1024,2048,4096", "Sequence lengths of the memory section.")
+    cli.define_int_list_flag("seq_lens", [1024, 2048, 4096], "Sequence lengths of the memory section.")
     flags.DEFINE_integer("bytes_seq_len", 2048, "Sequence length of the bytes section.")
     flags.DEFINE_integer("bytes_batch", 1, "Batch of the bytes section.")
     flags.DEFINE_string("exact_meshes", "context:4,data:2;context:8;context:2,fsdp:2,tensor:2", "Semicolon-separated meshes of the exactness check.")

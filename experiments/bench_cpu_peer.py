@@ -396,7 +396,7 @@ def define_flags() -> flags.FlagHolder:
     """The benchmark's flags, and ``--config`` whose ``--config.<key>`` overrides apply to our side of every case."""
     flags.DEFINE_list("presets", ["tiny", "small"], "Model presets (lm/config.py).")
     flags.DEFINE_list("batch_shapes", ["16x256"], "BATCHxSEQ_LEN shapes, for every preset.")
-    flags.DEFINE_list("sweep_batches", ["8", "32"], "More batch sizes for the first preset, at the first shape's length.")
+    cli.define_int_list_flag("sweep_batches", [8, 32], "More batch sizes for the first preset, at the first shape's length.", allow_empty=True)
     flags.DEFINE_integer("warmup", 2, "Untimed steps of each side first (compilation included).")
     flags.DEFINE_integer("repeats", 5, "Timed samples per side.")
     flags.DEFINE_integer("steps", 1, "Steps per sample.")

@@ -33,14 +33,14 @@ MIB = 2**20
 
 
 def define_flags() -> None:
-    flags.DEFINE_list("seqs", ["256", "1024", "4096"], "sequence lengths of the op rows")
+    cli.define_int_list_flag("seqs", [256, 1024, 4096], "sequence lengths of the op rows")
     flags.DEFINE_integer("batch", 1, "batch of the op rows")
     flags.DEFINE_integer("heads", 4, "heads of the op rows")
     flags.DEFINE_integer("head_dim", 32, "head width of the op rows")
     flags.DEFINE_integer("block", 64, "lightning block size")
-    flags.DEFINE_string("implementation", "xla", "lightning implementation: auto, xla or pallas")
-    flags.DEFINE_list("decode_lens", ["256", "1024", "4096", "16384"], "cache lengths of the decode rows")
-    flags.DEFINE_string("preset", "tiny", "model preset of the decode rows")
+    flags.DEFINE_enum("implementation", "xla", ["auto", "xla", "pallas"], "lightning implementation")
+    cli.define_int_list_flag("decode_lens", [256, 1024, 4096, 16384], "cache lengths of the decode rows")
+    flags.DEFINE_enum("preset", "tiny", list(config_lib.PRESETS), "model preset of the decode rows")
     flags.DEFINE_integer("warmup", 1, "untimed calls first (compilation included)")
     flags.DEFINE_integer("iters", 5, "timed samples per row")
     cli.define_output_file_flag("json_out", "Write the rows here as JSON.")

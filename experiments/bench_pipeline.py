@@ -44,17 +44,18 @@ MESHES = (("stage:4,data:2", "fsdp"), ("stage:2,fsdp:2,tensor:2", "tp"))
 OPTIMIZERS = ("adamw", "muon")
 
 _FLAGS = flags.FLAGS
+SECTIONS = ("bubbles", "memory", "exactness", "vocab", "skip")
 
 
 def define_flags() -> None:
     """The command-line flags (defined under ``__main__`` only: scripts share absl's flag registry)."""
     flags.DEFINE_integer("devices", 8, "Fake CPU devices.")
     flags.DEFINE_integer("steps", 10, "Training steps of the exactness check; 0 skips it.")
-    flags.DEFINE_list("microbatches", ["4", "8", "16"], "Microbatch counts of the memory table (stage:4).")
+    cli.define_int_list_flag("microbatches", [4, 8, 16], "Microbatch counts of the memory table (stage:4).")
     flags.DEFINE_integer("seq_len", 32, "Sequence length.")
     cli.define_output_file_flag("json_out", "Also write the results as JSON here.")
     flags.DEFINE_integer("vocab_size", 8192, "Vocabulary of the vocab section's model.")
-    flags.DEFINE_list("sections", ["bubbles", "memory", "exactness", "vocab", "skip"], "Which tables to measure.")
+    flags.DEFINE_list("sections", list(SECTIONS), f"Which tables to measure, from {', '.join(SECTIONS)}.")
 
 
 def _config(mesh: str, rules: str, schedule: str, microbatches: int, *, batch: int, optimizer: str = "adamw") -> ml_collections.ConfigDict:
@@ -225,6 +226,8 @@ def skip_tables() -> list[dict]:
 def main(argv) -> None:
     del argv
     cli.require_counts("devices", "seq_len", "vocab_size")
+    if unknown := sorted(set(_FLAGS.sections) - set(SECTIONS)):
+        cli.usage_exit(f"unknown section(s) {unknown}; use {', '.join(SECTIONS)}")
     jax.config.update("jax_platforms", "cpu")
     cpu_devices.use(_FLAGS.devices)
     start = time.time()

@@ -177,6 +177,24 @@ def _config_keys(path: str) -> list[str]:
     return [name for name, _ in config_help.flatten(config)]
 
 
+def define_int_list_flag(
+    name: str, default: Sequence[int], help_text: str, *, allow_empty: bool = False, flag_values: flags.FlagValues = flags.FLAGS
+) -> flags.FlagHolder:
+    """A comma-separated list of positive integers (sequence lengths, batch sizes), as strings, refused in one line
+    as the flags are parsed when an item is not one (it was a ValueError traceback where the script read it)."""
+    holder = flags.DEFINE_list(name, [str(n) for n in default], help_text, flag_values=flag_values)
+
+    def positive_ints(values: list[str]) -> bool:
+        if not values and not allow_empty:
+            raise flags.ValidationError(f"empty; give comma-separated positive integers, e.g. {','.join(map(str, default))}")
+        if not all(v.strip().isdigit() and int(v) > 0 for v in values):
+            raise flags.ValidationError(f"not comma-separated positive integers, e.g. {','.join(map(str, default))}")
+        return True
+
+    flags.register_validator(name, positive_ints, flag_values=flag_values)
+    return holder
+
+
 def define_output_file_flag(name: str, help_text: str, flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagHolder:
     """A string flag naming a file the script writes when its work is done (a results JSON). Its folder is made,
     and the path checked, as the flags are parsed: a benchmark that ran for minutes used to lose its results

@@ -279,3 +279,16 @@ def test_bench_context_refuses_zero_steps_in_one_line(tmp_path):
     result = _main("experiments.bench_context", "--sections=exact", "--exact_steps=0", cwd=tmp_path)
     _one_line_exit_2(result, "--exact_steps=0 must be >= 1")
 
+
+def test_an_int_list_flag_refuses_what_is_not_positive_integers():
+    """bench_lightning --seqs=abc, bench_pipeline --microbatches=x, bench_context --seq_lens=abc: ValueError tracebacks
+    where the script read them."""
+    values = flags.FlagValues()
+    cli.define_int_list_flag("seqs", [256, 1024], "lengths", flag_values=values)
+    cli.define_int_list_flag("batches", [8], "batches", allow_empty=True, flag_values=values)
+    values(["bench", "--seqs=4,16", "--batches="])
+    assert (values.seqs, values.batches) == (["4", "16"], [])
+    for bad, why in (("abc", "not comma-separated positive integers, e.g. 256,1024"), ("4,0", "not comma-separated"), ("", "empty")):
+        with pytest.raises(flags.IllegalFlagValueError, match=why):
+            values(["bench", f"--seqs={bad}"])
+

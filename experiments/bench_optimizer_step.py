@@ -241,7 +241,7 @@ def tree_dims(name: str) -> dict[str, int]:
 def check_trees(names: list[str], *, train_step: bool) -> None:
     """Update rows take the trees of `TREES` and the dense model presets' shapes; whole training steps any model
     preset (they build it)."""
-    known = list(config_lib.PRESETS) if train_step else [*TREES, *_dense_presets()]
+    known = list(config_lib.PRESETS) if train_step else list(dict.fromkeys([*TREES, *_dense_presets()]))
     unknown = sorted(set(names) - set(known))
     if unknown:
         hint = "" if train_step else " (any model preset with --train_batch)"

@@ -178,20 +178,32 @@ def _config_keys(path: str) -> list[str]:
 
 
 def define_int_list_flag(
-    name: str, default: Sequence[int], help_text: str, *, allow_empty: bool = False, flag_values: flags.FlagValues = flags.FLAGS
+    name: str,
+    default: Sequence[int] | None,
+    help_text: str,
+    *,
+    allow_empty: bool = False,
+    minimum: int = 1,
+    example: str = "",
+    flag_values: flags.FlagValues = flags.FLAGS,
 ) -> flags.FlagHolder:
-    """A comma-separated list of positive integers (sequence lengths, batch sizes), as strings, refused in one line
-    as the flags are parsed when an item is not one (it was a ValueError traceback where the script read it)."""
-    holder = flags.DEFINE_list(name, [str(n) for n in default], help_text, flag_values=flag_values)
+    """A comma-separated list of integers >= ``minimum`` (sequence lengths, batch sizes, device ids), as strings,
+    refused in one line as the flags are parsed when an item is not one (it was a ValueError traceback, or
+    "invalid literal for int()", where the script read it). ``example``: the list the message shows (the default's)."""
+    holder = flags.DEFINE_list(name, None if default is None else [str(n) for n in default], help_text, flag_values=flag_values)
+    kind = "positive integers" if minimum == 1 else f"integers >= {minimum}"
+    example = example or ",".join(map(str, default or ()))
 
-    def positive_ints(values: list[str]) -> bool:
+    def integers(values: list[str] | None) -> bool:
+        if values is None:
+            return True
         if not values and not allow_empty:
-            raise flags.ValidationError(f"empty; give comma-separated positive integers, e.g. {','.join(map(str, default))}")
-        if not all(v.strip().isdigit() and int(v) > 0 for v in values):
-            raise flags.ValidationError(f"not comma-separated positive integers, e.g. {','.join(map(str, default))}")
+            raise flags.ValidationError(f"empty; give comma-separated {kind}, e.g. {example}")
+        if not all(v.strip().isdigit() and int(v) >= minimum for v in values):
+            raise flags.ValidationError(f"not comma-separated {kind}, e.g. {example}")
         return True
 
-    flags.register_validator(name, positive_ints, flag_values=flag_values)
+    flags.register_validator(name, integers, flag_values=flag_values)
     return holder
 
 
@@ -260,7 +272,10 @@ def define_cluster_flags() -> None:
     flags.DEFINE_alias("coordinator", "coordinator_address")
     flags.DEFINE_integer("num_processes", None, "Multi-process: number of processes (else detected).")
     flags.DEFINE_integer("process_id", None, "Multi-process: rank of this process (else detected).")
-    flags.DEFINE_list("local_device_ids", None, "GPUs this process drives, e.g. 0,1,2,3 (else CUDA_VISIBLE_DEVICES split over the node's processes).")
+    define_int_list_flag(
+        "local_device_ids", None, "GPUs this process drives, e.g. 0,1,2,3 (else CUDA_VISIBLE_DEVICES split over the node's processes).",
+        minimum=0, example="0,1,2,3",
+    )  # fmt: skip
     flags.DEFINE_enum(
         "cluster", "", ["", *multihost.CLUSTERS],
         "Where the job's shape comes from: empty detects (Slurm, Open MPI, Kubernetes, GKE TPU, JobSet, SkyPilot); "

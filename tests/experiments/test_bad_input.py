@@ -291,4 +291,9 @@ def test_an_int_list_flag_refuses_what_is_not_positive_integers():
     for bad, why in (("abc", "not comma-separated positive integers, e.g. 256,1024"), ("4,0", "not comma-separated"), ("", "empty")):
         with pytest.raises(flags.IllegalFlagValueError, match=why):
             values(["bench", f"--seqs={bad}"])
+    cli.define_int_list_flag("ids", None, "devices", minimum=0, example="0,1", flag_values=values)
+    values(["bench", "--seqs=4", "--ids=0,3"])
+    assert values.ids == ["0", "3"]
+    with pytest.raises(flags.IllegalFlagValueError, match=r"not comma-separated integers >= 0, e.g. 0,1"):
+        values(["bench", "--ids=a,b"])  # train --local_device_ids=a,b said "invalid literal for int()"
 

@@ -58,9 +58,11 @@ def parse_flags(argv: list[str], *, arguments: int = 0) -> list[str]:
     argv = [_json_config(arg) for arg in argv]
     try:
         rest = flags.FLAGS(argv)
-    except (flags.Error, KeyError, TypeError, ValueError) as e:
-        usage_exit(_one_line(str(e)))
     except Exception as e:  # noqa: BLE001 (a --config file raised as it loaded: not Python, or a bug in it)
+        if (message := _override_error(e, argv)) is not None:
+            usage_exit(message)
+        if isinstance(e, (flags.Error, KeyError, TypeError, ValueError)):
+            usage_exit(_one_line(str(e)))
         usage_exit(_config_load_error(e))
     if len(rest) > 1 + arguments:
         usage_exit(f"unexpected arguments {rest[1 + arguments:]}; every option is a --flag=value (--helpfull lists them)")
@@ -70,6 +72,22 @@ def parse_flags(argv: list[str], *, arguments: int = 0) -> list[str]:
         except OSError as e:
             usage_exit(_config_load_error(e))
     return rest
+
+
+def _override_error(error: Exception, argv: list[str]) -> str | None:
+    """The line for a ``--config.<key>`` override that the ``--config`` file given in ``argv`` has no place for, as
+    `define_config_flag` words it for the default file (None: ``error`` is not about an override). ml_collections
+    applies a given file's overrides while absl parses, and its errors read as the file's own."""
+    given = [arg.split("=", 1)[1] for arg in argv if arg.split("=", 1)[0] in ("--config", "-config") and "=" in arg]
+    if not given or not _override_names(argv):
+        return None
+    if (message := setting_as_block_message(given[-1], argv)) is not None:
+        return message
+    if isinstance(error, (KeyError, AttributeError)) and error.args:
+        key, _ = _key_and_hint(str(error.args[0]))
+        if any(key in name.split(".") for name in _override_names(argv)):
+            return unknown_key_message(str(error.args[0]), given[-1], argv, flag_names=list(flags.FLAGS))
+    return None
 
 
 def parse_flags_and_one_argument(argv: list[str]) -> list[str]:
@@ -129,8 +147,7 @@ def unknown_key_message(error: str, default: str, argv: list[str], flag_names: S
     """The line for a ``--config.<key>`` override that ml_collections refused with ``error``: the key's whole
     path, ml_collections' near spelling in its block, the keys of the same name in other blocks of the
     config file ``default``, and the script's flag of that name (``--config.workdir`` for ``--workdir``)."""
-    key, _, hint = error.replace("\\'", "'").replace("\\n", "\n").strip("'\"").partition("\n")
-    key = key.strip("'")
+    key, hint = _key_and_hint(error)
     path = next((name for name in _override_names(argv) if name.rsplit(".", 1)[-1] == key), None) or next(
         (name.rpartition(f".{key}.")[0] + f".{key}" for name in _override_names(argv) if f".{key}." in f".{name}"), key
     ).lstrip(".")  # an unknown block ("model.x" of --config.model.x.y) is named down to itself
@@ -142,7 +159,13 @@ def unknown_key_message(error: str, default: str, argv: list[str], flag_names: S
         moves = " or ".join(f"--config.{name}" for name in elsewhere)
         hints.append(f"or {moves}?" if hints else f"did you mean {moves}?")
     hint = f" ({' '.join(hints)})" if hints else ""
-    return f"unknown config key {path!r}{hint}; the keys are listed in {default}"
+    return f"unknown config key {path!r}{hint}; the keys are listed in {_shown_config(default)}"
+
+
+def _key_and_hint(error: str) -> tuple[str, str]:
+    """The key and ml_collections' spelling hint in its error for an unknown ``--config.<key>``."""
+    key, _, hint = error.replace("\\'", "'").replace("\\n", "\n").strip("'\"").partition("\n")
+    return key.strip("'"), hint
 
 
 def setting_as_block_message(default: str, argv: list[str]) -> str | None:
@@ -162,14 +185,21 @@ def _override_names(argv: list[str]) -> list[str]:
     return [arg.split("=", 1)[0].lstrip("-").removeprefix("config.") for arg in argv if arg.lstrip("-").startswith("config.")]
 
 
+def _shown_config(path: str) -> str:
+    """A ``--config`` value as the user gave it (a run's ``config.json``, not its reader `JSON_CONFIG`)."""
+    return path.removeprefix(f"{JSON_CONFIG}:")
+
+
 def _config_keys(path: str) -> list[str]:
-    """Every dotted key of the config file ``path``'s ``get_config()`` (none when it cannot be loaded)."""
+    """Every dotted key of the config file ``path``'s ``get_config()`` (``FILE.py:ARG``: ``get_config(ARG)``; none
+    when it cannot be loaded)."""
+    file, _, argument = path.partition(":")
     try:
-        module_spec = importlib.util.spec_from_file_location("_config_keys", path)
+        module_spec = importlib.util.spec_from_file_location("_config_keys", file)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
-        config = module.get_config()
-    except (OSError, ImportError, AttributeError, TypeError, ValueError):
+        config = module.get_config(argument) if argument else module.get_config()
+    except Exception:  # noqa: BLE001 (a file that fails to load has no keys to offer; its own error is reported)
         return []
     # Imported on this error path only: it imports every optimizer's spec, which most scripts never need.
     from experiments.configs import help as config_help

@@ -14,6 +14,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import cli, run_spec, trainer
+from experiments.configs import default
 from lm.data import documents, tokenize
 from tests.experiments import command_lines
 
@@ -180,6 +181,38 @@ def test_a_config_file_that_fails_to_load_is_one_line_and_exit_2(config, message
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and re.search("error: the --config file failed to load .*" + message, err), err
     assert err.rstrip().endswith("give a Python file with get_config() (experiments/configs/) or a run's config.json")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--config.optimizer.nme=sgd", """unknown config key 'optimizer.nme' (Did you mean "name" instead of "nme"?); the keys are listed in """),
+        ("--config.x.y=1", "unknown config key 'x'; the keys are listed in "),
+        ("--config.replicas.axis=data", "--config.replicas.axis: 'replicas' is a setting, not a block of keys"),
+    ],
+)
+@pytest.mark.parametrize("config", ["experiments/configs/tiny_muon.py", "config.json"])
+def test_an_override_the_given_config_file_lacks_is_named_like_one_of_the_default_file(
+    config, override, message, tmp_path, monkeypatch, capsys
+):
+    """With ``--config=FILE`` the overrides are applied while absl parses: an unknown key read "the --config file
+    failed to load (AttributeError ...)" or "'x'", a key below a setting "string indices must be integers"."""
+    if config == "config.json":
+        (tmp_path / config).write_text(json.dumps(default.get_config().to_dict()))
+        config = str(tmp_path / config)
+    else:
+        config = str(REPO / config)
+    argv = ["train", f"--config={config}", override]
+    monkeypatch.setattr(sys, "argv", argv)  # ml_collections defines the override flags that argv names
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", cli.DEFAULT_CONFIG, "config", flag_values=values, lock_config=True)
+    monkeypatch.setattr(flags, "FLAGS", values)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse_flags(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and message in err, err
+    if "unknown" in message:
+        assert err.rstrip().endswith(config)  # the file the user gave, not the reader of a run's config.json
 
 
 LATIN1 = "café = 'naïve'\n".encode("latin-1") * 50

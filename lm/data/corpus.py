@@ -22,6 +22,11 @@ from lm.data import tokenizer
 
 SPLITS = ("train", "validation")
 _FORMAT_VERSION = 1
+RECORD_SUFFIXES = (".jsonl", ".parquet")  # documents in records: `lm.data.documents` reads them, for experiments.tokenize
+_TOKENIZE_HINT = (
+    "JSONL and Parquet documents go through python -m experiments.tokenize --input=PATH --out=DIR, then "
+    "--config.data.train_files='DIR/train_*.bin' --config.data.val_files='DIR/val_*.bin'"
+)
 
 
 def default_cache_dir() -> Path:
@@ -91,9 +96,16 @@ def load(path: str = "", *, val_fraction: float = 0.02, cache_dir: str | os.Path
     root = Path(path).expanduser() if path else stdlib_root()
     if not root.exists():
         raise FileNotFoundError(f"data.path {str(root)!r} does not exist; give a text file or folder, or leave it empty for the stdlib corpus")
+    if root.is_file() and not _is_text(root):
+        raise ValueError(f"data.path {str(root)!r} is not a text file (it holds NUL bytes); {_TOKENIZE_HINT}")
     files = list_documents(root, python_only=not path)
     if not files:
-        raise ValueError(f"no text files under data.path {str(root)!r}")
+        raise ValueError(f"no text files under data.path {str(root)!r} (files holding NUL bytes are skipped); {_TOKENIZE_HINT}")
+    if records := [f for f in files if f.suffix.lower() in RECORD_SUFFIXES]:
+        raise ValueError(
+            f"data.path reads each file's bytes as one document, and {str(records[0])!r} ({len(records)} such file(s)) "
+            f"holds records whose 'text' fields are the documents; {_TOKENIZE_HINT}"
+        )
     cache = Path(cache_dir or default_cache_dir()) / f"corpus-{_cache_key(root, files, val_fraction)}"
     paths = {split: cache / f"{split}.npy" for split in SPLITS}
     if not all(p.exists() for p in paths.values()):

@@ -73,6 +73,25 @@ def test_missing_path_names_the_fix(tmp_path):
         corpus.load(str(tmp_path / "nope"), cache_dir=tmp_path)
 
 
+def test_binary_files_and_document_records_are_refused_naming_the_tokenizer(tmp_path):
+    """A single binary file (a Parquet table, say) was trained on as its raw bytes, and JSONL as its JSON syntax:
+    data.path reads a file's bytes as one document. A folder's binary files are skipped, as before."""
+    (tmp_path / "table.parquet").write_bytes(b"PAR1\0\1\2" * 100)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.jsonl").write_text('{"text": "one"}\n' * 50)
+    (tmp_path / "docs" / "b.txt").write_text("plain text\n" * 50)
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "blobs" / "x.bin").write_bytes(b"\0" * 10)
+    tokenize = r"go through python -m experiments.tokenize --input=PATH --out=DIR"
+    with pytest.raises(ValueError, match=rf"table.parquet' is not a text file \(it holds NUL bytes\); .*{tokenize}"):
+        corpus.load(str(tmp_path / "table.parquet"), cache_dir=tmp_path / "cache")
+    for path in (tmp_path / "docs", tmp_path / "docs" / "a.jsonl"):
+        with pytest.raises(ValueError, match=rf"a.jsonl' \(1 such file\(s\)\) holds records .*{tokenize}"):
+            corpus.load(str(path), cache_dir=tmp_path / "cache")
+    with pytest.raises(ValueError, match=rf"no text files under .*blobs' \(files holding NUL bytes are skipped\); .*{tokenize}"):
+        corpus.load(str(tmp_path / "blobs"), cache_dir=tmp_path / "cache")
+
+
 def test_stdlib_corpus_is_python_source():
     streams = corpus.load("", val_fraction=0.02)
     assert len(streams["train"]) > 5_000_000

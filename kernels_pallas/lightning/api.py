@@ -16,7 +16,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import backends
+from kernels_pallas import backends, varying
 from kernels_pallas.lightning import base, mosaic_tpu, reference, triton
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
@@ -35,10 +35,15 @@ def _functions(backend: str, interpret):
     return (functools.partial(module.forward, interpret=interpret), functools.partial(module.backward, interpret=interpret))
 
 
+def _run(backend: str, fn, *args):
+    """``fn(*args)``; a Pallas kernel out of reach of an enclosing `jax.shard_map`'s type check (`varying`)."""
+    return fn(*args) if backend == "xla" else varying.call_opaque(fn, *args)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
 def _blocked(q, k, v, runs, r_prev, r_last, n_valid, block, backend, interpret, slopes, state):
     fwd, _ = _functions(backend, interpret)
-    return fwd(base.Blocked(q, k, v, runs, r_prev, r_last, n_valid), slopes, state, block=block)
+    return _run(backend, lambda *a: fwd(base.Blocked(*a[:7]), *a[7:], block=block), q, k, v, runs, r_prev, r_last, n_valid, slopes, state)
 
 
 def _blocked_fwd(q, k, v, runs, r_prev, r_last, n_valid, block, backend, interpret, slopes, state):
@@ -50,9 +55,13 @@ def _blocked_bwd(block, backend, interpret, residuals, cotangents):
     q, k, v, runs, r_prev, r_last, n_valid, slopes, state = residuals
     d_out, d_state = cotangents
     _, bwd = _functions(backend, interpret)
-    blk = base.Blocked(q, k, v, runs, r_prev, r_last, n_valid)
-    dq, dk, dv, d_state0 = bwd(blk, slopes, state, d_out.astype(v.dtype), d_state.astype(jnp.float32), block=block)
-    return dq, dk, dv, None, None, None, None, jnp.zeros_like(slopes), d_state0
+    d_out, d_state = varying.vary_like((d_out.astype(v.dtype), d_state.astype(jnp.float32)), q, state)
+    dq, dk, dv, d_state0 = _run(
+        backend, lambda *a: bwd(base.Blocked(*a[:7]), *a[7:], block=block), q, k, v, runs, r_prev, r_last, n_valid, slopes, state,
+        d_out, d_state,
+    )  # fmt: skip
+    d_slopes, d_state0 = varying.vary_like((jnp.zeros_like(slopes), d_state0), slopes, state)  # typed like the inputs
+    return dq, dk, dv, None, None, None, None, d_slopes, d_state0
 
 
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)
@@ -117,5 +126,9 @@ def lightning_attention(
     if state is None:
         state = jnp.zeros((batch, heads, q.shape[3], v.shape[3]), jnp.float32)
     blk = base.to_blocks(q, k, v, segment_ids, block)
-    out, final = _blocked(*blk, block, backend, interpret, slopes.astype(jnp.float32), state.astype(jnp.float32))
+    # one set of manual axes for all (inside the replica-local step's shard_map: the scans' carries vary like q)
+    *blk, slopes, state = varying.unify(*blk, slopes.astype(jnp.float32), state.astype(jnp.float32))
+    if interpret and backend != "xla":
+        varying.check_interpretable("lightning_attention", "leave model.attention at auto or xla on a CPU", q)
+    out, final = _blocked(*blk, block, backend, interpret, slopes, state)
     return base.from_blocks(out, seq), final

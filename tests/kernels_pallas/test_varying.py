@@ -14,6 +14,7 @@ import pytest
 from kernels_pallas import backends, varying
 from kernels_pallas.attention import flash_attention
 from kernels_pallas.gmm import api as gmm_api
+from kernels_pallas.lightning import api as lightning_api
 
 REPLICAS = 2
 
@@ -50,6 +51,27 @@ def test_gmm_gradients_are_typed_like_their_inputs():
         jax.ShapeDtypeStruct((REPLICAS, 4), jnp.int32),
     )
     assert _lowers_for_cuda(grads, *args).count("__gpu$xla.gpu.triton") == 2  # dlhs, drhs (a sum's gradient needs no forward)
+
+
+@pytest.mark.devices(REPLICAS)
+def test_lightning_attention_runs_per_replica_like_outside():
+    """Its scans' carries (the d x d_v state) start as zeros that vary over no axis, and their outputs vary over
+    ``data``: the replica-local step with lightning layers failed to trace. The XLA form, forward and gradients."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.float32(rng.standard_normal((REPLICAS, 8, 2, 4)) * 0.3) for _ in range(3))
+    slopes = jnp.float32([0.5, 0.1])
+
+    def grads(q, k, v):
+        loss = lambda q, k, v: jnp.sum(jnp.sin(lightning_api.lightning_attention(q, k, v, slopes, block=4, implementation="xla")[0]))  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    step, mesh = _per_replica(grads)
+    with jax.set_mesh(mesh):
+        per_replica = step(q, k, v)
+    for r in range(REPLICAS):
+        whole = grads(q[r : r + 1], k[r : r + 1], v[r : r + 1])
+        for got, want in zip(per_replica, whole, strict=True):
+            np.testing.assert_allclose(got[r : r + 1], want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.devices(REPLICAS)

@@ -9,8 +9,9 @@ line naming the fix:
   vocabulary under ``model.pipeline_vocab_parallel`` (`lm.parallel.vocab_parallel`); FP8 scaled currently,
   not by delayed scaling's history;
 - a replica-local train step (``replicas``, a mesh axis whose slices keep their own optimizer state)
-  does not run beside a ``stage`` axis, nor a ``context`` split (the attention's custom backward passes
-  are not typed for its `jax.shard_map`'s varying axes);
+  does not run beside a ``stage`` axis, nor a ``context`` or ``expert`` split (the attention's custom
+  backward passes and the all-to-all dispatch's grouped matmuls are not typed for its `jax.shard_map`'s
+  varying axes);
 - ``expert`` needs nothing beyond the rules' own checks (`sharding.rules.logical_to_mesh_spec`);
 - a sliding window (``model.attention_window``) needs whole sequences: no ``context`` or ``seq`` split;
 - ParScale's streams (``model.parscale``) run on neither a ``stage`` nor a ``context`` split, lightning
@@ -59,9 +60,10 @@ def check(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules, *, batch: int
         raise ValueError(lightning.CONTEXT_PROBLEM)
     pipeline.check(cfg, stages=stages, batch=batch, batch_shards=shards(mesh, rules, "batch"))
     vocab_parallel.check(cfg, stages)
-    if replicas and (stages > 1 or context_split):
-        axis = "stage" if stages > 1 else "context"
+    expert_split = cfg.n_experts and mesh.shape.get(axes.EXPERT, 1) > 1
+    if replicas and (stages > 1 or context_split or expert_split):
+        axis = "stage" if stages > 1 else "context" if context_split else "expert"
         raise ValueError(
-            f"config.replicas={replicas} (a replica-local step) does not run beside a {axis} axis yet (mesh "
+            f"config.replicas={replicas} (a replica-local step) does not run beside {'an' if axis == 'expert' else 'a'} {axis} axis yet (mesh "
             f"{dict(mesh.shape)}); drop the {axis} axis or use an optimizer that is not replica-local"
         )

@@ -28,6 +28,7 @@ def _mesh(**axes: int) -> jax.sharding.AbstractMesh:
          "needs microbatches >= stages"),
         (dict(stage=4, data=2), dict(n_layers=8), 8, 64, "data", "does not run beside a stage axis"),
         (dict(context=4, data=2), dict(context_parallel="ring"), 8, 64, "data", "does not run beside a context axis yet"),
+        (dict(expert=4, data=2), dict(n_experts=4, experts_per_token=2), 8, 64, "data", "does not run beside an expert axis yet"),
         (dict(stage=2, data=4), dict(fp8="e4m3"), 8, 64, "", "delayed FP8 scaling under a pipeline .* set model.fp8_scaling=current"),
         (dict(stage=2, data=4), dict(parscale=2), 8, 64, "", "parscale > 1 runs on meshes without a `stage` or `context` axis"),
         (dict(context=2, data=4), dict(parscale=2, context_parallel="ring"), 8, 64, "", "parscale > 1 runs on meshes without"),

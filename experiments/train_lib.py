@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from kernels_pallas import varying
 from lm import fp8
 from lm import model as model_lib
 from lm import moe as moe_lib
@@ -228,8 +229,11 @@ def make_train_step(
             return ((loss_sum + loss, jax.tree.map(jnp.add, metrics_sum, metrics), fp8.accumulate(grads_sum, grads)), counts), aux
 
         (_, (metric_shapes, aux_shapes)), _ = jax.eval_shape(grad_fn, params, micro[0], None, window)
-        zeros = jax.tree.map(jnp.zeros_like, (jnp.float32(0), metric_shapes, params))
-        counts = jnp.zeros_like(aux_shapes["moe_counts"]) if "moe_counts" in aux_shapes else None
+        from_shape = lambda s: jnp.zeros(s.shape, s.dtype)  # noqa: E731  (zeros_like of a shape typed varying fails)
+        zeros = (jnp.float32(0), jax.tree.map(from_shape, metric_shapes), jax.tree.map(jnp.zeros_like, params))
+        counts = from_shape(aux_shapes["moe_counts"]) if "moe_counts" in aux_shapes else None
+        # In the replica-local step's shard_map the sums vary over the replica axis, as the scan's carry must too.
+        zeros, counts = varying.vary_like((zeros, counts), params)
         ((loss, metrics, grads), _), aux = jax.lax.scan(body, (zeros, counts), micro)
         scale = 1.0 / grad_accum_steps
         aux = {k: (OPTIMIZER_AUX | _MOE_AUX)[k](v, axis=0) for k, v in aux.items()}

@@ -224,7 +224,7 @@ def test_a_cross_replica_optimizer_on_several_devices_needs_a_replica_axis(name)
     run_spec.build_run(config)  # one device is one replica: nothing is lost
 
 
-def _moe_step(replica_axis, batch):
+def _moe_step(replica_axis, batch, grad_accum_steps=1):
     """One AdamW step of a 1-layer, 4-expert top-1 MoE with the router-bias step on mesh ``data:2``:
     the new parameters (one replica's slice when replica-local) and the metrics."""
     cfg = config_lib.from_preset("moe-tiny", **{**SMALL_MODEL, "n_layers": 1}, n_experts=4, experts_per_token=1, expert_mlp_dim=32)
@@ -237,19 +237,23 @@ def _moe_step(replica_axis, batch):
     with jax.set_mesh(mesh), partition.use_rules(rules):
         state = train_lib.init_state(model_def, tx, 0, shardings)
         balancing = moe.Balancing(bias_rate=0.1)
-        step_fn = train_lib.make_train_step(model_def, tx, balancing=balancing, replica_axis=replica_axis)
+        step_fn = train_lib.make_train_step(
+            model_def, tx, balancing=balancing, replica_axis=replica_axis, grad_accum_steps=grad_accum_steps
+        )
         step = jax.jit(step_fn, in_shardings=(shardings.state, shardings.batch), compiler_options=FAST_COMPILE)
         state, metrics = step(state, train_lib.global_batch(batch, shardings))
     return jax.tree.map(np.asarray, state["params"]), jax.device_get(metrics)
 
 
-def test_moe_counts_are_summed_over_replicas_so_a_replica_local_step_is_the_gspmd_step():
+@pytest.mark.parametrize("grad_accum_steps", [1, 2])
+def test_moe_counts_are_summed_over_replicas_so_a_replica_local_step_is_the_gspmd_step(grad_accum_steps):
     """Global balancing and the router-bias step see every replica's rows (issue 34, item 2): each
     replica's router bias and the loss equal the GSPMD step's (per-replica counts gave each replica
-    its own bias and a per-replica balancing loss)."""
+    its own bias and a per-replica balancing loss). With gradient accumulation too: the scan's zero sums
+    were typed as varying over no axis, and the replica-local step failed to trace (an AssertionError)."""
     batch = np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)
-    ref_params, ref_metrics = _moe_step(None, batch)
-    params, metrics = _moe_step("data", batch)
+    ref_params, ref_metrics = _moe_step(None, batch, grad_accum_steps)
+    params, metrics = _moe_step("data", batch, grad_accum_steps)
     ref_bias = ref_params["blocks"]["mlp"]["router"]["bias"]
     bias = params["blocks"]["mlp"]["router"]["bias"]
     assert np.any(ref_bias != 0)
